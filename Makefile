@@ -1,0 +1,32 @@
+# Two entry points: `make demo` and `make test`. Both create .venv and install openmla into it.
+# On a machine without CUDA the CPU builds torch==2.13.0 and triton==3.6.0 are pinned here (and only
+# here); where python3 already has a CUDA torch, the venv reuses it (--system-site-packages).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test test-gpu bench-decode clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+		echo "using the CUDA torch of $(PYTHON)"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV) && \
+		$(PY) -m pip install --quiet "torch==2.13.0" "triton==3.6.0"; \
+	fi
+	$(PY) -m pip install --quiet -e ".[test]"
+	@touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m openmla demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+# The same test files at real shapes; run on a CUDA machine.
+test-gpu: $(VENV)/.installed
+	OPENMLA_TEST_DEVICE=cuda $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,20 @@
+"""openmla: portable Triton attention backends for DeepSeek-style Multi-head Latent Attention.
+
+Conventions (every op): tokens are flattened (``q [T, H, D]``) with ``query_start_loc [B+1]`` int32;
+KV caches are paged ``[num_blocks, block_size, entry]`` addressed through ``block_table [B, W]``
+int32 (slot = block * block_size + offset; slot -1 = padding); LSE outputs are fp32 natural-log
+log-sum-exp of the scaled scores, ``[T, H]``; an empty row gives out = 0 and lse = -inf.
+"""
+
+from openmla import device  # noqa: F401  (must come first: configures the Triton interpreter)
+from openmla.ops.cache import concat_and_cache_mla, gather_cache
+from openmla.ops.indices import expand_page_indices
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "concat_and_cache_mla",
+    "gather_cache",
+    "expand_page_indices",
+]

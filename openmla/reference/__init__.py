@@ -1,0 +1,11 @@
+"""Plain fp32 PyTorch references of every openmla op: the oracle the tests compare against."""
+
+from openmla.reference.cache import (  # noqa: F401
+    concat_and_cache_mla_ref,
+    dequantize_rows_ref,
+    ds_mla_row_ref,
+    expand_page_indices_ref,
+    gather_cache_ref,
+    quantize_fp8_ref,
+)
+from openmla.reference.decode import mla_decode_ref  # noqa: F401
