@@ -1,6 +1,6 @@
 # Two entry points: `make demo` and `make test`. Both create .venv and install openmla into it.
 # On a machine without CUDA the CPU builds torch==2.13.0 and triton==3.6.0 are pinned here (and only
-# here); where python3 already has a CUDA torch, the venv reuses it (--system-site-packages).
+# here; numpy<2.4 because NumPy 2.4 breaks the interpreter's loops over loaded bounds); where python3 already has a CUDA torch, the venv reuses it (--system-site-packages).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 		$(PYTHON) -m venv --system-site-packages $(VENV); \
 	else \
 		$(PYTHON) -m venv $(VENV) && \
-		$(PY) -m pip install --quiet "torch==2.13.0" "triton==3.6.0"; \
+		$(PY) -m pip install --quiet "torch==2.13.0" "triton==3.6.0" "numpy<2.4"; \
 	fi
 	$(PY) -m pip install --quiet -e ".[test]"
 	@touch $@

@@ -8,7 +8,9 @@ log-sum-exp of the scaled scores, ``[T, H]``; an empty row gives out = 0 and lse
 
 from openmla import device  # noqa: F401  (must come first: configures the Triton interpreter)
 from openmla.ops.cache import concat_and_cache_mla, gather_cache
+from openmla.ops.decode import mla_decode
 from openmla.ops.indices import expand_page_indices
+from openmla.ops.plan import DecodePlan, plan_decode
 
 __version__ = "0.1.0"
 
@@ -17,4 +19,7 @@ __all__ = [
     "concat_and_cache_mla",
     "gather_cache",
     "expand_page_indices",
+    "mla_decode",
+    "plan_decode",
+    "DecodePlan",
 ]

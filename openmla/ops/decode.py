@@ -1,0 +1,324 @@
+"""Dense paged MLA decode (absorbed MQA form): split-KV Triton kernel, LSE reduce, speculative verify.
+
+Every cache row is K (``d_qk`` = 576 = 512 latent + 64 rope) and its first ``d_v`` = 512 values are V.
+One program owns (one KV split of one request, a block of heads x query rows): it streams the split's
+KV tiles once, uses each tile as K and V, keeps the online-softmax state in registers and writes
+either the final output (a request with one split) or a normalised fp32 partial + LSE, which the
+reduce kernel merges. The split schedule comes from :func:`openmla.plan_decode`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from openmla.device import compute_dtype
+from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe, scalar_scale
+from openmla.ops.plan import DecodePlan, plan_decode
+
+__all__ = ["mla_decode"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _mla_decode_fwd_kernel(
+    q,  # [T, H, D_V + D_R]
+    kv_cache,  # [num_blocks, PAGE, D_V + D_R]
+    block_table,  # [B, W]
+    seq_lens,  # [B]
+    query_start_loc,  # [B + 1]
+    work_req,  # [capacity]
+    work_split,  # [capacity]
+    num_splits,  # [B]
+    split_len,  # [1]
+    out,  # [T, H, D_V]
+    lse,  # [T, H]
+    o_part,  # [capacity, MAX_QLEN, H, D_V] fp32
+    lse_part,  # [capacity, MAX_QLEN, H] fp32
+    scale_log2,  # sm_scale * q_scale * kv_scale * log2(e)
+    v_scale,  # kv_scale (fp8 cache), 1.0 otherwise
+    stride_q_t,
+    stride_q_h,
+    stride_kv_b,
+    stride_kv_p,
+    stride_bt_b,
+    stride_o_t,
+    stride_o_h,
+    H,
+    num_blocks,
+    max_blocks,
+    PAGE: tl.constexpr,
+    MAX_QLEN: tl.constexpr,
+    D_V: tl.constexpr,
+    D_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    Q_PER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_H * Q_PER
+    i_w = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_q = tl.program_id(2)
+    i_b = tl.load(work_req + i_w)
+    if i_b < 0:
+        return
+    i_b = i_b.to(tl.int64)
+    q_start = tl.load(query_start_loc + i_b)
+    qlen = tl.load(query_start_loc + i_b + 1) - q_start
+    if i_q * Q_PER >= qlen:
+        return
+    L = tl.load(seq_lens + i_b)
+    i_s = tl.load(work_split + i_w)
+    n_split = tl.load(num_splits + i_b)
+    chunk = tl.load(split_len)
+    kv_lo = i_s * chunk
+    kv_hi = tl.minimum(L, kv_lo + chunk)
+
+    # rows: Q_PER query tokens x BLOCK_H heads
+    o_m = tl.arange(0, BLOCK_M)
+    o_t = i_q * Q_PER + o_m // BLOCK_H  # token within the request
+    o_h = i_h * BLOCK_H + o_m % BLOCK_H
+    m_m = (o_t < qlen) & (o_h < H)
+    if CAUSAL:
+        limit = L - qlen + o_t + 1  # keys [0, limit) are visible to each row
+        kv_hi = tl.minimum(kv_hi, L - qlen + tl.minimum(i_q * Q_PER + Q_PER, qlen))
+    else:
+        limit = L + tl.zeros([BLOCK_M], dtype=tl.int32)
+
+    o_v = tl.arange(0, D_V)
+    o_r = tl.arange(0, D_R)
+    p_q = q + (q_start + o_t).to(tl.int64)[:, None] * stride_q_t + o_h[:, None] * stride_q_h
+    b_qc = tl.load(p_q + o_v[None, :], mask=m_m[:, None], other=0.0).to(COMPUTE)  # [M, D_V]
+    b_qr = tl.load(p_q + D_V + o_r[None, :], mask=m_m[:, None], other=0.0).to(COMPUTE)  # [M, D_R]
+
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
+    p_bt = block_table + i_b * stride_bt_b
+    for n0 in range(kv_lo, kv_hi, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < kv_hi
+        i_blk = o_n // PAGE
+        blk = tl.load(p_bt + i_blk, mask=m_n & (i_blk < max_blocks), other=-1).to(tl.int64)
+        m_n = m_n & (blk >= 0) & (blk < num_blocks)
+        p_kv = kv_cache + tl.where(m_n, blk * stride_kv_b + (o_n % PAGE) * stride_kv_p, 0)
+        b_kc = tl.load(p_kv[:, None] + o_v[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)  # [N, D_V]
+        b_kr = tl.load(p_kv[:, None] + D_V + o_r[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)
+
+        b_s = tl.dot(b_qc, tl.trans(b_kc), input_precision=DOT_PRECISION)
+        b_s = tl.dot(b_qr, tl.trans(b_kr), b_s, input_precision=DOT_PRECISION)  # [M, N]
+        b_s = b_s * scale_log2
+        m_s = m_n[None, :] & (o_n[None, :] < limit[:, None])
+        b_s = tl.where(m_s, b_s, float("-inf"))
+
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = tl.exp2(b_m - b_m_use)
+        b_p = tl.exp2(b_s - b_m_use[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = b_acc * b_alpha[:, None]
+        b_acc = tl.dot(b_p.to(COMPUTE), b_kc, b_acc, input_precision=DOT_PRECISION)
+        b_m = b_m_new
+
+    empty = b_l == 0.0
+    b_o = tl.where(empty[:, None], 0.0, b_acc / tl.where(empty, 1.0, b_l)[:, None]) * v_scale
+    b_lse = tl.where(empty, float("-inf"), (b_m + tl.log2(tl.where(empty, 1.0, b_l))) * 0.6931471805599453)
+    if n_split == 1:
+        row = (q_start + o_t).to(tl.int64)
+        p_o = out + row[:, None] * stride_o_t + o_h[:, None] * stride_o_h + o_v[None, :]
+        tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_m[:, None])
+        tl.store(lse + row * H + o_h, b_lse, mask=m_m)
+    else:
+        part = (i_w.to(tl.int64) * MAX_QLEN + o_t) * H + o_h  # [M]
+        tl.store(o_part + part[:, None] * D_V + o_v[None, :], b_o, mask=m_m[:, None])
+        tl.store(lse_part + part, b_lse, mask=m_m)
+
+
+@triton.jit
+def _mla_decode_reduce_kernel(
+    query_start_loc,  # [B + 1]
+    num_splits,  # [B]
+    work_indptr,  # [B + 1]
+    o_part,  # [capacity, MAX_QLEN, H, D_V] fp32
+    lse_part,  # [capacity, MAX_QLEN, H] fp32
+    out,  # [T, H, D_V]
+    lse,  # [T, H]
+    stride_o_t,
+    stride_o_h,
+    H,
+    MAX_QLEN: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_t = tl.program_id(1)
+    i_h = tl.program_id(2)
+    n_split = tl.load(num_splits + i_b)
+    q_start = tl.load(query_start_loc + i_b)
+    if n_split <= 1 or i_t >= tl.load(query_start_loc + i_b + 1) - q_start:
+        return
+    w0 = tl.load(work_indptr + i_b)
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    o_v = tl.arange(0, D_V)
+    b_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for s in range(0, n_split):
+        part = ((w0 + s).to(tl.int64) * MAX_QLEN + i_t) * H + o_h
+        b_max = tl.maximum(b_max, tl.load(lse_part + part, mask=m_h, other=float("-inf")))
+    b_max_use = tl.where(b_max == float("-inf"), 0.0, b_max)
+    b_den = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
+    for s in range(0, n_split):
+        part = ((w0 + s).to(tl.int64) * MAX_QLEN + i_t) * H + o_h
+        b_w = tl.exp(tl.load(lse_part + part, mask=m_h, other=float("-inf")) - b_max_use)
+        b_den += b_w
+        b_o = tl.load(o_part + part[:, None] * D_V + o_v[None, :], mask=m_h[:, None] & (b_w > 0)[:, None], other=0.0)
+        b_acc += b_w[:, None] * b_o
+    empty = b_den == 0.0
+    b_out = tl.where(empty[:, None], 0.0, b_acc / tl.where(empty, 1.0, b_den)[:, None])
+    b_lse = tl.where(empty, float("-inf"), b_max_use + tl.log(tl.where(empty, 1.0, b_den)))
+    row = (q_start + i_t).to(tl.int64)
+    tl.store(out + row * stride_o_t + o_h[:, None] * stride_o_h + o_v[None, :], b_out.to(out.dtype.element_ty),
+             mask=m_h[:, None])  # fmt: skip
+    tl.store(lse + row * H + o_h, b_lse, mask=m_h)
+
+
+def _mla_decode_fwd(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
+                    scale_log2: float, v_scale: float, causal: bool, d_v: int, compute):
+    H = q.shape[1]
+    t = plan.tiling
+    grid = (plan.capacity, triton.cdiv(H, t.block_h), triton.cdiv(plan.max_query_len, t.q_per))
+    _mla_decode_fwd_kernel[grid](
+        q, kv_cache, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split, plan.num_splits,
+        plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), H, kv_cache.shape[0], block_table.shape[1],
+        PAGE=kv_cache.shape[1], MAX_QLEN=plan.max_query_len, D_V=d_v, D_R=q.shape[2] - d_v,
+        BLOCK_H=t.block_h, Q_PER=t.q_per, BLOCK_N=t.block_n, CAUSAL=causal, COMPUTE=compute,
+        DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    block_hr = 16
+    _mla_decode_reduce_kernel[(plan.batch_size, plan.max_query_len, triton.cdiv(H, block_hr))](
+        query_start_loc, plan.num_splits, plan.work_indptr, plan.o_part, plan.lse_part, out, lse,
+        out.stride(0), out.stride(1), H, MAX_QLEN=plan.max_query_len, D_V=d_v, BLOCK_H=block_hr, num_warps=4,
+    )  # fmt: skip
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    sm_scale: float,
+    *,
+    causal: bool = True,
+    kv_cache_dtype: str = "auto",
+    kv_scale: torch.Tensor | float | None = None,
+    q_scale: torch.Tensor | float | None = None,
+    plan: DecodePlan | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    return_lse: bool = True,
+    d_v: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Paged MLA decode and speculative verify (absorbed MQA form; V = kv_cache[..., :d_v]).
+
+    Args:
+        q (torch.Tensor): `[T, h_q, d_qk]` (d_qk = 576 = 512 latent + 64 rope), bf16/fp16 (fp32 for
+            tests), or float8_e4m3fn with ``q_scale``; request b owns rows
+            ``query_start_loc[b]:query_start_loc[b+1]``. Any head count >= 1, no padding needed.
+        kv_cache (torch.Tensor): `[num_blocks, page_size, d_qk]`, q's dtype (bf16/fp16/fp32) for
+            ``kv_cache_dtype="auto"`` or float8_e4m3fn for ``"fp8"``; any page size >= 1 (64 is fast).
+        block_table (torch.Tensor): `[B, max_blocks]`, int32.
+        seq_lens (torch.Tensor): `[B]`, int32; keys per request (context + new tokens); 0 gives
+            out = 0 and lse = -inf for that request's rows.
+        query_start_loc (torch.Tensor): `[B + 1]`, int32; query lengths 1 (decode) to 16 (verify).
+        sm_scale (float): softmax scale (model specific; no default for MLA).
+        causal (bool): query t of a request with qlen L sees keys ``[0, seq_len - L + t]``; when False
+            every row sees all ``seq_len`` keys (non-causal drafts).
+        kv_cache_dtype (str): "auto" or "fp8" (per-tensor ``kv_scale``: value = stored * kv_scale).
+        kv_scale, q_scale (torch.Tensor | float | None): per-tensor dequantisation scales for an fp8
+            cache and an fp8 q. A tensor scale is read on the host once (not CUDA-graph safe; pass a
+            float when capturing).
+        plan (DecodePlan | None): from :func:`openmla.plan_decode` for this batch (computed once per
+            step, reused by every layer). Built here (with a host sync) when None.
+        out (torch.Tensor | None): `[T, h_q, d_v]` output buffer. lse: `[T, h_q]` fp32 buffer.
+        return_lse (bool): return the LSE (it is computed either way).
+        d_v (int): latent width, the output width (512).
+
+    Returns:
+        out: `[T, h_q, d_v]`, q.dtype (bf16 for an fp8 q).
+        lse: `[T, h_q]` fp32, natural-log log-sum-exp of the scaled scores (-inf for empty rows), or
+        None when ``return_lse`` is False.
+    """
+    check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32, torch.float8_e4m3fn), ndim=3)
+    dev = q.device
+    T, H, d_qk = q.shape
+    if d_qk <= d_v:
+        raise ValueError(f"q's last dim ({d_qk}) must exceed d_v ({d_v}): latent + rope; got {describe(q)}")
+    d_r = d_qk - d_v
+    if d_v & (d_v - 1) or d_r & (d_r - 1):
+        raise ValueError(f"d_v ({d_v}) and the rope width ({d_r}) must be powers of two")
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f'kv_cache_dtype must be "auto" or "fp8" for mla_decode; got {kv_cache_dtype!r}')
+    cache_dtypes = (torch.float8_e4m3fn,) if kv_cache_dtype == "fp8" else FLOAT16_DTYPES + (torch.float32,)
+    check_tensor("kv_cache", kv_cache, dtypes=cache_dtypes, ndim=3, device=dev)
+    if kv_cache.shape[2] != d_qk:
+        raise ValueError(f"kv_cache rows must be {d_qk} wide like q; got {describe(kv_cache)}")
+    if kv_cache.stride(2) != 1:
+        raise ValueError("kv_cache must be contiguous in its last dimension")
+    check_index("block_table", block_table, ndim=2, device=dev)
+    B = block_table.shape[0]
+    check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
+    check_index("query_start_loc", query_start_loc, ndim=1, device=dev, length=B + 1)
+    if q.dtype == torch.float8_e4m3fn:
+        if q_scale is None:
+            raise ValueError("q_scale is required for an fp8 q")
+        compute = compute_dtype(torch.bfloat16)
+        out_dtype = torch.bfloat16
+    else:
+        if q_scale is not None:
+            raise ValueError("q_scale is only meaningful for an fp8 q")
+        if kv_cache_dtype == "auto" and kv_cache.dtype != q.dtype:
+            raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q's {q.dtype} for kv_cache_dtype='auto'")
+        compute = compute_dtype(q.dtype)
+        out_dtype = q.dtype
+    kv_s = float(scalar_scale("kv_scale", kv_scale, dev)) if kv_cache_dtype == "fp8" else 1.0
+    q_s = float(scalar_scale("q_scale", q_scale, dev)) if q_scale is not None else 1.0
+    if not capturing() and B:
+        if int(seq_lens.min()) < 0:
+            raise ValueError("seq_lens must be non-negative")
+        page = kv_cache.shape[1]
+        if int(seq_lens.max()) > block_table.shape[1] * page:
+            raise ValueError(
+                f"seq_lens reaches {int(seq_lens.max())} but block_table {tuple(block_table.shape)} covers "
+                f"{block_table.shape[1] * page} tokens at page size {page}"
+            )
+        if int(query_start_loc[-1]) != T:
+            raise ValueError(f"query_start_loc[-1] ({int(query_start_loc[-1])}) must equal q.shape[0] ({T})")
+    if plan is None:
+        plan = plan_decode(seq_lens, query_start_loc, H, d_v=d_v)
+    else:
+        plan.check(B, H, d_v)
+    if out is None:
+        out = torch.empty(T, H, d_v, dtype=out_dtype, device=dev)
+    else:
+        check_tensor("out", out, dtypes=(out_dtype,), shape=(T, H, d_v), device=dev)
+    if lse is None:
+        lse = torch.empty(T, H, dtype=torch.float32, device=dev)
+    else:
+        check_tensor("lse", lse, dtypes=(torch.float32,), shape=(T, H), device=dev)
+        if not lse.is_contiguous():
+            raise ValueError("lse must be contiguous")
+    if T and B:
+        _mla_decode_fwd(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse,
+                        sm_scale * q_s * kv_s * _LOG2E, kv_s, causal, d_v, compute)  # fmt: skip
+    return out, (lse if return_lse else None)

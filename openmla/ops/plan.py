@@ -1,0 +1,195 @@
+"""Split-KV work planner for paged MLA decode.
+
+The decode kernel runs one program per (work item, head block, query-row group); a work item is one
+KV split of one request. The planner picks a single split length for the whole batch so that the
+total KV work is spread over about ``waves * num_sms`` programs: a long request gets many splits and
+a short one a single split, so one long request among many short ones does not leave SMs idle. It
+runs on the device with torch ops (no host synchronisation once ``max_query_len`` is known), writes
+into fixed-size buffers (CUDA-graph capturable with ``out=``) and is computed once per step and
+reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from openmla.device import INTERPRET
+from openmla.ops._validate import capturing, check_index
+
+__all__ = ["DecodePlan", "plan_decode"]
+
+_WAVES = 2  # target programs per SM
+_MIN_SPLIT = 256  # tokens: below this a split's fixed cost (q load, partial write) dominates
+
+
+@dataclass(frozen=True)
+class DecodeTiling:
+    """Tile shape of the decode kernel: ``BLOCK_H`` heads x ``Q_PER`` query rows = ``block_m`` rows."""
+
+    block_h: int
+    q_per: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def block_m(self) -> int:
+        return self.block_h * self.q_per
+
+
+def choose_tiling(num_heads: int, max_query_len: int) -> DecodeTiling:
+    """Rows per program: 16 (memory-bound, mma.sync), 32, or 64 (wgmma-sized) by heads x qlen."""
+    rows = num_heads * max_query_len
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    block_h = min(triton_next_pow2(num_heads), block_m)
+    q_per = block_m // block_h
+    if INTERPRET:
+        return DecodeTiling(block_h, q_per, 16, 4, 1)
+    if block_m == 64:
+        return DecodeTiling(block_h, q_per, 64, 8, 2)
+    return DecodeTiling(block_h, q_per, 64, 4, 3)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    r"""A split-KV schedule for one decode step, reusable by every layer of that step.
+
+    Attributes:
+        batch_size, num_heads, max_query_len, num_sms, d_v: the configuration it was built for;
+            ``mla_decode`` checks that a call matches it.
+        tiling (DecodeTiling): the kernel's tile shape.
+        capacity (int): number of work-item slots (programs along grid axis 0).
+        split_len (torch.Tensor): `[1]` int32, KV tokens per split (a multiple of ``tiling.block_n``).
+        num_splits (torch.Tensor): `[B]` int32, splits of each request (1 for an empty request with
+            query rows, so its rows are written; 0 for a request without query rows).
+        work_indptr (torch.Tensor): `[B + 1]` int32, cumulative splits: request b owns work items
+            ``work_indptr[b]:work_indptr[b+1]``.
+        work_req (torch.Tensor): `[capacity]` int32, request of each work item, -1 for unused slots.
+        work_split (torch.Tensor): `[capacity]` int32, split index of each work item.
+        o_part (torch.Tensor): `[capacity, max_query_len, num_heads, d_v]` fp32 partial outputs
+            (normalised) of requests with more than one split.
+        lse_part (torch.Tensor): `[capacity, max_query_len, num_heads]` fp32 natural-log partial LSEs.
+    """
+
+    batch_size: int
+    num_heads: int
+    max_query_len: int
+    num_sms: int
+    d_v: int
+    tiling: DecodeTiling
+    capacity: int
+    split_len: torch.Tensor
+    num_splits: torch.Tensor
+    work_indptr: torch.Tensor
+    work_req: torch.Tensor
+    work_split: torch.Tensor
+    o_part: torch.Tensor
+    lse_part: torch.Tensor
+
+    def check(self, batch_size: int, num_heads: int, d_v: int) -> None:
+        """Raise when a call does not match the configuration this plan was built for."""
+        if (batch_size, num_heads, d_v) != (self.batch_size, self.num_heads, self.d_v):
+            raise ValueError(
+                f"plan was built for batch {self.batch_size}, {self.num_heads} heads, d_v {self.d_v}; "
+                f"the call has batch {batch_size}, {num_heads} heads, d_v {d_v}"
+            )
+
+
+def _default_num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def plan_decode(
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_heads: int,
+    *,
+    max_query_len: int | None = None,
+    num_sms: int | None = None,
+    d_v: int = 512,
+    out: DecodePlan | None = None,
+) -> DecodePlan:
+    r"""Plan the split-KV decode of a (ragged) batch.
+
+    Args:
+        seq_lens (torch.Tensor): `[B]` int32, keys per request (context + new tokens).
+        query_start_loc (torch.Tensor): `[B + 1]` int32, query rows of each request.
+        num_heads (int): query heads of the layers that will use the plan.
+        max_query_len (int | None): the largest query length in the batch (1 for plain decode, up to
+            16 for speculative verify). When None it is read from ``query_start_loc``, which
+            synchronises with the host; schedulers know it and should pass it.
+        num_sms (int | None): multiprocessors to balance over (default: the device's).
+        d_v (int): output width (512 for DeepSeek's latent).
+        out (DecodePlan | None): a plan built earlier for the same batch size, heads and
+            ``max_query_len``: its buffers are rewritten in place (stable addresses for CUDA graphs).
+
+    Returns:
+        DecodePlan: the schedule (see its attributes).
+    """
+    check_index("query_start_loc", query_start_loc, ndim=1)
+    dev = query_start_loc.device
+    B = query_start_loc.shape[0] - 1
+    check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
+    if not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int; got {num_heads!r}")
+    qlen = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
+    if max_query_len is None:
+        if capturing():
+            raise ValueError("max_query_len must be given while a CUDA graph is captured")
+        max_query_len = max(1, int(qlen.max())) if B else 1
+    elif not capturing() and B and int(qlen.max()) > max_query_len:
+        raise ValueError(f"a request has {int(qlen.max())} query rows but max_query_len is {max_query_len}")
+    if num_sms is None:
+        num_sms = out.num_sms if out is not None else _default_num_sms(dev)
+    tiling = choose_tiling(num_heads, max_query_len)
+    programs_per_split = triton_cdiv(num_heads, tiling.block_h) * triton_cdiv(max_query_len, tiling.q_per)
+    target = max(1, (_WAVES * num_sms) // programs_per_split)
+    capacity = B + target
+
+    L = seq_lens.to(torch.int64)
+    total = L.sum()
+    split = torch.clamp((total + target - 1) // target, min=_MIN_SPLIT)
+    split = (split + tiling.block_n - 1) // tiling.block_n * tiling.block_n
+    n_splits = torch.where(qlen > 0, torch.clamp((L + split - 1) // split, min=1), torch.zeros_like(L))
+
+    if out is not None:
+        if (out.batch_size, out.num_heads, out.max_query_len, out.d_v, out.capacity) != (
+            B, num_heads, max_query_len, d_v, capacity,
+        ):  # fmt: skip
+            raise ValueError("out= plan was built for a different batch size, heads, max_query_len or d_v")
+        plan = out
+    else:
+        plan = DecodePlan(
+            batch_size=B, num_heads=num_heads, max_query_len=max_query_len, num_sms=num_sms, d_v=d_v,
+            tiling=tiling, capacity=capacity,
+            split_len=torch.empty(1, dtype=torch.int32, device=dev),
+            num_splits=torch.empty(B, dtype=torch.int32, device=dev),
+            work_indptr=torch.zeros(B + 1, dtype=torch.int32, device=dev),
+            work_req=torch.empty(capacity, dtype=torch.int32, device=dev),
+            work_split=torch.empty(capacity, dtype=torch.int32, device=dev),
+            o_part=torch.empty(capacity, max_query_len, num_heads, d_v, dtype=torch.float32, device=dev),
+            lse_part=torch.empty(capacity, max_query_len, num_heads, dtype=torch.float32, device=dev),
+        )  # fmt: skip
+    plan.split_len.copy_(split.reshape(1))
+    plan.num_splits.copy_(n_splits)
+    plan.work_indptr[1:].copy_(torch.cumsum(n_splits, 0))
+    items = torch.arange(capacity, device=dev, dtype=torch.int32)
+    req = torch.searchsorted(plan.work_indptr[1:], items, right=True)  # request whose range holds item
+    valid = items < plan.work_indptr[B]
+    req = torch.where(valid, req, torch.zeros_like(req)).to(torch.int32)
+    plan.work_split.copy_(torch.where(valid, items - plan.work_indptr[req.long()], 0))
+    plan.work_req.copy_(torch.where(valid, req, -1))
+    return plan
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+

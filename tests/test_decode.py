@@ -1,0 +1,178 @@
+"""mla_decode (split-KV + reduce) against the fp32 reference: heads, page sizes, qlen, causal, dtypes."""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import openmla
+from openmla.reference import mla_decode_ref
+from openmla.utils.testing import TOLERANCES, assert_close, on_gpu, pick
+
+SCALE = 576**-0.5
+KV_SCALE = 0.05
+
+
+def _batch(device, heads, qlens, lens, page, dtype, nan_pad=True):
+    """A paged cache holding random rows for the requests, with NaN in every unused row."""
+    B = len(lens)
+    W = max(1, -(-max(lens) // page))
+    num_blocks = B * W + 3
+    rows = torch.randn(num_blocks, page, 576, device=device)
+    if dtype == torch.float8_e4m3fn:
+        cache = (rows / KV_SCALE / 4).to(dtype)  # values ~ N(0, 1) after dequantisation
+    else:
+        cache = rows.to(dtype)
+    block_table = torch.randperm(num_blocks, device=device)[: B * W].view(B, W).int()
+    if nan_pad:  # positions past each request's length must never be read
+        flat = cache.view(-1, 576)
+        used = torch.zeros(num_blocks * page, dtype=torch.bool, device=device)
+        for b, n in enumerate(lens):
+            pos = torch.arange(n, device=device)
+            used[block_table[b, pos // page].long() * page + pos % page] = True
+        if dtype == torch.float8_e4m3fn:
+            flat.view(torch.uint8)[~used] = 0x7F  # e4m3fn NaN
+        else:
+            flat[~used] = float("nan")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32, device=device)
+    q_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
+    q = torch.randn(int(qsl[-1]), heads, 576, device=device).to(q_dtype)
+    return q, cache, block_table, seq_lens, qsl
+
+
+def _check(q, cache, bt, sl, qsl, causal, dtype, **kw):
+    fp8 = dtype == torch.float8_e4m3fn
+    kv = dict(kv_cache_dtype="fp8", kv_scale=KV_SCALE) if fp8 else {}
+    out, lse = openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, causal=causal, **kv, **kw)
+    ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=causal,
+                                      kv_scale=KV_SCALE if fp8 else None)  # fmt: skip
+    atol, rtol, cos = TOLERANCES[torch.bfloat16 if fp8 else dtype]
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    # inputs are exact in the reference (same bf16/fp8 values), so only accumulation order and the
+    # bf16 rounding of P before the PV product differ
+    assert_close("out", ref_out, out, atol, rtol, cos)
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+    return out, lse
+
+
+HEADS = [1, 3, 12, 16, 24, 128]
+PAGES = [1, 16, 64]
+QLENS = ["1", "2", "4", "varlen"]
+DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+
+
+def _qlens(kind, B):
+    if kind == "varlen":
+        return [1 + (3 * b) % 5 for b in range(B)]
+    return [int(kind)] * B
+
+
+def _cases():
+    full = list(itertools.product(HEADS, PAGES, QLENS, [True, False], DTYPES))
+    if on_gpu():
+        return full
+    # CPU: every value of every axis, and every pair of (heads, qlen), (page, dtype), (qlen, causal)
+    return [c for i, c in enumerate(full) if i % 11 == 0 or (c[0] in (3, 16) and c[1] == 16 and c[4] == torch.bfloat16)]
+
+
+@pytest.mark.parametrize(
+    "heads,page,qlen,causal,dtype", _cases(),
+    ids=lambda v: str(v).replace("torch.", "") if not isinstance(v, bool) else ("causal" if v else "full"),
+)  # fmt: skip
+def test_mla_decode(heads, page, qlen, causal, dtype, device):
+    lens = pick([37, 0, 5, 130], [4096, 0, 3, 8191, 1000, 33, 2048, 17])
+    qlens = _qlens(qlen, len(lens))
+    _check(*_batch(device, heads, qlens, lens, page, dtype), causal, dtype)
+
+
+def test_plan_reuse_and_out_buffers(device):
+    lens = pick([50, 3, 0, 9], [5000, 3, 0, 20000])
+    qlens = [2, 1, 2, 2]
+    q, cache, bt, sl, qsl = _batch(device, 16, qlens, lens, 16, torch.bfloat16)
+    plan = openmla.plan_decode(sl, qsl, 16, max_query_len=2)
+    out = torch.empty(q.shape[0], 16, 512, dtype=q.dtype, device=device)
+    lse = torch.empty(q.shape[0], 16, device=device)
+    for _ in range(2):  # two "layers" reuse one plan
+        q = torch.randn_like(q)
+        o, l = _check(q, cache, bt, sl, qsl, True, torch.bfloat16, plan=plan, out=out, lse=lse)
+        assert o.data_ptr() == out.data_ptr() and l.data_ptr() == lse.data_ptr()
+    # a plan rebuilt in place keeps its buffers (CUDA graphs)
+    ptr = plan.work_req.data_ptr()
+    again = openmla.plan_decode(sl, qsl, 16, max_query_len=2, out=plan)
+    assert again is plan and plan.work_req.data_ptr() == ptr
+    with pytest.raises(ValueError, match="plan was built for"):
+        openmla.mla_decode(q[:, :8].contiguous(), cache, bt, sl, qsl, SCALE, plan=plan)
+
+
+def test_plan_balances_ragged_batch(device):
+    # one long request among many short ones: the long one is split, the short ones are not
+    lens = [100000] + [64] * 31
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    qsl = torch.arange(33, dtype=torch.int32, device=device)
+    plan = openmla.plan_decode(sl, qsl, 16, num_sms=132)
+    splits = plan.num_splits.cpu()
+    assert int(splits[0]) > 50 and bool((splits[1:] == 1).all())
+    split_len = int(plan.split_len)
+    assert split_len * int(splits[0]) >= lens[0] and split_len % plan.tiling.block_n == 0
+    assert int(plan.work_indptr[-1]) <= plan.capacity
+    req = plan.work_req.cpu()
+    assert bool((req[: int(plan.work_indptr[-1])] >= 0).all()) and bool((req[int(plan.work_indptr[-1]) :] == -1).all())
+
+
+def test_fp8_query(device):
+    lens = pick([40, 7], [4096, 100])
+    q, cache, bt, sl, qsl = _batch(device, 16, [1, 1], lens, 16, torch.float8_e4m3fn)
+    q_scale = 0.1
+    q8 = (q.float() / q_scale).to(torch.float8_e4m3fn)
+    out, lse = openmla.mla_decode(q8, cache, bt, sl, qsl, SCALE, kv_cache_dtype="fp8", kv_scale=KV_SCALE,
+                                  q_scale=q_scale)  # fmt: skip
+    ref_out, ref_lse = mla_decode_ref(q8, cache, bt, sl, qsl, SCALE, kv_scale=KV_SCALE, q_scale=q_scale)
+    assert out.dtype == torch.bfloat16
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+
+
+def test_no_lse_and_fp32(device):
+    q, cache, bt, sl, qsl = _batch(device, 4, [1, 3], [20, 9], 4, torch.float32)
+    out, lse = openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, return_lse=False)
+    ref_out, _ = mla_decode_ref(q, cache, bt, sl, qsl, SCALE)
+    assert lse is None
+    assert_close("out", ref_out, out, 1e-4, 1e-4, 1e-6)
+
+
+def test_decode_errors(device):
+    q, cache, bt, sl, qsl = _batch(device, 4, [1, 1], [5, 9], 4, torch.bfloat16, nan_pad=False)
+    with pytest.raises(TypeError, match="query_start_loc"):
+        openmla.mla_decode(q, cache, bt, sl, qsl.float(), SCALE)
+    with pytest.raises(TypeError, match="kv_cache dtype"):
+        openmla.mla_decode(q, cache.half(), bt, sl, qsl, SCALE)
+    with pytest.raises(ValueError, match="kv_cache rows"):
+        openmla.mla_decode(q, cache[..., :512].contiguous(), bt, sl, qsl, SCALE)
+    with pytest.raises(ValueError, match="covers"):
+        openmla.mla_decode(q, cache, bt, sl + 100, qsl, SCALE)
+    with pytest.raises(ValueError, match="q_scale is required"):
+        openmla.mla_decode(q.to(torch.float8_e4m3fn), cache.to(torch.float8_e4m3fn), bt, sl, qsl, SCALE,
+                           kv_cache_dtype="fp8", kv_scale=1.0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"query_start_loc\[-1\]"):
+        openmla.mla_decode(q[:1], cache, bt, sl, qsl, SCALE)
+    with pytest.raises(ValueError, match="max_query_len"):
+        openmla.plan_decode(sl, torch.tensor([0, 1, 4], dtype=torch.int32, device=device), 4, max_query_len=2)
+
+
+@settings(max_examples=pick(8, 25), deadline=None)
+@given(
+    heads=st.sampled_from([1, 2, 5, 16]),
+    page=st.sampled_from([1, 3, 16]),
+    reqs=st.lists(st.tuples(st.integers(0, 70), st.integers(1, 4)), min_size=1, max_size=4),
+    causal=st.booleans(),
+)
+def test_decode_fuzz(heads, page, reqs, causal):
+    from openmla.utils.testing import test_device
+
+    lens = [n for n, _ in reqs]
+    qlens = [m for _, m in reqs]
+    _check(*_batch(test_device(), heads, qlens, lens, page, torch.float16), causal, torch.float16)
