@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 		$(PYTHON) -m venv $(VENV) && \
 		$(PY) -m pip install --quiet "torch==2.13.0" "triton==3.6.0" "numpy<2.4"; \
 	fi
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[test]"
 	@touch $@
 
 demo: $(VENV)/.installed

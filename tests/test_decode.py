@@ -73,8 +73,11 @@ def _qlens(kind, B):
 
 def _cases():
     full = list(itertools.product(HEADS, PAGES, QLENS, [True, False], DTYPES))
-    if on_gpu():
-        return full
+    if on_gpu():  # every heads x page x qlen in bf16 causal; the other axes at the shapes that matter
+        keep = [c for c in full if c[3] and c[4] == torch.bfloat16]
+        keep += [c for c in full if not c[3] and c[1] == 64 and c[4] == torch.bfloat16]
+        keep += [c for c in full if c[0] in (16, 128) and c[1] == 64 and c[2] != "4" and c[4] != torch.bfloat16]
+        return keep
     # CPU: every value of every axis, and every pair of (heads, qlen), (page, dtype), (qlen, causal)
     return [c for i, c in enumerate(full) if i % 11 == 0 or (c[0] in (3, 16) and c[1] == 16 and c[4] == torch.bfloat16)]
 

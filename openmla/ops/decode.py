@@ -57,6 +57,8 @@ def _mla_decode_fwd_kernel(
     BLOCK_H: tl.constexpr,
     Q_PER: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PAGE_ALIGNED: tl.constexpr,
+    MAX_PAGES: tl.constexpr,
     CAUSAL: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -101,13 +103,25 @@ def _mla_decode_fwd_kernel(
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
     p_bt = block_table + i_b * stride_bt_b
+    if PAGE_ALIGNED:
+        # tiles never cross a page (kv_lo and BLOCK_N divide evenly): one block number per tile,
+        # and the split's block numbers are loaded before the KV loop so loads can be pipelined
+        o_pg = tl.arange(0, MAX_PAGES)
+        i_pg0 = kv_lo // PAGE
+        b_pages = tl.load(p_bt + i_pg0 + o_pg, mask=(i_pg0 + o_pg < max_blocks) & (o_pg * PAGE < kv_hi - kv_lo),
+                          other=-1).to(tl.int64)  # fmt: skip
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < kv_hi
-        i_blk = o_n // PAGE
-        blk = tl.load(p_bt + i_blk, mask=m_n & (i_blk < max_blocks), other=-1).to(tl.int64)
-        m_n = m_n & (blk >= 0) & (blk < num_blocks)
-        p_kv = kv_cache + tl.where(m_n, blk * stride_kv_b + (o_n % PAGE) * stride_kv_p, 0)
+        if PAGE_ALIGNED:
+            blk = tl.sum(tl.where(o_pg == (n0 - kv_lo) // PAGE, b_pages, 0))
+            m_n = m_n & (blk >= 0) & (blk < num_blocks)
+            p_kv = kv_cache + blk * stride_kv_b + (o_n % PAGE) * stride_kv_p
+        else:
+            i_blk = o_n // PAGE
+            blk = tl.load(p_bt + i_blk, mask=m_n & (i_blk < max_blocks), other=-1).to(tl.int64)
+            m_n = m_n & (blk >= 0) & (blk < num_blocks)
+            p_kv = kv_cache + tl.where(m_n, blk * stride_kv_b + (o_n % PAGE) * stride_kv_p, 0)
         b_kc = tl.load(p_kv[:, None] + o_v[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)  # [N, D_V]
         b_kr = tl.load(p_kv[:, None] + D_V + o_r[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)
 
@@ -154,45 +168,51 @@ def _mla_decode_reduce_kernel(
     H,
     MAX_QLEN: tl.constexpr,
     D_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
+    # one program per (request, query row, head, column block); splits merged BLOCK_S at a time
     i_b = tl.program_id(0).to(tl.int64)
     i_t = tl.program_id(1)
-    i_h = tl.program_id(2)
+    i_hd = tl.program_id(2)
+    i_h = i_hd // (D_V // BLOCK_D)
+    i_d = i_hd % (D_V // BLOCK_D)
     n_split = tl.load(num_splits + i_b)
     q_start = tl.load(query_start_loc + i_b)
     if n_split <= 1 or i_t >= tl.load(query_start_loc + i_b + 1) - q_start:
         return
-    w0 = tl.load(work_indptr + i_b)
-    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    m_h = o_h < H
-    o_v = tl.arange(0, D_V)
-    b_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for s in range(0, n_split):
-        part = ((w0 + s).to(tl.int64) * MAX_QLEN + i_t) * H + o_h
-        b_max = tl.maximum(b_max, tl.load(lse_part + part, mask=m_h, other=float("-inf")))
-    b_max_use = tl.where(b_max == float("-inf"), 0.0, b_max)
-    b_den = tl.zeros([BLOCK_H], dtype=tl.float32)
-    b_acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
-    for s in range(0, n_split):
-        part = ((w0 + s).to(tl.int64) * MAX_QLEN + i_t) * H + o_h
-        b_w = tl.exp(tl.load(lse_part + part, mask=m_h, other=float("-inf")) - b_max_use)
-        b_den += b_w
-        b_o = tl.load(o_part + part[:, None] * D_V + o_v[None, :], mask=m_h[:, None] & (b_w > 0)[:, None], other=0.0)
-        b_acc += b_w[:, None] * b_o
+    w0 = tl.load(work_indptr + i_b).to(tl.int64)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    b_m = tl.full([], float("-inf"), dtype=tl.float32)
+    b_den = tl.zeros([], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_split, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        m_s = o_s < n_split
+        part = ((w0 + o_s) * MAX_QLEN + i_t) * H + i_h  # [BLOCK_S]
+        b_l = tl.load(lse_part + part, mask=m_s, other=float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_l, axis=0))
+        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = tl.exp(b_m - b_m_use)
+        b_w = tl.exp(b_l - b_m_use)
+        b_o = tl.load(o_part + part[:, None] * D_V + o_d[None, :], mask=(m_s & (b_w > 0))[:, None], other=0.0)
+        b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_o, axis=0)
+        b_den = b_den * b_alpha + tl.sum(b_w, axis=0)
+        b_m = b_m_new
     empty = b_den == 0.0
-    b_out = tl.where(empty[:, None], 0.0, b_acc / tl.where(empty, 1.0, b_den)[:, None])
-    b_lse = tl.where(empty, float("-inf"), b_max_use + tl.log(tl.where(empty, 1.0, b_den)))
+    b_out = tl.where(empty, 0.0, b_acc / tl.where(empty, 1.0, b_den))
+    b_lse = tl.where(empty, float("-inf"), tl.where(b_m == float("-inf"), 0.0, b_m) + tl.log(tl.where(empty, 1.0, b_den)))
     row = (q_start + i_t).to(tl.int64)
-    tl.store(out + row * stride_o_t + o_h[:, None] * stride_o_h + o_v[None, :], b_out.to(out.dtype.element_ty),
-             mask=m_h[:, None])  # fmt: skip
-    tl.store(lse + row * H + o_h, b_lse, mask=m_h)
+    tl.store(out + row * stride_o_t + i_h * stride_o_h + o_d, b_out.to(out.dtype.element_ty))
+    if i_d == 0:
+        tl.store(lse + row * H + i_h, b_lse)
 
 
 def _mla_decode_fwd(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                     scale_log2: float, v_scale: float, causal: bool, d_v: int, compute):
     H = q.shape[1]
     t = plan.tiling
+    page = kv_cache.shape[1]
     grid = (plan.capacity, triton.cdiv(H, t.block_h), triton.cdiv(plan.max_query_len, t.q_per))
     _mla_decode_fwd_kernel[grid](
         q, kv_cache, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split, plan.num_splits,
@@ -200,15 +220,26 @@ def _mla_decode_fwd(q, kv_cache, block_table, seq_lens, query_start_loc, plan: D
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), H, kv_cache.shape[0], block_table.shape[1],
         PAGE=kv_cache.shape[1], MAX_QLEN=plan.max_query_len, D_V=d_v, D_R=q.shape[2] - d_v,
-        BLOCK_H=t.block_h, Q_PER=t.q_per, BLOCK_N=t.block_n, CAUSAL=causal, COMPUTE=compute,
+        BLOCK_H=t.block_h, Q_PER=t.q_per, BLOCK_N=t.block_n, PAGE_ALIGNED=page % t.block_n == 0,
+        MAX_PAGES=triton.next_power_of_2(max(1, t.max_split // page)), CAUSAL=causal, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
-    block_hr = 16
-    _mla_decode_reduce_kernel[(plan.batch_size, plan.max_query_len, triton.cdiv(H, block_hr))](
+    block_d = min(128, d_v)
+    _mla_decode_reduce_kernel[(plan.batch_size, plan.max_query_len, H * (d_v // block_d))](
         query_start_loc, plan.num_splits, plan.work_indptr, plan.o_part, plan.lse_part, out, lse,
-        out.stride(0), out.stride(1), H, MAX_QLEN=plan.max_query_len, D_V=d_v, BLOCK_H=block_hr, num_warps=4,
+        out.stride(0), out.stride(1), H, MAX_QLEN=plan.max_query_len, D_V=d_v, BLOCK_S=16, BLOCK_D=block_d,
+        num_warps=4,
     )  # fmt: skip
+
+
+def _host_scale(name: str, scale, device) -> float:
+    """A per-tensor scale as a Python float (a tensor is read once; not allowed while capturing)."""
+    if isinstance(scale, (int, float)):
+        return float(scale)
+    if capturing():
+        raise ValueError(f"pass {name} as a float while a CUDA graph is captured")
+    return float(scalar_scale(name, scale, device))
 
 
 def mla_decode(
@@ -291,9 +322,9 @@ def mla_decode(
             raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q's {q.dtype} for kv_cache_dtype='auto'")
         compute = compute_dtype(q.dtype)
         out_dtype = q.dtype
-    kv_s = float(scalar_scale("kv_scale", kv_scale, dev)) if kv_cache_dtype == "fp8" else 1.0
-    q_s = float(scalar_scale("q_scale", q_scale, dev)) if q_scale is not None else 1.0
-    if not capturing() and B:
+    kv_s = _host_scale("kv_scale", kv_scale, dev) if kv_cache_dtype == "fp8" else 1.0
+    q_s = _host_scale("q_scale", q_scale, dev) if q_scale is not None else 1.0
+    if plan is None and not capturing() and B:  # a given plan means the step's batch was validated once
         if int(seq_lens.min()) < 0:
             raise ValueError("seq_lens must be non-negative")
         page = kv_cache.shape[1]

@@ -11,6 +11,7 @@ reused by every layer.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,11 @@ class DecodeTiling:
     num_stages: int
 
     @property
+    def max_split(self) -> int:
+        """Longest split in tokens: the kernel preloads a split's page numbers into registers."""
+        return 64 * self.block_n
+
+    @property
     def block_m(self) -> int:
         return self.block_h * self.q_per
 
@@ -47,6 +53,10 @@ def choose_tiling(num_heads: int, max_query_len: int) -> DecodeTiling:
     q_per = block_m // block_h
     if INTERPRET:
         return DecodeTiling(block_h, q_per, 16, 4, 1)
+    override = os.environ.get("OPENMLA_DECODE_TILING")  # "block_n,num_warps,num_stages", for tuning
+    if override:
+        n, w, st = (int(x) for x in override.split(","))
+        return DecodeTiling(block_h, q_per, n, w, st)
     if block_m == 64:
         return DecodeTiling(block_h, q_per, 64, 8, 2)
     return DecodeTiling(block_h, q_per, 64, 4, 3)
@@ -113,6 +123,7 @@ def plan_decode(
     num_heads: int,
     *,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
     num_sms: int | None = None,
     d_v: int = 512,
     out: DecodePlan | None = None,
@@ -126,6 +137,8 @@ def plan_decode(
         max_query_len (int | None): the largest query length in the batch (1 for plain decode, up to
             16 for speculative verify). When None it is read from ``query_start_loc``, which
             synchronises with the host; schedulers know it and should pass it.
+        max_seq_len (int | None): an upper bound of ``seq_lens`` (sizes the work-item buffers); read
+            from ``seq_lens`` (a host sync) when None.
         num_sms (int | None): multiprocessors to balance over (default: the device's).
         d_v (int): output width (512 for DeepSeek's latent).
         out (DecodePlan | None): a plan built earlier for the same batch size, heads and
@@ -147,24 +160,33 @@ def plan_decode(
         max_query_len = max(1, int(qlen.max())) if B else 1
     elif not capturing() and B and int(qlen.max()) > max_query_len:
         raise ValueError(f"a request has {int(qlen.max())} query rows but max_query_len is {max_query_len}")
+    if max_seq_len is None:
+        if capturing():
+            raise ValueError("max_seq_len must be given while a CUDA graph is captured")
+        max_seq_len = int(seq_lens.max()) if B else 0
+    elif not capturing() and B and int(seq_lens.max()) > max_seq_len:
+        raise ValueError(f"seq_lens reaches {int(seq_lens.max())} but max_seq_len is {max_seq_len}")
     if num_sms is None:
         num_sms = out.num_sms if out is not None else _default_num_sms(dev)
     tiling = choose_tiling(num_heads, max_query_len)
     programs_per_split = triton_cdiv(num_heads, tiling.block_h) * triton_cdiv(max_query_len, tiling.q_per)
     target = max(1, (_WAVES * num_sms) // programs_per_split)
-    capacity = B + target
+    # splits are at most tiling.max_split long, so a batch of long requests may need more than target
+    capacity = B + max(target, B * triton_cdiv(max_seq_len, tiling.max_split))
 
     L = seq_lens.to(torch.int64)
     total = L.sum()
     split = torch.clamp((total + target - 1) // target, min=_MIN_SPLIT)
     split = (split + tiling.block_n - 1) // tiling.block_n * tiling.block_n
+    split = torch.clamp(split, max=tiling.max_split)
     n_splits = torch.where(qlen > 0, torch.clamp((L + split - 1) // split, min=1), torch.zeros_like(L))
 
     if out is not None:
-        if (out.batch_size, out.num_heads, out.max_query_len, out.d_v, out.capacity) != (
-            B, num_heads, max_query_len, d_v, capacity,
-        ):  # fmt: skip
+        if (out.batch_size, out.num_heads, out.max_query_len, out.d_v) != (B, num_heads, max_query_len, d_v):
             raise ValueError("out= plan was built for a different batch size, heads, max_query_len or d_v")
+        if out.capacity < capacity:
+            raise ValueError(f"out= plan holds {out.capacity} work items; this batch needs {capacity} (max_seq_len)")
+        capacity = out.capacity
         plan = out
     else:
         plan = DecodePlan(

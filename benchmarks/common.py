@@ -1,0 +1,35 @@
+"""Shared benchmark helpers: timing, the read-only bandwidth yardstick, environment line."""
+
+from __future__ import annotations
+
+import subprocess
+
+import torch
+import triton
+
+
+def bench_us(fn, graph: bool = True) -> float:
+    """Median time of ``fn`` in microseconds (CUDA-graph replay when ``graph``, else do_bench)."""
+    if graph:
+        try:
+            return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+        except Exception as exc:  # capture can fail for code that syncs; fall back and say so
+            print(f"# cuda graph capture failed ({type(exc).__name__}: {exc}); timing with do_bench")
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def read_bandwidth_gbs(gib: float = 4.0) -> float:
+    """GB/s of a read-only ``torch.sum`` over ``gib`` GiB of bf16 (the bandwidth yardstick)."""
+    x = torch.randn(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda")
+    t = triton.testing.do_bench(lambda: x.sum(), warmup=10, rep=200, return_mode="median") * 1e-3
+    del x
+    return gib * 2**30 / t / 1e9
+
+
+def env_line() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        sha = "?"
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return f"# {name} | torch {torch.__version__} | triton {triton.__version__} | git {sha or '?'}"
