@@ -119,8 +119,9 @@ def test_plan_balances_ragged_batch(device):
     plan = openmla.plan_decode(sl, qsl, 16, num_sms=132)
     splits = plan.num_splits.cpu()
     assert int(splits[0]) > 50 and bool((splits[1:] == 1).all())
-    split_len = int(plan.split_len)
-    assert split_len * int(splits[0]) >= lens[0] and split_len % plan.tiling.block_n == 0
+    split_len = plan.split_len.cpu()
+    assert int(split_len[0]) * int(splits[0]) >= lens[0] and bool((split_len % plan.tiling.block_n == 0).all())
+    assert int(split_len[0]) * (int(splits[0]) - 1) < lens[0]  # no empty split
     assert int(plan.work_indptr[-1]) <= plan.capacity
     req = plan.work_req.cpu()
     assert bool((req[: int(plan.work_indptr[-1])] >= 0).all()) and bool((req[int(plan.work_indptr[-1]) :] == -1).all())

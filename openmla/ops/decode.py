@@ -33,7 +33,7 @@ def _mla_decode_fwd_kernel(
     work_req,  # [capacity]
     work_split,  # [capacity]
     num_splits,  # [B]
-    split_len,  # [1]
+    split_len,  # [B]
     out,  # [T, H, D_V]
     lse,  # [T, H]
     o_part,  # [capacity, MAX_QLEN, H, D_V] fp32
@@ -78,7 +78,7 @@ def _mla_decode_fwd_kernel(
     L = tl.load(seq_lens + i_b)
     i_s = tl.load(work_split + i_w)
     n_split = tl.load(num_splits + i_b)
-    chunk = tl.load(split_len)
+    chunk = tl.load(split_len + i_b)
     kv_lo = i_s * chunk
     kv_hi = tl.minimum(L, kv_lo + chunk)
 

@@ -75,7 +75,8 @@ class DecodePlan:
             ``mla_decode`` checks that a call matches it.
         tiling (DecodeTiling): the kernel's tile shape.
         capacity (int): number of work-item slots (programs along grid axis 0).
-        split_len (torch.Tensor): `[1]` int32, KV tokens per split (a multiple of ``tiling.block_n``).
+        split_len (torch.Tensor): `[B]` int32, KV tokens per split of each request (a multiple of
+            ``tiling.block_n``; the request's splits are as equal as that allows).
         num_splits (torch.Tensor): `[B]` int32, splits of each request (1 for an empty request with
             query rows, so its rows are written; 0 for a request without query rows).
         work_indptr (torch.Tensor): `[B + 1]` int32, cumulative splits: request b owns work items
@@ -180,6 +181,8 @@ def plan_decode(
     split = (split + tiling.block_n - 1) // tiling.block_n * tiling.block_n
     split = torch.clamp(split, max=tiling.max_split)
     n_splits = torch.where(qlen > 0, torch.clamp((L + split - 1) // split, min=1), torch.zeros_like(L))
+    per_req = (L + n_splits.clamp(min=1) - 1) // n_splits.clamp(min=1)  # equal splits, not a short tail
+    per_req = torch.clamp((per_req + tiling.block_n - 1) // tiling.block_n * tiling.block_n, min=tiling.block_n)
 
     if out is not None:
         if (out.batch_size, out.num_heads, out.max_query_len, out.d_v) != (B, num_heads, max_query_len, d_v):
@@ -192,7 +195,7 @@ def plan_decode(
         plan = DecodePlan(
             batch_size=B, num_heads=num_heads, max_query_len=max_query_len, num_sms=num_sms, d_v=d_v,
             tiling=tiling, capacity=capacity,
-            split_len=torch.empty(1, dtype=torch.int32, device=dev),
+            split_len=torch.empty(B, dtype=torch.int32, device=dev),
             num_splits=torch.empty(B, dtype=torch.int32, device=dev),
             work_indptr=torch.zeros(B + 1, dtype=torch.int32, device=dev),
             work_req=torch.empty(capacity, dtype=torch.int32, device=dev),
@@ -200,7 +203,7 @@ def plan_decode(
             o_part=torch.empty(capacity, max_query_len, num_heads, d_v, dtype=torch.float32, device=dev),
             lse_part=torch.empty(capacity, max_query_len, num_heads, dtype=torch.float32, device=dev),
         )  # fmt: skip
-    plan.split_len.copy_(split.reshape(1))
+    plan.split_len.copy_(per_req)
     plan.num_splits.copy_(n_splits)
     plan.work_indptr[1:].copy_(torch.cumsum(n_splits, 0))
     items = torch.arange(capacity, device=dev, dtype=torch.int32)
