@@ -264,7 +264,7 @@ def mla_decode(
 
     Args:
         q (torch.Tensor): `[T, h_q, d_qk]` (d_qk = 576 = 512 latent + 64 rope), bf16/fp16 (fp32 for
-            tests), or float8_e4m3fn with ``q_scale``; request b owns rows
+            tests), or float8_e4m3fn with ``q_scale``; with an fp8 cache the products run in fp16; request b owns rows
             ``query_start_loc[b]:query_start_loc[b+1]``. Any head count >= 1, no padding needed.
         kv_cache (torch.Tensor): `[num_blocks, page_size, d_qk]`, q's dtype (bf16/fp16/fp32) for
             ``kv_cache_dtype="auto"`` or float8_e4m3fn for ``"fp8"``; any page size >= 1 (64 is fast).
@@ -313,15 +313,16 @@ def mla_decode(
     if q.dtype == torch.float8_e4m3fn:
         if q_scale is None:
             raise ValueError("q_scale is required for an fp8 q")
-        compute = compute_dtype(torch.bfloat16)
         out_dtype = torch.bfloat16
     else:
         if q_scale is not None:
             raise ValueError("q_scale is only meaningful for an fp8 q")
         if kv_cache_dtype == "auto" and kv_cache.dtype != q.dtype:
             raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q's {q.dtype} for kv_cache_dtype='auto'")
-        compute = compute_dtype(q.dtype)
         out_dtype = q.dtype
+    # an fp8 cache is widened to fp16 (one cvt per two values; e4m3 -> bf16 costs three), so q is
+    # rounded to fp16 for the products too (more mantissa than bf16; |q| must stay below 65504)
+    compute = compute_dtype(torch.float16 if kv_cache_dtype == "fp8" else out_dtype)
     kv_s = _host_scale("kv_scale", kv_scale, dev) if kv_cache_dtype == "fp8" else 1.0
     q_s = _host_scale("q_scale", q_scale, dev) if q_scale is not None else 1.0
     if plan is None and not capturing() and B:  # a given plan means the step's batch was validated once

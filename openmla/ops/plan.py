@@ -21,8 +21,9 @@ from openmla.ops._validate import capturing, check_index
 
 __all__ = ["DecodePlan", "plan_decode"]
 
-_WAVES = 2  # target programs per SM
-_MIN_SPLIT = 256  # tokens: below this a split's fixed cost (q load, partial write) dominates
+_WAVES = int(os.environ.get("OPENMLA_DECODE_WAVES", "2"))  # target programs per SM
+# tokens: below this a split's fixed cost (q load, partial write) dominates
+_MIN_SPLIT = int(os.environ.get("OPENMLA_DECODE_MIN_SPLIT", "256"))
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,12 @@ def choose_tiling(num_heads: int, max_query_len: int) -> DecodeTiling:
     if override:
         n, w, st = (int(x) for x in override.split(","))
         return DecodeTiling(block_h, q_per, n, w, st)
+    # measured on the H200 (benchmarks/RESULTS.md, run 3): 32-token tiles let two programs share an SM
     if block_m == 64:
-        return DecodeTiling(block_h, q_per, 64, 8, 2)
-    return DecodeTiling(block_h, q_per, 64, 4, 3)
+        return DecodeTiling(block_h, q_per, 32, 8, 3)
+    if block_m == 32:
+        return DecodeTiling(block_h, q_per, 32, 4, 3)
+    return DecodeTiling(block_h, q_per, 32, 4, 2)
 
 
 def triton_next_pow2(n: int) -> int:
