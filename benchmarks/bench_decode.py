@@ -69,6 +69,13 @@ def run_shape(h, b, s, qlen, fp8, bw, args):
         openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=plan, out=out, lse=lse, **kw)
 
     us = bench_us(fn, graph=not args.no_graph)
+    from openmla.ops import decode as dec
+
+    # split kernel and reduce timed on their own (same arguments mla_decode passes)
+    split_us = bench_us(lambda: dec._mla_decode_split(
+        q, cache, bt, sl, qsl, plan, out, lse, SCALE * 1.4426950408889634, 1.0, True, 512,
+        dec.compute_dtype(torch.float16 if fp8 else torch.bfloat16)), graph=not args.no_graph)
+    reduce_us = bench_us(lambda: dec._mla_decode_reduce(qsl, plan, out, lse, 512), graph=not args.no_graph)
     plan_us = bench_us(lambda: openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s, out=plan), graph=False)
     row_bytes = 576 * (1 if fp8 else 2)
     nbytes = b * s * row_bytes + q.numel() * 2 + out.numel() * 2
@@ -80,7 +87,7 @@ def run_shape(h, b, s, qlen, fp8, bw, args):
     del cache
     torch.cuda.empty_cache()
     return dict(h=h, b=b, s=s, qlen=qlen, kv="fp8" if fp8 else "bf16", us=us, gbs=gbs, tflops=flops / us / 1e6,
-                frac=gbs / bw, plan_us=plan_us, torch_us=torch_us, splits=int(plan.work_indptr[-1]))
+                frac=gbs / bw, plan_us=plan_us, split_us=split_us, reduce_us=reduce_us, torch_us=torch_us, splits=int(plan.work_indptr[-1]))
 
 
 def main(argv=None):
@@ -114,12 +121,13 @@ def main(argv=None):
             (16, 128, 8192, 1, True), (16, 128, 8192, 2, True), (128, 128, 8192, 1, True), (128, 1, 32768, 1, True),
         ]  # fmt: skip
     hdr = f"{'h_q':>4} {'b':>4} {'seq':>6} {'qlen':>4} {'kv':>4} {'us':>9} {'GB/s':>7} {'TFLOPS':>7} {'%bw':>6} " \
-          f"{'splits':>6} {'plan_us':>7} {'torch_us':>9} {'speedup':>7}"
+          f"{'splits':>6} {'split_us':>8} {'red_us':>7} {'plan_us':>7} {'torch_us':>9} {'speedup':>7}"
     print(hdr)
     for shape in shapes:
         r = run_shape(*shape, bw, args)
         print(f"{r['h']:>4} {r['b']:>4} {r['s']:>6} {r['qlen']:>4} {r['kv']:>4} {r['us']:>9.1f} {r['gbs']:>7.0f} "
-              f"{r['tflops']:>7.1f} {100 * r['frac']:>5.1f}% {r['splits']:>6} {r['plan_us']:>7.1f} "
+              f"{r['tflops']:>7.1f} {100 * r['frac']:>5.1f}% {r['splits']:>6} {r['split_us']:>8.1f} {r['reduce_us']:>7.1f} "
+              f"{r['plan_us']:>7.1f} "
               f"{r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>6.1f}x", flush=True)
     return 0
 

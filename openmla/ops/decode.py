@@ -208,8 +208,9 @@ def _mla_decode_reduce_kernel(
         tl.store(lse + row * H + i_h, b_lse)
 
 
-def _mla_decode_fwd(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
-                    scale_log2: float, v_scale: float, causal: bool, d_v: int, compute):
+def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
+                      scale_log2: float, v_scale: float, causal: bool, d_v: int, compute):
+    """Launch the split-KV kernel: final rows for single-split requests, partials for the others."""
     H = q.shape[1]
     t = plan.tiling
     page = kv_cache.shape[1]
@@ -219,12 +220,17 @@ def _mla_decode_fwd(q, kv_cache, block_table, seq_lens, query_start_loc, plan: D
         plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), H, kv_cache.shape[0], block_table.shape[1],
-        PAGE=kv_cache.shape[1], MAX_QLEN=plan.max_query_len, D_V=d_v, D_R=q.shape[2] - d_v,
+        PAGE=page, MAX_QLEN=plan.max_query_len, D_V=d_v, D_R=q.shape[2] - d_v,
         BLOCK_H=t.block_h, Q_PER=t.q_per, BLOCK_N=t.block_n, PAGE_ALIGNED=page % t.block_n == 0,
         MAX_PAGES=triton.next_power_of_2(max(1, t.max_split // page)), CAUSAL=causal, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
+
+
+def _mla_decode_reduce(query_start_loc, plan: DecodePlan, out, lse, d_v: int):
+    """Launch the LSE merge of the partials of multi-split requests."""
+    H = out.shape[1]
     block_d = min(128, d_v)
     _mla_decode_reduce_kernel[(plan.batch_size, plan.max_query_len, H * (d_v // block_d))](
         query_start_loc, plan.num_splits, plan.work_indptr, plan.o_part, plan.lse_part, out, lse,
@@ -351,6 +357,7 @@ def mla_decode(
         if not lse.is_contiguous():
             raise ValueError("lse must be contiguous")
     if T and B:
-        _mla_decode_fwd(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse,
-                        sm_scale * q_s * kv_s * _LOG2E, kv_s, causal, d_v, compute)  # fmt: skip
+        _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse,
+                          sm_scale * q_s * kv_s * _LOG2E, kv_s, causal, d_v, compute)  # fmt: skip
+        _mla_decode_reduce(query_start_loc, plan, out, lse, d_v)
     return out, (lse if return_lse else None)
