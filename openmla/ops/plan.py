@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from openmla.device import INTERPRET
 from openmla.ops._validate import capturing, check_index
@@ -24,6 +26,53 @@ __all__ = ["DecodePlan", "plan_decode"]
 _WAVES = int(os.environ.get("OPENMLA_DECODE_WAVES", "2"))  # target programs per SM
 # tokens: below this a split's fixed cost (q load, partial write) dominates
 _MIN_SPLIT = int(os.environ.get("OPENMLA_DECODE_MIN_SPLIT", "256"))
+
+
+@triton.jit
+def _plan_decode_fwd_kernel(
+    seq_lens,  # [B]
+    query_start_loc,  # [B + 1]
+    split_len,  # [B] out
+    num_splits,  # [B] out
+    work_indptr,  # [B + 1] out
+    work_req,  # [capacity] out
+    work_split,  # [capacity] out
+    B,
+    capacity,
+    target,
+    MIN_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_SPLIT: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    # one program plans the whole batch: a single launch, no host synchronisation
+    o_b = tl.arange(0, BLOCK_B)
+    m_b = o_b < B
+    L = tl.load(seq_lens + o_b, mask=m_b, other=0).to(tl.int64)
+    qlen = tl.load(query_start_loc + o_b + 1, mask=m_b, other=0) - tl.load(query_start_loc + o_b, mask=m_b, other=0)
+    total = tl.sum(L, axis=0)
+    split = tl.maximum((total + target - 1) // target, MIN_SPLIT)
+    split = tl.minimum((split + BLOCK_N - 1) // BLOCK_N * BLOCK_N, MAX_SPLIT)
+    n = tl.where(qlen > 0, tl.maximum((L + split - 1) // split, 1), 0)
+    n1 = tl.maximum(n, 1)
+    per = (L + n1 - 1) // n1  # equal splits per request, not a short tail
+    per = tl.maximum((per + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
+    tl.store(split_len + o_b, per.to(tl.int32), mask=m_b)
+    tl.store(num_splits + o_b, n.to(tl.int32), mask=m_b)
+    ends = tl.cumsum(n, axis=0)
+    starts = ends - n
+    tl.store(work_indptr + 1 + o_b, ends.to(tl.int32), mask=m_b)
+    tl.store(work_indptr + o_b, starts.to(tl.int32), mask=o_b == 0)
+    n_items = tl.sum(n, axis=0)
+    for i0 in range(0, capacity, BLOCK_I):
+        o_i = i0 + tl.arange(0, BLOCK_I)
+        req = tl.sum(((ends[None, :] <= o_i[:, None]) & m_b[None, :]).to(tl.int32), axis=1)  # [BLOCK_I]
+        first = tl.sum(tl.where(o_b[None, :] == req[:, None], starts[None, :], 0), axis=1)
+        valid = o_i < n_items
+        m_i = o_i < capacity
+        tl.store(work_req + o_i, tl.where(valid, req, -1).to(tl.int32), mask=m_i)
+        tl.store(work_split + o_i, tl.where(valid, o_i - first, 0).to(tl.int32), mask=m_i)
 
 
 @dataclass(frozen=True)
@@ -158,19 +207,22 @@ def plan_decode(
     check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
     if not isinstance(num_heads, int) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int; got {num_heads!r}")
-    qlen = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
-    if max_query_len is None:
+    qlen = query_start_loc[1:] - query_start_loc[:-1]
+    if not capturing() and B:  # one host sync for every check and default
+        top_q, top_s, low_q, low_s = torch.stack([qlen.max(), seq_lens.max().to(qlen.dtype), qlen.min(),
+                                                  seq_lens.min().to(qlen.dtype)]).tolist()  # fmt: skip
+        if low_q < 0 or low_s < 0:
+            raise ValueError("query_start_loc must be non-decreasing and seq_lens non-negative")
+        if max_query_len is not None and top_q > max_query_len:
+            raise ValueError(f"a request has {top_q} query rows but max_query_len is {max_query_len}")
+        if max_seq_len is not None and top_s > max_seq_len:
+            raise ValueError(f"seq_lens reaches {top_s} but max_seq_len is {max_seq_len}")
+        max_query_len = max(1, top_q) if max_query_len is None else max_query_len
+        max_seq_len = top_s if max_seq_len is None else max_seq_len
+    elif max_query_len is None or max_seq_len is None:
         if capturing():
-            raise ValueError("max_query_len must be given while a CUDA graph is captured")
-        max_query_len = max(1, int(qlen.max())) if B else 1
-    elif not capturing() and B and int(qlen.max()) > max_query_len:
-        raise ValueError(f"a request has {int(qlen.max())} query rows but max_query_len is {max_query_len}")
-    if max_seq_len is None:
-        if capturing():
-            raise ValueError("max_seq_len must be given while a CUDA graph is captured")
-        max_seq_len = int(seq_lens.max()) if B else 0
-    elif not capturing() and B and int(seq_lens.max()) > max_seq_len:
-        raise ValueError(f"seq_lens reaches {int(seq_lens.max())} but max_seq_len is {max_seq_len}")
+            raise ValueError("max_query_len and max_seq_len must be given while a CUDA graph is captured")
+        max_query_len, max_seq_len = max_query_len or 1, max_seq_len or 0
     if num_sms is None:
         num_sms = out.num_sms if out is not None else _default_num_sms(dev)
     tiling = choose_tiling(num_heads, max_query_len)
@@ -178,15 +230,6 @@ def plan_decode(
     target = max(1, (_WAVES * num_sms) // programs_per_split)
     # splits are at most tiling.max_split long, so a batch of long requests may need more than target
     capacity = B + max(target, B * triton_cdiv(max_seq_len, tiling.max_split))
-
-    L = seq_lens.to(torch.int64)
-    total = L.sum()
-    split = torch.clamp((total + target - 1) // target, min=_MIN_SPLIT)
-    split = (split + tiling.block_n - 1) // tiling.block_n * tiling.block_n
-    split = torch.clamp(split, max=tiling.max_split)
-    n_splits = torch.where(qlen > 0, torch.clamp((L + split - 1) // split, min=1), torch.zeros_like(L))
-    per_req = (L + n_splits.clamp(min=1) - 1) // n_splits.clamp(min=1)  # equal splits, not a short tail
-    per_req = torch.clamp((per_req + tiling.block_n - 1) // tiling.block_n * tiling.block_n, min=tiling.block_n)
 
     if out is not None:
         if (out.batch_size, out.num_heads, out.max_query_len, out.d_v) != (B, num_heads, max_query_len, d_v):
@@ -207,15 +250,16 @@ def plan_decode(
             o_part=torch.empty(capacity, max_query_len, num_heads, d_v, dtype=torch.float32, device=dev),
             lse_part=torch.empty(capacity, max_query_len, num_heads, dtype=torch.float32, device=dev),
         )  # fmt: skip
-    plan.split_len.copy_(per_req)
-    plan.num_splits.copy_(n_splits)
-    plan.work_indptr[1:].copy_(torch.cumsum(n_splits, 0))
-    items = torch.arange(capacity, device=dev, dtype=torch.int32)
-    req = torch.searchsorted(plan.work_indptr[1:], items, right=True)  # request whose range holds item
-    valid = items < plan.work_indptr[B]
-    req = torch.where(valid, req, torch.zeros_like(req)).to(torch.int32)
-    plan.work_split.copy_(torch.where(valid, items - plan.work_indptr[req.long()], 0))
-    plan.work_req.copy_(torch.where(valid, req, -1))
+    if B:
+        _plan_decode_fwd_kernel[(1,)](
+            seq_lens, query_start_loc, plan.split_len, plan.num_splits, plan.work_indptr, plan.work_req,
+            plan.work_split, B, capacity, target, MIN_SPLIT=_MIN_SPLIT, BLOCK_N=tiling.block_n,
+            MAX_SPLIT=tiling.max_split, BLOCK_B=triton.next_power_of_2(B), BLOCK_I=16, num_warps=8,
+        )  # fmt: skip
+    else:
+        plan.work_indptr.zero_()
+        plan.work_req.fill_(-1)
+        plan.work_split.zero_()
     return plan
 
 
