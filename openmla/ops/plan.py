@@ -57,7 +57,7 @@ def _plan_decode_fwd_kernel(
     n = tl.where(qlen > 0, tl.maximum((L + split - 1) // split, 1), 0)
     n1 = tl.maximum(n, 1)
     per = (L + n1 - 1) // n1  # equal splits per request, not a short tail
-    per = tl.maximum((per + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
+    per = tl.where(n > 0, tl.maximum((per + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N), 0)
     tl.store(split_len + o_b, per.to(tl.int32), mask=m_b)
     tl.store(num_splits + o_b, n.to(tl.int32), mask=m_b)
     ends = tl.cumsum(n, axis=0)
@@ -129,7 +129,7 @@ class DecodePlan:
         tiling (DecodeTiling): the kernel's tile shape.
         capacity (int): number of work-item slots (programs along grid axis 0).
         split_len (torch.Tensor): `[B]` int32, KV tokens per split of each request (a multiple of
-            ``tiling.block_n``; the request's splits are as equal as that allows).
+            ``tiling.block_n``; the request's splits are as equal as that allows; 0 without splits).
         num_splits (torch.Tensor): `[B]` int32, splits of each request (1 for an empty request with
             query rows, so its rows are written; 0 for a request without query rows).
         work_indptr (torch.Tensor): `[B + 1]` int32, cumulative splits: request b owns work items
