@@ -8,9 +8,12 @@ log-sum-exp of the scaled scores, ``[T, H]``; an empty row gives out = 0 and lse
 
 from openmla import device  # noqa: F401  (must come first: configures the Triton interpreter)
 from openmla.ops.cache import concat_and_cache_mla, gather_cache
+from openmla.ops.chunked_prefill import mla_prefill_with_context
 from openmla.ops.decode import mla_decode
 from openmla.ops.indices import expand_page_indices
+from openmla.ops.merge import merge_attn_states
 from openmla.ops.plan import DecodePlan, plan_decode
+from openmla.ops.prefill import flash_attn_varlen
 
 __version__ = "0.1.0"
 
@@ -22,4 +25,7 @@ __all__ = [
     "mla_decode",
     "plan_decode",
     "DecodePlan",
+    "flash_attn_varlen",
+    "merge_attn_states",
+    "mla_prefill_with_context",
 ]

@@ -20,7 +20,7 @@ from openmla.device import INTERPRET
 from openmla.ops._fp8 import to_e4m3
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe, scalar_scale
 
-__all__ = ["concat_and_cache_mla", "gather_cache", "KV_CACHE_DTYPES", "DS_MLA_ROW_BYTES"]
+__all__ = ["concat_and_cache_mla", "gather_cache", "check_block_table", "KV_CACHE_DTYPES", "DS_MLA_ROW_BYTES"]
 
 FP8_MAX = 448.0
 DS_MLA_ROW_BYTES = 656  # 512 e4m3 + 4 fp32 scales + 64 bf16
@@ -233,6 +233,31 @@ def concat_and_cache_mla(
     )  # fmt: skip
 
 
+def check_block_table(block_table, seq_lens, seq_starts, block_size: int, num_blocks: int) -> None:
+    """Raise when a request reads past its block table or through a block the cache lacks (host sync)."""
+    dev = block_table.device
+    B, max_blocks = block_table.shape
+    ends = seq_lens.long() + (0 if seq_starts is None else seq_starts.long())
+    if int(seq_lens.min()) < 0 or (seq_starts is not None and int(seq_starts.min()) < 0):
+        raise ValueError("seq_lens and seq_starts must be non-negative")
+    need = (ends + block_size - 1) // block_size  # blocks each request reads (a prefix bound)
+    if int(need.max()) > max_blocks:
+        raise ValueError(
+            f"a request reads up to position {int(ends.max())} but block_table [{B}, {max_blocks}] "
+            f"covers only {max_blocks * block_size} tokens at block_size {block_size}"
+        )
+    first = 0 if seq_starts is None else seq_starts.long() // block_size
+    cols = torch.arange(max_blocks, device=dev)[None, :]
+    used = (cols < need[:, None]) & (cols >= (first[:, None] if seq_starts is not None else 0))
+    used &= (seq_lens > 0)[:, None]
+    blocks = block_table[used]
+    if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
+        raise ValueError(
+            f"block_table refers to block {int(blocks.max()) if int(blocks.min()) >= 0 else int(blocks.min())} "
+            f"but kv_cache has {num_blocks} blocks"
+        )
+
+
 def gather_cache(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -243,6 +268,7 @@ def gather_cache(
     scale: torch.Tensor | float | None = None,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    validate: bool = True,
 ) -> torch.Tensor:
     r"""Gather the cached rows of each request into one contiguous, dequantised tensor.
 
@@ -259,6 +285,8 @@ def gather_cache(
         out (torch.Tensor | None): `[sum(seq_lens), D]` of ``out_dtype`` to write into (avoids the host
             synchronisation that sizing the output needs). D = kv_cache.shape[-1], or 576 for fp8_ds_mla.
         out_dtype (torch.dtype): dtype of a newly allocated output (bf16 by default).
+        validate (bool): check the block table against the cache (a host sync); callers that checked
+            the whole batch once (chunked prefill) pass False. Unchecked bad blocks read as zeros.
 
     Returns:
         torch.Tensor: `[sum(seq_lens), D]`, dequantised rows ``[kv_c | k_pe]``.
@@ -275,26 +303,8 @@ def gather_cache(
     num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
     max_blocks = block_table.shape[1]
 
-    if not capturing() and B > 0:
-        ends = seq_lens.long() + (0 if seq_starts is None else seq_starts.long())
-        if int(seq_lens.min()) < 0 or (seq_starts is not None and int(seq_starts.min()) < 0):
-            raise ValueError("seq_lens and seq_starts must be non-negative")
-        need = (ends + block_size - 1) // block_size  # blocks each request reads (a prefix bound)
-        if int(need.max()) > max_blocks:
-            raise ValueError(
-                f"a request reads up to position {int(ends.max())} but block_table [{B}, {max_blocks}] "
-                f"covers only {max_blocks * block_size} tokens at block_size {block_size}"
-            )
-        first = 0 if seq_starts is None else seq_starts.long() // block_size
-        cols = torch.arange(max_blocks, device=dev)[None, :]
-        used = (cols < need[:, None]) & (cols >= (first[:, None] if seq_starts is not None else 0))
-        used &= (seq_lens > 0)[:, None]
-        blocks = block_table[used]
-        if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
-            raise ValueError(
-                f"block_table refers to block {int(blocks.max()) if int(blocks.min()) >= 0 else int(blocks.min())} "
-                f"but kv_cache has {num_blocks} blocks"
-            )
+    if validate and not capturing() and B > 0:
+        check_block_table(block_table, seq_lens, seq_starts, block_size, num_blocks)
 
     cu = torch.zeros(B + 1, dtype=torch.int64, device=dev)
     torch.cumsum(seq_lens, 0, out=cu[1:])

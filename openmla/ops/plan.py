@@ -181,6 +181,7 @@ def plan_decode(
     num_sms: int | None = None,
     d_v: int = 512,
     out: DecodePlan | None = None,
+    validate: bool = True,
 ) -> DecodePlan:
     r"""Plan the split-KV decode of a (ragged) batch.
 
@@ -195,6 +196,9 @@ def plan_decode(
             from ``seq_lens`` (a host sync) when None.
         num_sms (int | None): multiprocessors to balance over (default: the device's).
         d_v (int): output width (512 for DeepSeek's latent).
+        validate (bool): check the bounds against the tensors (one host sync). A scheduler that
+            already checked its batch on the host passes False together with both bounds; the plan then
+            never waits for the device.
         out (DecodePlan | None): a plan built earlier for the same batch size, heads and
             ``max_query_len``: its buffers are rewritten in place (stable addresses for CUDA graphs).
 
@@ -208,7 +212,7 @@ def plan_decode(
     if not isinstance(num_heads, int) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int; got {num_heads!r}")
     qlen = query_start_loc[1:] - query_start_loc[:-1]
-    if not capturing() and B:  # one host sync for every check and default
+    if (validate or max_query_len is None or max_seq_len is None) and not capturing() and B:  # one host sync
         top_q, top_s, low_q, low_s = torch.stack([qlen.max(), seq_lens.max().to(qlen.dtype), qlen.min(),
                                                   seq_lens.min().to(qlen.dtype)]).tolist()  # fmt: skip
         if low_q < 0 or low_s < 0:
@@ -220,7 +224,7 @@ def plan_decode(
         max_query_len = max(1, top_q) if max_query_len is None else max_query_len
         max_seq_len = top_s if max_seq_len is None else max_seq_len
     elif max_query_len is None or max_seq_len is None:
-        if capturing():
+        if capturing() or B:
             raise ValueError("max_query_len and max_seq_len must be given while a CUDA graph is captured")
         max_query_len, max_seq_len = max_query_len or 1, max_seq_len or 0
     if num_sms is None:

@@ -9,3 +9,8 @@ from openmla.reference.cache import (  # noqa: F401
     quantize_fp8_ref,
 )
 from openmla.reference.decode import mla_decode_ref  # noqa: F401
+from openmla.reference.prefill import (  # noqa: F401
+    flash_attn_varlen_ref,
+    merge_attn_states_ref,
+    mla_prefill_with_context_ref,
+)

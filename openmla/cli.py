@@ -1,0 +1,236 @@
+"""Command line: ``openmla generate`` and ``openmla demo`` (also ``python -m openmla ...``).
+
+``openmla generate --model PATH --prompt-ids 5,6,7 [--prompt-ids ...] --max-new-tokens N [--device cpu|cuda]
+[--kv-cache-dtype auto|fp8] [--speculate K] [--json]``
+    Greedy generation for a batch of token-id prompts. With ``--json`` the last line of stdout is a JSON
+    list with one list of generated token ids per prompt (prompt excluded), in prompt order, exactly
+    ``N`` each. ``--model tiny`` (the default) is the built-in seeded tiny DeepSeek V3.
+
+``openmla demo [--device cpu|cuda] [--model PATH] [--kv-cache-dtype auto|fp8] [--speculate K]``
+    Builds the tiny DeepSeek V3 (or loads PATH), generates for a handful of prompts of different lengths
+    with continuous batching, chunked prefill and speculative verify, prints tokens/s and the acceptance
+    rate, checks each request's last step's logits against transformers and exits 1 on a mismatch.
+
+Exit codes: 0 success, 1 logits mismatch (demo), 2 bad arguments or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+__all__ = ["main"]
+
+
+def _device(name: str | None):
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def _dtype(name: str, device):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"prompt ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("a prompt needs at least one token id")
+    return ids
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _non_negative(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _add_common(p: argparse.ArgumentParser, speculate_default: int) -> None:
+    p.add_argument("--model", default="tiny", help='checkpoint directory (HF config.json + safetensors) or "tiny"')
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present, else cpu")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument("--speculate", type=_non_negative, default=speculate_default, metavar="K",
+                   help="draft tokens verified per step (n-gram prompt lookup)")  # fmt: skip
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="model dtype (auto: bfloat16 on cuda, float32 on cpu)")  # fmt: skip
+    p.add_argument("--block-size", type=_positive, default=None, help="KV-cache block size (default 16 cpu, 64 cuda)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="openmla", description="openmla: paged MLA attention, tiny engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="greedy generation for token-id prompts")
+    _add_common(g, 0)
+    g.add_argument("--prompt-ids", type=_prompt_ids, action="append", required=True, metavar="IDS",
+                   help="comma-separated token ids; repeat for a batch")  # fmt: skip
+    g.add_argument("--max-new-tokens", type=_positive, required=True, metavar="N")
+    g.add_argument("--json", action="store_true", help="print the generated ids as JSON on the last line")
+    d = sub.add_parser("demo", help="generate with the tiny DeepSeek V3 and check against transformers")
+    _add_common(d, 2)
+    d.add_argument("--max-new-tokens", type=_positive, default=24, metavar="N")
+    return parser
+
+
+def _make_engine(args, prompts: list[list[int]], max_new_tokens: int, *, record: bool = False, decisive: bool = False):
+    """Load the model and size an engine for these prompts."""
+    from openmla.engine import EngineConfig, LLMEngine, load_model
+
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, device)
+    model, sd = load_model(
+        args.model, seed=args.seed, device=device, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype,
+        decisive_routing=decisive,
+    )  # fmt: skip
+    block_size = args.block_size or (64 if device.type == "cuda" else 16)
+    longest = max(len(p) for p in prompts) + max_new_tokens + args.speculate
+    max_model_len = min(model.config.max_position_embeddings, -(-longest // block_size) * block_size)
+    if longest - args.speculate > max_model_len:
+        raise ValueError(
+            f"the longest prompt plus {max_new_tokens} new tokens exceeds the model's "
+            f"{model.config.max_position_embeddings} positions"
+        )
+    cfg = EngineConfig(
+        block_size=block_size,
+        max_num_seqs=min(len(prompts), 4) if record else len(prompts),
+        max_num_batched_tokens=32 if record else max(256, 1 + args.speculate),
+        max_model_len=max_model_len,
+        num_spec_tokens=args.speculate,
+    )
+    return LLMEngine(model, cfg), sd, dtype
+
+
+def _cmd_generate(args) -> int:
+    prompts = args.prompt_ids
+    engine, _, _ = _make_engine(args, prompts, args.max_new_tokens)
+    outs = engine.generate(prompts, args.max_new_tokens)
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        print(f"prompt {i} ({len(p)} tokens) -> {' '.join(map(str, o))}")
+    st = engine.stats
+    print(f"{st.num_generated_tokens} tokens in {st.elapsed_s:.2f} s ({st.tokens_per_s:.1f} tokens/s)", file=sys.stderr)
+    if args.json:
+        print(json.dumps(outs))
+    return 0
+
+
+class _Progress:
+    """A one-line text progress bar on stderr."""
+
+    def __init__(self, width: int = 30) -> None:
+        self.width = width
+        self.t0 = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * self.width)
+        rate = done / max(time.perf_counter() - self.t0, 1e-9)
+        end = "\n" if done >= total else ""
+        line = f"\r  [{bar:<{self.width}}] {done}/{total} tokens ({rate:.1f} tok/s)"
+        print(line, end=end, file=sys.stderr, flush=True)
+
+
+def _demo_prompts(vocab: int) -> list[list[int]]:
+    """Five prompts of 3..40 tokens; two repeat a pattern (prompt lookup finds drafts there)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    rand = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in (3, 11, 40)]
+    pattern = torch.randint(2, vocab, (4,), generator=g).tolist()
+    return [rand[0], pattern * 4, rand[1], rand[2], pattern[:3] * 2 + rand[0]]
+
+
+def _cmd_demo(args) -> int:
+    import torch
+
+    from openmla.engine.oracle import build_hf_model, check_records, logit_tolerance
+
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, device)
+    # Low precision: pin the MoE expert choice so that a rounding-level near-tie cannot flip a route.
+    decisive = dtype != torch.float32 or args.kv_cache_dtype == "fp8"
+    print(f"openmla demo: DeepSeek V3 ({args.model}) on {device}, {str(dtype).replace('torch.', '')}, "
+          f"kv cache {args.kv_cache_dtype}, speculate {args.speculate}")  # fmt: skip
+    t0 = time.perf_counter()
+    from openmla.engine.loader import tiny_config
+
+    vocab = tiny_config().vocab_size if args.model == "tiny" else None
+    if vocab is None:
+        from openmla.engine.loader import load_checkpoint
+
+        vocab = load_checkpoint(args.model)[0].vocab_size
+    prompts = _demo_prompts(vocab)
+    engine, sd, dtype = _make_engine(args, prompts, args.max_new_tokens, record=True, decisive=decisive)
+    mc = engine.model.config
+    print(f"  model: {mc.num_hidden_layers} layers, hidden {mc.hidden_size}, {mc.num_attention_heads} heads, "
+          f"latent {mc.kv_lora_rank}+{mc.qk_rope_head_dim}, {mc.n_routed_experts} experts; "
+          f"block size {engine.config.block_size}, budget {engine.config.max_num_batched_tokens} tokens/step, "
+          f"{engine.config.max_num_seqs} seqs; cuda graphs {'on' if engine.runner.cuda_graphs else 'off'} "
+          f"(setup {time.perf_counter() - t0:.1f} s)")  # fmt: skip
+    print(f"  prompts of {', '.join(str(len(p)) for p in prompts)} tokens, {args.max_new_tokens} new tokens each")
+
+    progress = _Progress()
+    ids = [engine.add_request(p, args.max_new_tokens) for p in prompts]
+    total = len(prompts) * args.max_new_tokens
+    last = {}  # each request's rows of its last step
+    while engine.has_unfinished():
+        engine.records.clear()
+        engine.step(record=True)
+        last.update((r.req_id, r) for r in engine.records)
+        progress(sum(len(engine.output_ids(r)) for r in ids), total)
+    st = engine.stats
+    for i, r in enumerate(ids):
+        print(f"  prompt {i} ({len(prompts[i])} tokens) -> {' '.join(map(str, engine.output_ids(r)))}")
+    print(f"  {st.num_generated_tokens} tokens in {st.num_steps} steps, {st.elapsed_s:.2f} s: "
+          f"{st.tokens_per_s:.1f} tokens/s; preemptions {st.num_preemptions}, "
+          f"graph replays {st.num_graph_replays}")  # fmt: skip
+    if args.speculate:
+        print(f"  speculative acceptance rate: {st.acceptance_rate:.1%} "
+              f"({st.num_accepted_tokens} of {st.num_draft_tokens} drafts)")  # fmt: skip
+
+    atol, rtol, cos_tol = logit_tolerance(dtype, args.kv_cache_dtype)
+    hf = build_hf_model(engine.model.config, sd)
+    check = check_records(hf, list(last.values()), atol, rtol, cos_tol)
+    print(f"  last steps vs transformers DeepseekV3ForCausalLM: {check.num_rows} rows, max |logit diff| "
+          f"{check.max_abs_diff:.3e} (atol {atol}, rtol {rtol}), cos diff {check.max_cos_diff:.1e}")  # fmt: skip
+    if not check.ok:
+        print("MISMATCH:\n  " + "\n  ".join(check.failures), file=sys.stderr)
+        return 1
+    print("OK")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``openmla``; returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _cmd_generate(args)
+        return _cmd_demo(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"openmla {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""Attention layers that own their weights and call the ops with a step's metadata."""
+
+from openmla.layers.mla import KV_CACHE_DTYPES, MLAAttention
+from openmla.layers.norm import RMSNorm
+from openmla.layers.rope import RotaryEmbedding, mla_softmax_scale, yarn_get_mscale
+
+__all__ = ["KV_CACHE_DTYPES", "MLAAttention", "RMSNorm", "RotaryEmbedding", "mla_softmax_scale", "yarn_get_mscale"]

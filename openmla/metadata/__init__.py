@@ -1,0 +1,23 @@
+"""Metadata builders: turn a scheduled batch into what the attention layers of a step read."""
+
+from openmla.metadata.batch import BatchSpec
+from openmla.metadata.dense import (
+    ChunkedContextMetadata,
+    MLADecodeMetadata,
+    MLAMetadata,
+    MLAMetadataBuilder,
+    MLAPrefillMetadata,
+    split_decodes_and_prefills,
+    uniform_padded_query_len,
+)
+
+__all__ = [
+    "BatchSpec",
+    "ChunkedContextMetadata",
+    "MLADecodeMetadata",
+    "MLAMetadata",
+    "MLAMetadataBuilder",
+    "MLAPrefillMetadata",
+    "split_decodes_and_prefills",
+    "uniform_padded_query_len",
+]

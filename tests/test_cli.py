@@ -1,0 +1,82 @@
+"""The command line: the ``generate --json`` contract and the demo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from openmla.cli import main
+from openmla.engine import EngineConfig, LLMEngine, load_model
+from openmla.utils.testing import on_gpu
+
+PROMPTS = [[5, 6, 7], [9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
+
+
+def _expected(n, device="cpu"):
+    model, _ = load_model("tiny", seed=0, device=device, dtype=torch.float32)
+    return LLMEngine(model, EngineConfig(max_model_len=64, cuda_graphs=False)).generate(PROMPTS, n)
+
+
+def _args(n, *extra):
+    args = ["generate", "--max-new-tokens", str(n), "--json", "--device", "cpu", "--dtype", "float32"]
+    for p in PROMPTS:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    return args + list(extra)
+
+
+def test_generate_json_contract(capsys):
+    assert main(_args(5)) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    ids = json.loads(out[-1])  # the last line of stdout
+    assert isinstance(ids, list) and [len(x) for x in ids] == [5, 5, 5]
+    assert all(isinstance(t, int) for x in ids for t in x)
+    assert ids == _expected(5)  # greedy, prompt order, prompts excluded
+
+
+def test_generate_speculative_and_fp8(capsys):
+    assert main(_args(5, "--speculate", "2")) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == _expected(5)
+    assert main(_args(3, "--kv-cache-dtype", "fp8")) == 0
+    ids = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [len(x) for x in ids] == [3, 3, 3]  # fp8 may change greedy choices; the contract holds
+
+
+def test_python_m_openmla_generate():
+    """The ``python -m openmla`` entry point in a fresh process."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "openmla", "generate", "--prompt-ids", "5,6,7", "--prompt-ids", "9",
+         "--max-new-tokens", "3", "--device", "cpu", "--dtype", "float32", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    ids = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ids == [x[:3] for x in _expected(3)[:2]]
+
+
+def test_generate_bad_input(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt-ids", "5,x", "--max-new-tokens", "2"])
+    assert e.value.code == 2
+    assert main(["generate", "--prompt-ids", "5,100000", "--max-new-tokens", "2", "--device", "cpu"]) == 2
+    assert "vocabulary" in capsys.readouterr().err
+    assert main(["generate", "--prompt-ids", "5", "--max-new-tokens", "1000", "--device", "cpu"]) == 2
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU variant below runs the demo on cuda")
+def test_demo_cpu(capsys):
+    assert main(["demo", "--device", "cpu", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "acceptance rate" in out and "max |logit diff|" in out
+    assert out.strip().endswith("OK")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_demo_cuda(capsys, kv):
+    assert main(["demo", "--device", "cuda", "--kv-cache-dtype", kv]) == 0
+    out = capsys.readouterr().out
+    assert "cuda graphs on" in out and out.strip().endswith("OK")
