@@ -11,7 +11,7 @@ import torch
 
 from openmla.cli import main
 from openmla.engine import EngineConfig, LLMEngine, load_model
-from openmla.utils.testing import on_gpu
+from openmla.utils.testing import on_gpu, test_device
 
 PROMPTS = [[5, 6, 7], [9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
@@ -21,8 +21,11 @@ def _expected(n, device="cpu"):
     return LLMEngine(model, EngineConfig(max_model_len=64, cuda_graphs=False)).generate(PROMPTS, n)
 
 
+DEV = test_device().type  # the CLI runs where the suite runs (CPU: the interpreter)
+
+
 def _args(n, *extra):
-    args = ["generate", "--max-new-tokens", str(n), "--json", "--device", "cpu", "--dtype", "float32"]
+    args = ["generate", "--max-new-tokens", str(n), "--json", "--device", DEV, "--dtype", "float32"]
     for p in PROMPTS:
         args += ["--prompt-ids", ",".join(map(str, p))]
     return args + list(extra)
@@ -49,7 +52,7 @@ def test_python_m_openmla_generate():
     """The ``python -m openmla`` entry point in a fresh process."""
     proc = subprocess.run(
         [sys.executable, "-m", "openmla", "generate", "--prompt-ids", "5,6,7", "--prompt-ids", "9",
-         "--max-new-tokens", "3", "--device", "cpu", "--dtype", "float32", "--json"],
+         "--max-new-tokens", "3", "--device", DEV, "--dtype", "float32", "--json"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -61,14 +64,14 @@ def test_generate_bad_input(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt-ids", "5,x", "--max-new-tokens", "2"])
     assert e.value.code == 2
-    assert main(["generate", "--prompt-ids", "5,100000", "--max-new-tokens", "2", "--device", "cpu"]) == 2
+    assert main(["generate", "--prompt-ids", "5,100000", "--max-new-tokens", "2", "--device", DEV]) == 2
     assert "vocabulary" in capsys.readouterr().err
-    assert main(["generate", "--prompt-ids", "5", "--max-new-tokens", "1000", "--device", "cpu"]) == 2
+    assert main(["generate", "--prompt-ids", "5", "--max-new-tokens", "1000", "--device", DEV]) == 2
 
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU variant below runs the demo on cuda")
 def test_demo_cpu(capsys):
-    assert main(["demo", "--device", "cpu", "--max-new-tokens", "6"]) == 0
+    assert main(["demo", "--device", DEV, "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and "acceptance rate" in out and "max |logit diff|" in out
     assert out.strip().endswith("OK")

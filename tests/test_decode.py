@@ -92,6 +92,17 @@ def test_mla_decode(heads, page, qlen, causal, dtype, device):
     _check(*_batch(device, heads, qlens, lens, page, dtype), causal, dtype)
 
 
+@pytest.mark.parametrize("page", [48, 64])
+def test_splits_not_on_page_boundaries(page, device):
+    # several splits per request whose starts fall inside a page (equal splits of an odd length)
+    lens = pick([1000, 601, 333], [30001, 9001, 12345])
+    q, cache, bt, sl, qsl = _batch(device, 3, [1, 2, 1], lens, page, torch.float16)
+    plan = openmla.plan_decode(sl, qsl, 3, num_sms=pick(2, 132))
+    starts = [s * int(plan.split_len[b]) for b in range(3) for s in range(int(plan.num_splits[b]))]
+    assert any(x % page for x in starts) and int(plan.num_splits.max()) > 1
+    _check(q, cache, bt, sl, qsl, True, torch.float16, plan=plan)
+
+
 def test_plan_reuse_and_out_buffers(device):
     lens = pick([50, 3, 0, 9], [5000, 3, 0, 20000])
     qlens = [2, 1, 2, 2]

@@ -211,10 +211,11 @@ def test_decode_only_build_no_sync_cuda(device):
     b = make_builder(device)
     spec = make_spec([3, 3, 0, 0], [9, 12, 0, 0], device, num_input_tokens=12)
     b.build(spec)  # first build allocates the plan
+    spec = make_spec([3, 0, 0, 0], [30, 0, 0, 0], device, num_input_tokens=12)  # its H2D copies may sync
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        b.build(make_spec([3, 0, 0, 0], [30, 0, 0, 0], device, num_input_tokens=12))
+        b.build(spec)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -254,7 +255,9 @@ def test_builder_validation(device):
 )
 def test_split_properties(reqs, threshold):
     """Any ragged batch: decodes are the leading short queries and the tensors agree with the host split."""
-    device = torch.device("cpu")
+    from openmla.utils.testing import test_device
+
+    device = test_device()  # hypothesis and function-scoped fixtures do not mix
     qlens = [q for q, _ in reqs]
     seq_lens = [q + c for q, c in reqs]
     md = make_builder(device, decode_threshold=threshold, workspace_tokens=7).build(make_spec(qlens, seq_lens, device))

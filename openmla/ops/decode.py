@@ -108,13 +108,13 @@ def _mla_decode_fwd_kernel(
         # and the split's block numbers are loaded before the KV loop so loads can be pipelined
         o_pg = tl.arange(0, MAX_PAGES)
         i_pg0 = kv_lo // PAGE
-        b_pages = tl.load(p_bt + i_pg0 + o_pg, mask=(i_pg0 + o_pg < max_blocks) & (o_pg * PAGE < kv_hi - kv_lo),
+        b_pages = tl.load(p_bt + i_pg0 + o_pg, mask=(i_pg0 + o_pg < max_blocks) & ((i_pg0 + o_pg) * PAGE < kv_hi),
                           other=-1).to(tl.int64)  # fmt: skip
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < kv_hi
         if PAGE_ALIGNED:
-            blk = tl.sum(tl.where(o_pg == (n0 - kv_lo) // PAGE, b_pages, 0))
+            blk = tl.sum(tl.where(o_pg == n0 // PAGE - i_pg0, b_pages, 0))  # splits need not start on a page
             m_n = m_n & (blk >= 0) & (blk < num_blocks)
             p_kv = kv_cache + blk * stride_kv_b + (o_n % PAGE) * stride_kv_p
         else:
@@ -222,7 +222,7 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
         out.stride(0), out.stride(1), H, kv_cache.shape[0], block_table.shape[1],
         PAGE=page, MAX_QLEN=plan.max_query_len, D_V=d_v, D_R=q.shape[2] - d_v,
         BLOCK_H=t.block_h, Q_PER=t.q_per, BLOCK_N=t.block_n, PAGE_ALIGNED=page % t.block_n == 0,
-        MAX_PAGES=triton.next_power_of_2(max(1, t.max_split // page)), CAUSAL=causal, COMPUTE=compute,
+        MAX_PAGES=triton.next_power_of_2(t.max_split // page + 1), CAUSAL=causal, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
