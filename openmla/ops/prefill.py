@@ -14,9 +14,8 @@ sees keys ``j <= i + Lk - Lq``. A row that sees no key (``Lk = 0``, or ``i + Lk 
 out = 0 and lse = -inf.
 
 FP8: q, k and v in ``float8_e4m3fn`` with per-tensor fp32 descales (value ~= stored * descale). On a
-GPU both products run in bf16 (operands widened from fp8; the q/k descales are folded into the softmax
-scale, the v descale is applied to the output); ``OPENMLA_PREFILL_FP8_MMA=1`` runs ``q @ k^T`` in fp8 on
-sm89+ (experimental: it produced NaN in one H200 run).
+GPU with fp8 MMA (sm89+) ``q @ k^T`` runs in fp8 with the descales folded into the softmax scale;
+``p @ v`` runs in bf16 (v widened from fp8, p in bf16) and the v descale is applied to the output.
 The output is bf16. fp32 inputs (for tests and the CPU engine) use exact IEEE dots, not tf32.
 
 Tiles: on a GPU, a short autotune list (``_configs``, keyed on the head dims, GQA group, causality and
@@ -293,13 +292,8 @@ def _qk_pv_dtypes(dtype: torch.dtype, device: torch.device):
     if dtype != torch.float8_e4m3fn:
         c = compute_dtype(dtype)
         return c, c
-    # fp8 inputs are widened to bf16 for both products. Native fp8 q @ k^T (sm89+) produced NaN in the
-    # H200 test run (benchmarks/RESULTS.md, run 4) and was slower than bf16 there (438 vs 477 TFLOPS at
-    # H 128, 8k tokens), so the fp8 path's gain today is memory, not speed.
     pv = compute_dtype(torch.bfloat16)
-    if os.environ.get("OPENMLA_PREFILL_FP8_MMA") == "1" and not INTERPRET and device.type == "cuda" and (
-        torch.cuda.get_device_capability(device) >= (8, 9)
-    ):
+    if not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         return tl.float8e4nv, pv
     return pv, pv
 
