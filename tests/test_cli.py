@@ -16,12 +16,12 @@ from openmla.utils.testing import on_gpu, test_device
 PROMPTS = [[5, 6, 7], [9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
 
-def _expected(n, device="cpu"):
+DEV = test_device().type  # the CLI runs where the suite runs (CPU: the interpreter)
+
+
+def _expected(n, device=DEV):
     model, _ = load_model("tiny", seed=0, device=device, dtype=torch.float32)
     return LLMEngine(model, EngineConfig(max_model_len=64, cuda_graphs=False)).generate(PROMPTS, n)
-
-
-DEV = test_device().type  # the CLI runs where the suite runs (CPU: the interpreter)
 
 
 def _args(n, *extra):

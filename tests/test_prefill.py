@@ -48,7 +48,8 @@ def _inputs(lq, lk, h, h_kv, d_qk, d_v, dtype, device):
     kw = {}
     if dtype == FP8:
         ds = [torch.tensor([s], device=device) for s in (0.02, 0.05, 0.01)]
-        q, k, v = (x / s for x, s in zip((q, k, v), ds))
+        # clamp into e4m3's range: torch turns values beyond +-448 into NaN (seen on the GPU shapes)
+        q, k, v = ((x / s).clamp(-448, 448) for x, s in zip((q, k, v), ds))
         kw = dict(q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
     return q.to(dtype), k.to(dtype), v.to(dtype), cu_q, cu_k, kw
 
