@@ -25,7 +25,8 @@ __all__ = ["DecodePlan", "plan_decode"]
 
 _WAVES = int(os.environ.get("OPENMLA_DECODE_WAVES", "2"))  # target programs per SM
 # tokens: below this a split's fixed cost (q load, partial write) dominates
-_MIN_SPLIT = int(os.environ.get("OPENMLA_DECODE_MIN_SPLIT", "256"))
+# (64-row tiles: 512; measured on the H200, h128 b1 s32k: 72 us at 512 vs 92 us at 256, RESULTS.md run 5)
+_MIN_SPLIT_ENV = os.environ.get("OPENMLA_DECODE_MIN_SPLIT")
 
 
 @triton.jit
@@ -232,6 +233,7 @@ def plan_decode(
     tiling = choose_tiling(num_heads, max_query_len)
     programs_per_split = triton_cdiv(num_heads, tiling.block_h) * triton_cdiv(max_query_len, tiling.q_per)
     target = max(1, (_WAVES * num_sms) // programs_per_split)
+    min_split = int(_MIN_SPLIT_ENV) if _MIN_SPLIT_ENV else (512 if tiling.block_m == 64 else 256)
     # splits are at most tiling.max_split long, so a batch of long requests may need more than target
     capacity = B + max(target, B * triton_cdiv(max_seq_len, tiling.max_split))
 
@@ -257,7 +259,7 @@ def plan_decode(
     if B:
         _plan_decode_fwd_kernel[(1,)](
             seq_lens, query_start_loc, plan.split_len, plan.num_splits, plan.work_indptr, plan.work_req,
-            plan.work_split, B, capacity, target, MIN_SPLIT=_MIN_SPLIT, BLOCK_N=tiling.block_n,
+            plan.work_split, B, capacity, target, MIN_SPLIT=min_split, BLOCK_N=tiling.block_n,
             MAX_SPLIT=tiling.max_split, BLOCK_B=triton.next_power_of_2(B), BLOCK_I=16, num_warps=8,
         )  # fmt: skip
     else:
