@@ -76,7 +76,8 @@ def run_shape(h, b, s, qlen, fp8, bw, args):
         q, cache, bt, sl, qsl, plan, out, lse, SCALE * 1.4426950408889634, 1.0, True, 512,
         dec.compute_dtype(torch.float16 if fp8 else torch.bfloat16)), graph=not args.no_graph)
     reduce_us = bench_us(lambda: dec._mla_decode_reduce(qsl, plan, out, lse, 512), graph=not args.no_graph)
-    plan_us = bench_us(lambda: openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s, out=plan), graph=False)
+    plan_us = bench_us(lambda: openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s, out=plan),
+                       graph=False)
     row_bytes = 576 * (1 if fp8 else 2)
     nbytes = b * s * row_bytes + q.numel() * 2 + out.numel() * 2
     flops = 2.0 * b * qlen * h * s * (576 + 512)
@@ -84,10 +85,9 @@ def run_shape(h, b, s, qlen, fp8, bw, args):
     torch_us = float("nan")
     if b * s <= args.torch_max_tokens:
         torch_us = bench_us(lambda: torch_decode(q, cache, bt, sl, qlen, s, fp8), graph=False)
-    del cache
-    torch.cuda.empty_cache()
     return dict(h=h, b=b, s=s, qlen=qlen, kv="fp8" if fp8 else "bf16", us=us, gbs=gbs, tflops=flops / us / 1e6,
-                frac=gbs / bw, plan_us=plan_us, split_us=split_us, reduce_us=reduce_us, torch_us=torch_us, splits=int(plan.work_indptr[-1]))
+                frac=gbs / bw, plan_us=plan_us, split_us=split_us, reduce_us=reduce_us, torch_us=torch_us,
+                splits=int(plan.work_indptr[-1]))  # the problem's tensors are freed when this returns
 
 
 def main(argv=None):
@@ -125,10 +125,10 @@ def main(argv=None):
     print(hdr)
     for shape in shapes:
         r = run_shape(*shape, bw, args)
+        torch.cuda.empty_cache()
         print(f"{r['h']:>4} {r['b']:>4} {r['s']:>6} {r['qlen']:>4} {r['kv']:>4} {r['us']:>9.1f} {r['gbs']:>7.0f} "
-              f"{r['tflops']:>7.1f} {100 * r['frac']:>5.1f}% {r['splits']:>6} {r['split_us']:>8.1f} {r['reduce_us']:>7.1f} "
-              f"{r['plan_us']:>7.1f} "
-              f"{r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>6.1f}x", flush=True)
+              f"{r['tflops']:>7.1f} {100 * r['frac']:>5.1f}% {r['splits']:>6} {r['split_us']:>8.1f} "
+              f"{r['reduce_us']:>7.1f} {r['plan_us']:>7.1f} {r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>6.1f}x", flush=True)
     return 0
 
 

@@ -22,7 +22,6 @@ def read_bandwidth_gbs(gib: float = 4.0) -> float:
     """GB/s of a read-only ``torch.sum`` over ``gib`` GiB of bf16 (the bandwidth yardstick)."""
     x = torch.randn(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda")
     t = triton.testing.do_bench(lambda: x.sum(), warmup=10, rep=200, return_mode="median") * 1e-3
-    del x
     return gib * 2**30 / t / 1e9
 
 

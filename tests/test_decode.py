@@ -112,8 +112,8 @@ def test_plan_reuse_and_out_buffers(device):
     lse = torch.empty(q.shape[0], 16, device=device)
     for _ in range(2):  # two "layers" reuse one plan
         q = torch.randn_like(q)
-        o, l = _check(q, cache, bt, sl, qsl, True, torch.bfloat16, plan=plan, out=out, lse=lse)
-        assert o.data_ptr() == out.data_ptr() and l.data_ptr() == lse.data_ptr()
+        o, lse_o = _check(q, cache, bt, sl, qsl, True, torch.bfloat16, plan=plan, out=out, lse=lse)
+        assert o.data_ptr() == out.data_ptr() and lse_o.data_ptr() == lse.data_ptr()
     # a plan rebuilt in place keeps its buffers (CUDA graphs)
     ptr = plan.work_req.data_ptr()
     again = openmla.plan_decode(sl, qsl, 16, max_query_len=2, out=plan)

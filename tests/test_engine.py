@@ -269,7 +269,9 @@ def test_scheduler_budget_order_and_preemption(spec):
         kinds = [s.request.num_tokens - s.num_computed_tokens == 1 for s in out.scheduled]
         assert kinds == sorted(kinds, reverse=True)  # decodes first
     assert sched.num_preemptions > 0
-    chunked = [s for o in steps for s in o.scheduled if len(s.token_ids) > 1 and s.num_computed_tokens and not s.draft_ids]
+    chunked = [
+        s for o in steps for s in o.scheduled if len(s.token_ids) > 1 and s.num_computed_tokens and not s.draft_ids
+    ]
     assert chunked  # a prefill continued over cached context
     for r, p in zip(reqs, prompts):  # no request lost, every one complete and correct after recompute
         assert sched.finished[r.req_id] is r and r.output_ids == _fake_expected(p, 6)

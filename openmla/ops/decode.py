@@ -201,7 +201,8 @@ def _mla_decode_reduce_kernel(
         b_m = b_m_new
     empty = b_den == 0.0
     b_out = tl.where(empty, 0.0, b_acc / tl.where(empty, 1.0, b_den))
-    b_lse = tl.where(empty, float("-inf"), tl.where(b_m == float("-inf"), 0.0, b_m) + tl.log(tl.where(empty, 1.0, b_den)))
+    b_m_fin = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_lse = tl.where(empty, float("-inf"), b_m_fin + tl.log(tl.where(empty, 1.0, b_den)))
     row = (q_start + i_t).to(tl.int64)
     tl.store(out + row * stride_o_t + i_h * stride_o_h + o_d, b_out.to(out.dtype.element_ty))
     if i_d == 0:
