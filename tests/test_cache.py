@@ -109,6 +109,10 @@ def test_cache_errors(device):
         openmla.concat_and_cache_mla(kv, pe, cache, ok.float())
     with pytest.raises(ValueError, match="slot_mapping holds slot 8"):
         openmla.concat_and_cache_mla(kv, pe, cache, torch.tensor([0, 8, 1], device=device))
+    # unchecked, an out-of-range slot is skipped by the kernel, never written
+    before = cache.clone()
+    openmla.concat_and_cache_mla(kv, pe, cache, torch.tensor([-1, 8, 100], device=device), validate=False)
+    assert torch.equal(cache, before)
     with pytest.raises(ValueError, match="k_pe"):
         openmla.concat_and_cache_mla(kv, pe[:2], cache, ok)
     with pytest.raises(ValueError, match="kv_cache rows must be"):

@@ -197,7 +197,9 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = self.rotary_emb(positions, q_pe, latent[:, L:])
 
         slots = attn_metadata.slot_mapping[:T]
-        concat_and_cache_mla(kv_c, k_pe, kv_cache, slots, kv_cache_dtype=self.kv_cache_dtype, scale=self.kv_scale)
+        concat_and_cache_mla(  # slots come from the engine's allocator: no per-layer host sync
+            kv_c, k_pe, kv_cache, slots, kv_cache_dtype=self.kv_cache_dtype, scale=self.kv_scale, validate=False
+        )
 
         out = torch.zeros(T, H, self.v_head_dim, dtype=hidden_states.dtype, device=hidden_states.device)
         causal = attn_metadata.causal

@@ -184,6 +184,7 @@ def concat_and_cache_mla(
     *,
     kv_cache_dtype: str = "auto",
     scale: torch.Tensor | float | None = None,
+    validate: bool = True,
 ) -> None:
     r"""Write each token's latent and rope parts into a paged MLA cache, in place.
 
@@ -198,6 +199,9 @@ def concat_and_cache_mla(
         kv_cache_dtype (str): "auto", "fp8" or "fp8_ds_mla".
         scale (torch.Tensor | float): per-tensor fp32 dequantisation scale for "fp8"
             (stored = sat(value / scale)); ignored otherwise.
+        validate (bool): check that every slot lies inside the cache (a host synchronisation). An
+            engine whose allocator made the slots passes False on its per-layer hot path; slots beyond
+            the cache are then skipped by the kernel, never written.
 
     Raises:
         ValueError/TypeError: on a wrong shape, dtype or device, or a slot beyond the cache
@@ -219,7 +223,7 @@ def concat_and_cache_mla(
     T = kv_c.shape[0]
     if T == 0:
         return
-    if not capturing():
+    if validate and not capturing():
         top = int(slot_mapping.max())
         if top >= num_slots:
             raise ValueError(f"slot_mapping holds slot {top} but kv_cache has only {num_slots} slots")
