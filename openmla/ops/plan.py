@@ -27,6 +27,7 @@ _WAVES = int(os.environ.get("OPENMLA_DECODE_WAVES", "2"))  # target programs per
 # tokens: below this a split's fixed cost (q load, partial write) dominates
 # (64-row tiles: 512; measured on the H200, h128 b1 s32k: 72 us at 512 vs 92 us at 256, RESULTS.md run 5)
 _MIN_SPLIT_ENV = os.environ.get("OPENMLA_DECODE_MIN_SPLIT")
+_MAX_SPLIT_TILES = 64  # a split spans at most this many KV tiles (its page numbers stay in registers)
 
 
 @triton.jit
@@ -89,7 +90,7 @@ class DecodeTiling:
     @property
     def max_split(self) -> int:
         """Longest split in tokens: the kernel preloads a split's page numbers into registers."""
-        return 64 * self.block_n
+        return _MAX_SPLIT_TILES * self.block_n
 
     @property
     def block_m(self) -> int:
