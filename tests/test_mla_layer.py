@@ -12,20 +12,12 @@ import torch
 
 from openmla.layers import MLAAttention, RotaryEmbedding, mla_softmax_scale
 from openmla.metadata import BatchSpec, MLAMetadataBuilder
+from openmla.engine.loader import TINY_YARN
 from openmla.utils.testing import assert_close, pick
 
 hf_v3 = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
 
-YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 4.0,
-    "original_max_position_embeddings": 64,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-    "beta_fast": 32,
-    "beta_slow": 1,
-}
+YARN = TINY_YARN
 
 
 def hf_config(heads=4, q_lora_rank=32, rope=YARN, interleave=True, hidden=64):

@@ -30,6 +30,19 @@ __all__ = [
 ]
 
 
+#: The tiny model's rope: YaRN, factor 4 over 64 original positions (so mscale enters the softmax scale).
+TINY_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+
+
 def tiny_config(**overrides) -> DeepseekV3Config:
     """A tiny DeepSeek V3 that keeps the real cache row (512 + 64) and exercises every path.
 
@@ -60,16 +73,7 @@ def tiny_config(**overrides) -> DeepseekV3Config:
         num_experts_per_tok=2,
         first_k_dense_replace=1,
         max_position_embeddings=256,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 64,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "beta_fast": 32,
-            "beta_slow": 1,
-        },
+        rope_parameters=dict(TINY_YARN),
     )
     cfg.update(overrides)
     return DeepseekV3Config(**cfg)
