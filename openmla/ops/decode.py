@@ -104,8 +104,9 @@ def _mla_decode_fwd_kernel(
     b_acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
     p_bt = block_table + i_b * stride_bt_b
     if PAGE_ALIGNED:
-        # tiles never cross a page (kv_lo and BLOCK_N divide evenly): one block number per tile,
-        # and the split's block numbers are loaded before the KV loop so loads can be pipelined
+        # split lengths are multiples of BLOCK_N and BLOCK_N divides PAGE, so no tile crosses a page: one
+        # block number per tile; the split's block numbers are loaded before the KV loop (with the
+        # block-table load inside the loop the pipeliner kept a single KV buffer)
         o_pg = tl.arange(0, MAX_PAGES)
         i_pg0 = kv_lo // PAGE
         b_pages = tl.load(p_bt + i_pg0 + o_pg, mask=(i_pg0 + o_pg < max_blocks) & ((i_pg0 + o_pg) * PAGE < kv_hi),
