@@ -12,7 +12,7 @@ import openmla  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 import pytest
 import torch
 
-from openmla.utils.testing import on_gpu, test_device
+from openmla.utils.testing import on_gpu, suite_device
 
 _torch_empty = torch.empty
 
@@ -33,7 +33,7 @@ def _nan_empty(monkeypatch):
 
 @pytest.fixture
 def device() -> torch.device:
-    return test_device()
+    return suite_device()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,12 +11,12 @@ import torch
 
 from openmla.cli import main
 from openmla.engine import EngineConfig, LLMEngine, load_model
-from openmla.utils.testing import on_gpu, test_device
+from openmla.utils.testing import on_gpu, suite_device
 
 PROMPTS = [[5, 6, 7], [9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
 
-DEV = test_device().type  # the CLI runs where the suite runs (CPU: the interpreter)
+DEV = suite_device().type  # the CLI runs where the suite runs (CPU: the interpreter)
 
 
 def _expected(n, device=DEV):

@@ -186,11 +186,11 @@ def test_decode_errors(device):
     causal=st.booleans(),
 )
 def test_decode_fuzz(heads, page, reqs, causal):
-    from openmla.utils.testing import test_device
+    from openmla.utils.testing import suite_device
 
     lens = [n for n, _ in reqs]
     qlens = [m for _, m in reqs]
-    _check(*_batch(test_device(), heads, qlens, lens, page, torch.float16), causal, torch.float16)
+    _check(*_batch(suite_device(), heads, qlens, lens, page, torch.float16), causal, torch.float16)
 
 
 @settings(max_examples=20, deadline=None)
@@ -201,9 +201,9 @@ def test_decode_fuzz(heads, page, reqs, causal):
     num_sms=st.sampled_from([1, 8, 132]),
 )
 def test_plan_covers_every_key_once(lens, qlen, heads, num_sms):
-    from openmla.utils.testing import test_device
+    from openmla.utils.testing import suite_device
 
-    dev = test_device()
+    dev = suite_device()
     B = len(lens)
     sl = torch.tensor(lens, dtype=torch.int32, device=dev)
     qsl = torch.arange(B + 1, dtype=torch.int32, device=dev) * qlen

@@ -255,9 +255,9 @@ def test_builder_validation(device):
 )
 def test_split_properties(reqs, threshold):
     """Any ragged batch: decodes are the leading short queries and the tensors agree with the host split."""
-    from openmla.utils.testing import test_device
+    from openmla.utils.testing import suite_device
 
-    device = test_device()  # hypothesis and function-scoped fixtures do not mix
+    device = suite_device()  # hypothesis and function-scoped fixtures do not mix
     qlens = [q for q, _ in reqs]
     seq_lens = [q + c for q, c in reqs]
     md = make_builder(device, decode_threshold=threshold, workspace_tokens=7).build(make_spec(qlens, seq_lens, device))

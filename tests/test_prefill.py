@@ -126,11 +126,11 @@ def test_odd_head_dims(dims, device):
 )
 def test_fuzz(lens, heads, dims, causal):
     """Random ragged batches (hypothesis), bf16; a NaN anywhere would fail the comparison."""
-    from openmla.utils.testing import test_device
+    from openmla.utils.testing import suite_device
 
     torch.manual_seed(42)
     lq, lk = [a for a, _ in lens], [b for _, b in lens]
-    _check(lq, lk, *heads, *dims, torch.bfloat16, causal, test_device())
+    _check(lq, lk, *heads, *dims, torch.bfloat16, causal, suite_device())
 
 
 @pytest.mark.gpu

@@ -11,10 +11,10 @@ from openmla.device import INTERPRET
 
 T = TypeVar("T")
 
-__all__ = ["test_device", "on_gpu", "pick", "assert_close", "TOLERANCES"]
+__all__ = ["suite_device", "on_gpu", "pick", "assert_close", "TOLERANCES"]
 
 
-def test_device() -> torch.device:
+def suite_device() -> torch.device:
     """The device the test suite runs on: ``OPENMLA_TEST_DEVICE`` or cuda when available."""
     name = os.environ.get("OPENMLA_TEST_DEVICE")
     if name is None:
@@ -23,7 +23,7 @@ def test_device() -> torch.device:
 
 
 def on_gpu() -> bool:
-    return test_device().type == "cuda"
+    return suite_device().type == "cuda"
 
 
 def pick(cpu: T, gpu: T) -> T:
