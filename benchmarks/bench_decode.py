@@ -27,6 +27,15 @@ PAGE = 64
 SCALE = 192**-0.5
 
 
+def parse_shapes(text: str) -> list[tuple[int, int, int, int, bool]]:
+    """``"h,b,s,qlen[,fp8];..."`` -> ``[(h, b, s, qlen, fp8), ...]``."""
+    shapes = []
+    for item in text.split(";"):
+        f = item.split(",")
+        shapes.append((int(f[0]), int(f[1]), int(f[2]), int(f[3]), len(f) > 4 and f[4] == "fp8"))
+    return shapes
+
+
 def make_problem(h, b, s, qlen, fp8, pool_gib):
     dev = "cuda"
     pages_needed = b * (-(-s // PAGE))
@@ -105,10 +114,7 @@ def main(argv=None):
     bw = read_bandwidth_gbs()
     print(f"# read-only torch.sum bandwidth: {bw:.0f} GB/s")
     if args.shapes:
-        shapes = []
-        for item in args.shapes.split(";"):
-            f = item.split(",")
-            shapes.append((int(f[0]), int(f[1]), int(f[2]), int(f[3]), len(f) > 4 and f[4] == "fp8"))
+        shapes = parse_shapes(args.shapes)
     elif args.full:
         shapes = [(h, b, s, ql, fp8) for fp8, ql, h, b, s in itertools.product(
             [False, True], [1, 2], [16, 32, 64, 128], [1, 8, 32, 64, 128], [1024, 4096, 8192, 32768])]

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import openmla  # noqa: E402
 import openmla.ops.plan as plan_mod  # noqa: E402
-from bench_decode import PAGE, SCALE, make_problem  # noqa: E402
+from bench_decode import PAGE, SCALE, make_problem, parse_shapes  # noqa: E402
 from common import bench_us, env_line, read_bandwidth_gbs  # noqa: E402
 
 DEFAULT_SHAPES = "16,128,8192,1;16,128,8192,2;128,128,8192,1;128,1,32768,1;16,8,4096,1"
@@ -70,9 +70,7 @@ def main(argv=None):
     bw = read_bandwidth_gbs()
     print(f"# read-only torch.sum bandwidth: {bw:.0f} GB/s; page {PAGE}")
     print(f"{'shape':>22} {'variant':>28} {'us':>9} {'%bw':>6} {'TFLOPS':>7} {'items':>6}")
-    for item in args.shapes.split(";"):
-        f = item.split(",")
-        h, b, s, qlen, fp8 = int(f[0]), int(f[1]), int(f[2]), int(f[3]), len(f) > 4 and f[4] == "fp8"
+    for h, b, s, qlen, fp8 in parse_shapes(args.shapes):
         q, cache, bt, sl, qsl = make_problem(h, b, s, qlen, fp8, args.pool_gib)  # freed on the next shape
         out = torch.empty(q.shape[0], h, 512, dtype=torch.bfloat16, device="cuda")
         kw = dict(kv_cache_dtype="fp8", kv_scale=1.0) if fp8 else {}
