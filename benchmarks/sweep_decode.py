@@ -8,7 +8,8 @@ yardstick is measured once. One line per (variant, shape); the best variant per 
     python benchmarks/sweep_decode.py --shapes "16,128,8192,1;128,1,32768,1" \\
         --variants "waves=2;waves=1;max_tiles=128;tiling=32,4,2|min_split=512"
 
-A variant is ``key=value[|key=value...]`` with keys waves, min_split, max_tiles, tiling (block_n,warps,stages).
+A variant is ``key=value[|key=value...]`` with keys waves, min_split, max_tiles, tiling (block_n,warps,stages),
+tma (0/1: full KV tiles through TMA descriptors).
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ DEFAULT_VARIANTS = "default;waves=1;waves=3;max_tiles=128;max_tiles=32;min_split
 def _apply(variant: str):
     """Set the knobs of one variant; returns a function that restores them."""
     saved = (plan_mod._WAVES, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES,
-             os.environ.get("OPENMLA_DECODE_TILING"))
+             os.environ.get("OPENMLA_DECODE_TILING"), os.environ.get("OPENMLA_DECODE_TMA"))
 
     def restore():
-        plan_mod._WAVES, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES, tiling = saved
-        if tiling is None:
-            os.environ.pop("OPENMLA_DECODE_TILING", None)
-        else:
-            os.environ["OPENMLA_DECODE_TILING"] = tiling
+        plan_mod._WAVES, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES, tiling, tma = saved
+        for name, value in (("OPENMLA_DECODE_TILING", tiling), ("OPENMLA_DECODE_TMA", tma)):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
     if variant != "default":
         for item in variant.split("|"):
@@ -52,6 +54,8 @@ def _apply(variant: str):
                 plan_mod._MAX_SPLIT_TILES = int(value)
             elif key == "tiling":
                 os.environ["OPENMLA_DECODE_TILING"] = value
+            elif key == "tma":
+                os.environ["OPENMLA_DECODE_TMA"] = value
             else:
                 raise ValueError(f"unknown knob {key!r} in variant {variant!r}")
     return restore

@@ -1,5 +1,6 @@
 """mla_decode (split-KV + reduce) against the fp32 reference: heads, page sizes, qlen, causal, dtypes."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -101,6 +102,32 @@ def test_splits_not_on_page_boundaries(page, device):
     starts = [s * int(plan.split_len[b]) for b in range(3) for s in range(int(plan.num_splits[b]))]
     assert any(x % page for x in starts) and int(plan.num_splits.max()) > 1
     _check(q, cache, bt, sl, qsl, True, torch.float16, plan=plan)
+
+
+def _tma_available(device) -> bool:
+    return device.type == "cpu" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads,qlens", [(3, [1, 2, 3, 1]), (16, [4, 1, 2, 1])])
+def test_tma_tiles(heads, qlens, causal, dtype, device):
+    # full KV tiles through TMA descriptors, the causal diagonal and partial tiles through pointers;
+    # NaN rows past each request (a TMA tile reads whole pages) and one invalid block number
+    if not _tma_available(device):
+        pytest.skip("TMA needs sm90+")
+    lens = pick([70, 0, 133, 64], [3000, 0, 8191, 4096])
+    q, cache, bt, sl, qsl = _batch(device, heads, qlens, lens, 64, dtype)
+    plan = openmla.plan_decode(sl, qsl, heads, num_sms=pick(2, 132))
+    plan = dataclasses.replace(plan, tiling=dataclasses.replace(plan.tiling, tma=True))
+    out, _ = _check(q, cache, bt, sl, qsl, causal, dtype, plan=plan)
+    bad = bt.clone()
+    bad[2, 1] = cache.shape[0] + 5  # keys 64..127 of request 2 name a block past the cache
+    out_bad, _ = openmla.mla_decode(q, cache, bad, sl, qsl, SCALE, causal=causal, plan=plan,
+                                    **(dict(kv_cache_dtype="fp8", kv_scale=KV_SCALE) if dtype != torch.bfloat16 else {}))
+    assert not torch.isnan(out_bad).any()
+    rows = slice(int(qsl[2]), int(qsl[3]))
+    assert torch.equal(out_bad[: rows.start], out[: rows.start])  # other requests are untouched
 
 
 def test_plan_reuse_and_out_buffers(device):

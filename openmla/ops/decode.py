@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from openmla.device import compute_dtype
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe, scalar_scale
@@ -24,9 +25,57 @@ _LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _decode_tile(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l, a0, a1, a2, a3, scale_log2, m_s,
+                 COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One KV tile of the online softmax. The latent is handled as four column chunks (q0..q3, k0..k3,
+    accumulators a0..a3): each chunk is a separate MMA operand, so no operand spans all 512 columns
+    at once (with mma.sync Triton holds a whole operand in registers). K = latent + rope, V = latent."""
+    b_s = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
+    b_s = tl.dot(q1, tl.trans(k1), b_s, input_precision=DOT_PRECISION)
+    b_s = tl.dot(q2, tl.trans(k2), b_s, input_precision=DOT_PRECISION)
+    b_s = tl.dot(q3, tl.trans(k3), b_s, input_precision=DOT_PRECISION)
+    b_s = tl.dot(q_r, tl.trans(k_r), b_s, input_precision=DOT_PRECISION)  # [M, N]
+    b_s = tl.where(m_s, b_s * scale_log2, float("-inf"))
+    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+    b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+    b_alpha = tl.exp2(b_m - b_m_use)
+    b_p = tl.exp2(b_s - b_m_use[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+    b_p = b_p.to(COMPUTE)
+    a0 = tl.dot(b_p, k0, a0 * b_alpha[:, None], input_precision=DOT_PRECISION)
+    a1 = tl.dot(b_p, k1, a1 * b_alpha[:, None], input_precision=DOT_PRECISION)
+    a2 = tl.dot(b_p, k2, a2 * b_alpha[:, None], input_precision=DOT_PRECISION)
+    a3 = tl.dot(b_p, k3, a3 * b_alpha[:, None], input_precision=DOT_PRECISION)
+    return b_m_new, b_l, a0, a1, a2, a3
+
+
+@triton.jit
+def _load_rows(p_kv, m_n, o_c, DC: tl.constexpr, D_V: tl.constexpr, o_r, COMPUTE: tl.constexpr):
+    """A tile's rows through pointers: four latent chunks [N, DC] and the rope [N, D_R]; zeros where masked."""
+    k0 = tl.load(p_kv[:, None] + o_c[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)
+    k1 = tl.load(p_kv[:, None] + DC + o_c[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)
+    k2 = tl.load(p_kv[:, None] + 2 * DC + o_c[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)
+    k3 = tl.load(p_kv[:, None] + 3 * DC + o_c[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)
+    k_r = tl.load(p_kv[:, None] + D_V + o_r[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)
+    return k0, k1, k2, k3, k_r
+
+
+@triton.jit
+def _store_rows(p_row, o0, o1, o2, o3, m_m, o_c, DC: tl.constexpr):
+    """Store four [M, DC] column chunks to rows starting at p_row [M] (in the destination's dtype)."""
+    dtype = p_row.dtype.element_ty
+    tl.store(p_row[:, None] + o_c[None, :], o0.to(dtype), mask=m_m[:, None])
+    tl.store(p_row[:, None] + DC + o_c[None, :], o1.to(dtype), mask=m_m[:, None])
+    tl.store(p_row[:, None] + 2 * DC + o_c[None, :], o2.to(dtype), mask=m_m[:, None])
+    tl.store(p_row[:, None] + 3 * DC + o_c[None, :], o3.to(dtype), mask=m_m[:, None])
+
+
+@triton.jit
 def _mla_decode_fwd_kernel(
     q,  # [T, H, D_V + D_R]
     kv_cache,  # [num_blocks, PAGE, D_V + D_R]
+    kc_desc,  # TMA descriptor over kv_cache as [num_blocks * PAGE, D_V + D_R], box [BLOCK_N, D_V / 4] (USE_TMA)
+    kr_desc,  # the same rows from column D_V, box [BLOCK_N, D_R] (USE_TMA)
     block_table,  # [B, W]
     seq_lens,  # [B]
     query_start_loc,  # [B + 1]
@@ -58,12 +107,14 @@ def _mla_decode_fwd_kernel(
     Q_PER: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr,
+    USE_TMA: tl.constexpr,
     MAX_PAGES: tl.constexpr,
     CAUSAL: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_H * Q_PER
+    DC: tl.constexpr = D_V // 4  # latent chunk width
     i_w = tl.program_id(0)
     i_h = tl.program_id(1)
     i_q = tl.program_id(2)
@@ -93,15 +144,17 @@ def _mla_decode_fwd_kernel(
     else:
         limit = L + tl.zeros([BLOCK_M], dtype=tl.int32)
 
-    o_v = tl.arange(0, D_V)
+    o_c = tl.arange(0, DC)
     o_r = tl.arange(0, D_R)
-    p_q = q + (q_start + o_t).to(tl.int64)[:, None] * stride_q_t + o_h[:, None] * stride_q_h
-    b_qc = tl.load(p_q + o_v[None, :], mask=m_m[:, None], other=0.0).to(COMPUTE)  # [M, D_V]
-    b_qr = tl.load(p_q + D_V + o_r[None, :], mask=m_m[:, None], other=0.0).to(COMPUTE)  # [M, D_R]
+    p_q = q + (q_start + o_t).to(tl.int64) * stride_q_t + o_h * stride_q_h  # [M]
+    q0, q1, q2, q3, q_r = _load_rows(p_q, m_m, o_c, DC, D_V, o_r, COMPUTE)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    b_acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
+    a0 = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
     p_bt = block_table + i_b * stride_bt_b
     if PAGE_ALIGNED:
         # split lengths are multiples of BLOCK_N and BLOCK_N divides PAGE, so no tile crosses a page: one
@@ -111,7 +164,28 @@ def _mla_decode_fwd_kernel(
         i_pg0 = kv_lo // PAGE
         b_pages = tl.load(p_bt + i_pg0 + o_pg, mask=(i_pg0 + o_pg < max_blocks) & ((i_pg0 + o_pg) * PAGE < kv_hi),
                           other=-1).to(tl.int64)  # fmt: skip
-    for n0 in range(kv_lo, kv_hi, BLOCK_N):
+    if USE_TMA:
+        # tiles that every row sees whole: straight from TMA into shared memory, no masks, no address
+        # registers; the causal diagonal and a partial last tile take the masked pointer loop below
+        full_hi = kv_hi
+        if CAUSAL:
+            full_hi = tl.minimum(kv_hi, L - qlen + i_q * Q_PER + 1)
+        n_tail = kv_lo + tl.maximum(full_hi - kv_lo, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(kv_lo, n_tail, BLOCK_N):
+            blk = tl.sum(tl.where(o_pg == n0 // PAGE - i_pg0, b_pages, 0))
+            ok = (blk >= 0) & (blk < num_blocks)
+            # an invalid block number points past the cache: TMA reads zeros there, never out of bounds
+            row = tl.where(ok, blk * PAGE + n0 % PAGE, num_blocks * PAGE).to(tl.int32)
+            k0 = kc_desc.load([row, 0]).to(COMPUTE)  # [N, DC]
+            k1 = kc_desc.load([row, DC]).to(COMPUTE)
+            k2 = kc_desc.load([row, 2 * DC]).to(COMPUTE)
+            k3 = kc_desc.load([row, 3 * DC]).to(COMPUTE)
+            k_r = kr_desc.load([row, 0]).to(COMPUTE)  # [N, D_R]
+            b_m, b_l, a0, a1, a2, a3 = _decode_tile(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l,
+                                                    a0, a1, a2, a3, scale_log2, ok, COMPUTE, DOT_PRECISION)
+    else:
+        n_tail = kv_lo
+    for n0 in range(n_tail, kv_hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < kv_hi
         if PAGE_ALIGNED:
@@ -123,36 +197,22 @@ def _mla_decode_fwd_kernel(
             blk = tl.load(p_bt + i_blk, mask=m_n & (i_blk < max_blocks), other=-1).to(tl.int64)
             m_n = m_n & (blk >= 0) & (blk < num_blocks)
             p_kv = kv_cache + tl.where(m_n, blk * stride_kv_b + (o_n % PAGE) * stride_kv_p, 0)
-        b_kc = tl.load(p_kv[:, None] + o_v[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)  # [N, D_V]
-        b_kr = tl.load(p_kv[:, None] + D_V + o_r[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)
-
-        b_s = tl.dot(b_qc, tl.trans(b_kc), input_precision=DOT_PRECISION)
-        b_s = tl.dot(b_qr, tl.trans(b_kr), b_s, input_precision=DOT_PRECISION)  # [M, N]
-        b_s = b_s * scale_log2
+        k0, k1, k2, k3, k_r = _load_rows(p_kv, m_n, o_c, DC, D_V, o_r, COMPUTE)
         m_s = m_n[None, :] & (o_n[None, :] < limit[:, None])
-        b_s = tl.where(m_s, b_s, float("-inf"))
-
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_alpha = tl.exp2(b_m - b_m_use)
-        b_p = tl.exp2(b_s - b_m_use[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_acc = b_acc * b_alpha[:, None]
-        b_acc = tl.dot(b_p.to(COMPUTE), b_kc, b_acc, input_precision=DOT_PRECISION)
-        b_m = b_m_new
+        b_m, b_l, a0, a1, a2, a3 = _decode_tile(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l,
+                                                a0, a1, a2, a3, scale_log2, m_s, COMPUTE, DOT_PRECISION)
 
     empty = b_l == 0.0
-    b_o = tl.where(empty[:, None], 0.0, b_acc / tl.where(empty, 1.0, b_l)[:, None]) * v_scale
+    b_r = tl.where(empty, 0.0, v_scale / tl.where(empty, 1.0, b_l))[:, None]
     b_lse = tl.where(empty, float("-inf"), (b_m + tl.log2(tl.where(empty, 1.0, b_l))) * 0.6931471805599453)
     if n_split == 1:
         row = (q_start + o_t).to(tl.int64)
-        p_o = out + row[:, None] * stride_o_t + o_h[:, None] * stride_o_h + o_v[None, :]
-        tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_m[:, None])
         tl.store(lse + row * H + o_h, b_lse, mask=m_m)
+        _store_rows(out + row * stride_o_t + o_h * stride_o_h, a0 * b_r, a1 * b_r, a2 * b_r, a3 * b_r, m_m, o_c, DC)
     else:
         part = (i_w.to(tl.int64) * MAX_QLEN + o_t) * H + o_h  # [M]
-        tl.store(o_part + part[:, None] * D_V + o_v[None, :], b_o, mask=m_m[:, None])
         tl.store(lse_part + part, b_lse, mask=m_m)
+        _store_rows(o_part + part * D_V, a0 * b_r, a1 * b_r, a2 * b_r, a3 * b_r, m_m, o_c, DC)
 
 
 @triton.jit
@@ -217,13 +277,21 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
     t = plan.tiling
     page = kv_cache.shape[1]
     grid = (plan.capacity, triton.cdiv(H, t.block_h), triton.cdiv(plan.max_query_len, t.q_per))
+    page_aligned = page % t.block_n == 0
+    kc_desc = kr_desc = None
+    use_tma = t.tma and page_aligned and kv_cache.stride(0) == page * kv_cache.stride(1)
+    if use_tma:  # the cache as rows [num_blocks * page, d_qk]; TMA zero-fills rows outside it
+        rows = kv_cache.shape[0] * page
+        kc_desc = TensorDescriptor(kv_cache, [rows, d_v], [kv_cache.stride(1), 1], [t.block_n, d_v // 4])
+        kr_desc = TensorDescriptor(kv_cache[:, :, d_v:], [rows, q.shape[2] - d_v], [kv_cache.stride(1), 1],
+                                   [t.block_n, q.shape[2] - d_v])  # fmt: skip
     _mla_decode_fwd_kernel[grid](
-        q, kv_cache, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split, plan.num_splits,
+        q, kv_cache, kc_desc, kr_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split, plan.num_splits,
         plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), H, kv_cache.shape[0], block_table.shape[1],
         PAGE=page, MAX_QLEN=plan.max_query_len, D_V=d_v, D_R=q.shape[2] - d_v,
-        BLOCK_H=t.block_h, Q_PER=t.q_per, BLOCK_N=t.block_n, PAGE_ALIGNED=page % t.block_n == 0,
+        BLOCK_H=t.block_h, Q_PER=t.q_per, BLOCK_N=t.block_n, PAGE_ALIGNED=page_aligned, USE_TMA=use_tma,
         MAX_PAGES=triton.next_power_of_2(t.max_split // page + 1), CAUSAL=causal, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=t.num_warps, num_stages=t.num_stages,

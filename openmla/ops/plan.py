@@ -86,6 +86,7 @@ class DecodeTiling:
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # full KV tiles through TMA descriptors (page-aligned tiles; Hopper and the interpreter)
 
     @property
     def max_split(self) -> int:
@@ -103,18 +104,19 @@ def choose_tiling(num_heads: int, max_query_len: int) -> DecodeTiling:
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     block_h = min(triton_next_pow2(num_heads), block_m)
     q_per = block_m // block_h
+    tma = os.environ.get("OPENMLA_DECODE_TMA", "0") == "1"  # full tiles through TMA descriptors (sm90+)
     if INTERPRET:
-        return DecodeTiling(block_h, q_per, 16, 4, 1)
+        return DecodeTiling(block_h, q_per, 16, 4, 1, tma)
     override = os.environ.get("OPENMLA_DECODE_TILING")  # "block_n,num_warps,num_stages", for tuning
     if override:
         n, w, st = (int(x) for x in override.split(","))
-        return DecodeTiling(block_h, q_per, n, w, st)
+        return DecodeTiling(block_h, q_per, n, w, st, tma)
     # measured on the H200 (benchmarks/RESULTS.md, run 3): 32-token tiles let two programs share an SM
     if block_m == 64:
-        return DecodeTiling(block_h, q_per, 32, 8, 3)
+        return DecodeTiling(block_h, q_per, 32, 8, 3, tma)
     if block_m == 32:
-        return DecodeTiling(block_h, q_per, 32, 4, 3)
-    return DecodeTiling(block_h, q_per, 32, 4, 2)
+        return DecodeTiling(block_h, q_per, 32, 4, 3, tma)
+    return DecodeTiling(block_h, q_per, 32, 4, 2, tma)
 
 
 def triton_next_pow2(n: int) -> int:
