@@ -1,15 +1,15 @@
 """Sweep the decode planner's and kernel's knobs in one process (for tuning on a GPU).
 
-Each variant sets the planner's module-level knobs (target programs per SM, shortest and longest
+Each variant sets the planner's module-level knobs (fixed cost per work item, shortest and longest
 split) and optionally a tile override, then times a few shapes with CUDA-graph replay. The bandwidth
 yardstick is measured once. One line per (variant, shape); the best variant per shape is marked.
 
     python benchmarks/sweep_decode.py
     python benchmarks/sweep_decode.py --shapes "16,128,8192,1;128,1,32768,1" \\
-        --variants "waves=2;waves=1;max_tiles=128;tiling=32,4,2|min_split=512"
+        --variants "item_cost=0;item_cost=1024;max_tiles=64;tiling=32,4,2|min_split=512"
 
-A variant is ``key=value[|key=value...]`` with keys waves, min_split, max_tiles, tiling (block_n,warps,stages),
-tma (0/1: full KV tiles through TMA descriptors).
+A variant is ``key=value[|key=value...]`` with keys item_cost, min_split, max_tiles, tiling (block_n,warps,stages),
+tma (0/1: full KV tiles through TMA descriptors), backend (auto/triton/gluon).
 """
 
 from __future__ import annotations
@@ -27,17 +27,19 @@ from bench_decode import PAGE, SCALE, make_problem, parse_shapes  # noqa: E402
 from common import bench_us, env_line, read_bandwidth_gbs  # noqa: E402
 
 DEFAULT_SHAPES = "16,128,8192,1;16,128,8192,2;128,128,8192,1;128,1,32768,1;16,8,4096,1"
-DEFAULT_VARIANTS = "default;waves=1;waves=3;max_tiles=128;max_tiles=32;min_split=128"
+DEFAULT_VARIANTS = "default;item_cost=0;item_cost=1024;max_tiles=64;tiling=64,4,3;min_split=128"
 
 
 def _apply(variant: str):
     """Set the knobs of one variant; returns a function that restores them."""
-    saved = (plan_mod._WAVES, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES,
-             os.environ.get("OPENMLA_DECODE_TILING"), os.environ.get("OPENMLA_DECODE_TMA"))
+    saved = (plan_mod._ITEM_COST, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES,
+             os.environ.get("OPENMLA_DECODE_TILING"), os.environ.get("OPENMLA_DECODE_TMA"),
+             os.environ.get("OPENMLA_DECODE_BACKEND"))
 
     def restore():
-        plan_mod._WAVES, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES, tiling, tma = saved
-        for name, value in (("OPENMLA_DECODE_TILING", tiling), ("OPENMLA_DECODE_TMA", tma)):
+        plan_mod._ITEM_COST, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES, tiling, tma, backend = saved
+        for name, value in (("OPENMLA_DECODE_TILING", tiling), ("OPENMLA_DECODE_TMA", tma),
+                            ("OPENMLA_DECODE_BACKEND", backend)):
             if value is None:
                 os.environ.pop(name, None)
             else:
@@ -46,8 +48,8 @@ def _apply(variant: str):
     if variant != "default":
         for item in variant.split("|"):
             key, value = item.split("=", 1)
-            if key == "waves":
-                plan_mod._WAVES = int(value)
+            if key == "item_cost":
+                plan_mod._ITEM_COST = int(value)
             elif key == "min_split":
                 plan_mod._MIN_SPLIT_ENV = value
             elif key == "max_tiles":
@@ -56,6 +58,8 @@ def _apply(variant: str):
                 os.environ["OPENMLA_DECODE_TILING"] = value
             elif key == "tma":
                 os.environ["OPENMLA_DECODE_TMA"] = value
+            elif key == "backend":
+                os.environ["OPENMLA_DECODE_BACKEND"] = value
             else:
                 raise ValueError(f"unknown knob {key!r} in variant {variant!r}")
     return restore

@@ -9,6 +9,8 @@ reduce kernel merges. The split schedule comes from :func:`openmla.plan_decode`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -16,11 +18,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from openmla.device import compute_dtype
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe, scalar_scale
+from openmla.ops.decode_gluon import gluon_decode_supported, mla_decode_split_gluon
 from openmla.ops.plan import DecodePlan, plan_decode
 
 __all__ = ["mla_decode"]
 
 _LOG2E = 1.4426950408889634
+# "auto" runs the Gluon kernel for tiles of at least this many rows (heads x qlen); measured on the H200
+_GLUON_AUTO_MIN_ROWS = int(os.environ.get("OPENMLA_DECODE_GLUON_MIN_ROWS", "64"))
 _LN2 = 0.6931471805599453
 
 
@@ -279,7 +284,12 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
     grid = (plan.capacity, triton.cdiv(H, t.block_h), triton.cdiv(plan.max_query_len, t.q_per))
     page_aligned = page % t.block_n == 0
     kc_desc = kr_desc = None
-    use_tma = t.tma and page_aligned and kv_cache.stride(0) == page * kv_cache.stride(1)
+    # TMA tiles: forced by the tiling, and the default for fp8 caches on sm90+ (measured 1.26x faster
+    # there, RESULTS.md run 7; the bf16 cache is faster through pointers)
+    tma_ok = not torch.cuda.is_available() or kv_cache.device.type != "cuda" or \
+        torch.cuda.get_device_capability(kv_cache.device) >= (9, 0)
+    want_tma = t.tma or (kv_cache.dtype == torch.float8_e4m3fn and kv_cache.device.type == "cuda")
+    use_tma = want_tma and tma_ok and page_aligned and kv_cache.stride(0) == page * kv_cache.stride(1)
     if use_tma:  # the cache as rows [num_blocks * page, d_qk]; TMA zero-fills rows outside it
         rows = kv_cache.shape[0] * page
         kc_desc = TensorDescriptor(kv_cache, [rows, d_v], [kv_cache.stride(1), 1], [t.block_n, d_v // 4])
@@ -309,6 +319,25 @@ def _mla_decode_reduce(query_start_loc, plan: DecodePlan, out, lse, d_v: int):
     )  # fmt: skip
 
 
+def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtype: str) -> bool:
+    """Whether this call runs the Hopper (Gluon) split kernel."""
+    backend = backend or os.environ.get("OPENMLA_DECODE_BACKEND", "auto")
+    if backend not in ("auto", "triton", "gluon"):
+        raise ValueError(f'backend must be "auto", "triton" or "gluon"; got {backend!r}')
+    if backend == "triton":
+        return False
+    ok = gluon_decode_supported(q, kv_cache, plan, kv_cache_dtype)
+    if backend == "gluon":
+        if not ok:
+            raise ValueError(
+                "backend='gluon' needs an sm90 GPU with triton.experimental.gluon, bf16 q and cache "
+                f"(kv_cache_dtype='auto'), d_qk 576, a page size that is a multiple of 32; got q {describe(q)}, "
+                f"kv_cache {describe(kv_cache)}, kv_cache_dtype {kv_cache_dtype!r}"
+            )
+        return True
+    return ok and plan.tiling.block_m >= _GLUON_AUTO_MIN_ROWS
+
+
 def _host_scale(name: str, scale, device) -> float:
     """A per-tensor scale as a Python float (a tensor is read once; not allowed while capturing)."""
     if isinstance(scale, (int, float)):
@@ -335,6 +364,7 @@ def mla_decode(
     lse: torch.Tensor | None = None,
     return_lse: bool = True,
     d_v: int = 512,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Paged MLA decode and speculative verify (absorbed MQA form; V = kv_cache[..., :d_v]).
 
@@ -360,6 +390,10 @@ def mla_decode(
         out (torch.Tensor | None): `[T, h_q, d_v]` output buffer. lse: `[T, h_q]` fp32 buffer.
         return_lse (bool): return the LSE (it is computed either way).
         d_v (int): latent width, the output width (512).
+        backend (str | None): "triton" (the portable kernel), "gluon" (the Hopper kernel of
+            :mod:`openmla.ops.decode_gluon`; an error where it does not apply) or "auto" (Gluon on sm90
+            for the shapes where it measured faster, else Triton). None reads ``OPENMLA_DECODE_BACKEND``
+            (default "auto").
 
     Returns:
         out: `[T, h_q, d_v]`, q.dtype (bf16 for an fp8 q).
@@ -427,7 +461,12 @@ def mla_decode(
         if not lse.is_contiguous():
             raise ValueError("lse must be contiguous")
     if T and B:
-        _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse,
-                          sm_scale * q_s * kv_s * _LOG2E, kv_s, causal, d_v, compute)  # fmt: skip
+        scale_log2 = sm_scale * q_s * kv_s * _LOG2E
+        if _use_gluon(backend, q, kv_cache, plan, kv_cache_dtype):
+            mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse,
+                                   scale_log2, kv_s, causal, d_v)  # fmt: skip
+        else:
+            _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse,
+                              scale_log2, kv_s, causal, d_v, compute)  # fmt: skip
         _mla_decode_reduce(query_start_loc, plan, out, lse, d_v)
     return out, (lse if return_lse else None)

@@ -1,12 +1,15 @@
 """Split-KV work planner for paged MLA decode.
 
 The decode kernel runs one program per (work item, head block, query-row group); a work item is one
-KV split of one request. The planner picks a single split length for the whole batch so that the
-total KV work is spread over about ``waves * num_sms`` programs: a long request gets many splits and
-a short one a single split, so one long request among many short ones does not leave SMs idle. It
-runs on the device with torch ops (no host synchronisation once ``max_query_len`` is known), writes
-into fixed-size buffers (CUDA-graph capturable with ``out=``) and is computed once per step and
-reused by every layer.
+KV split of one request. The planner picks a single split length for the whole batch: it tries the
+longest request cut into 1, 2, ... equal parts and keeps the length whose estimated time is lowest,
+counting whole waves of work items over the programs that run at once (``slots``) plus a fixed cost
+per item (q load, partial write, reduce). So a uniform batch gets the split count that fills the GPU
+in whole waves (128 x 8k requests at 16 heads: two splits each, 256 items for 264 slots), and one long
+request among many short ones is cut finely enough not to leave SMs idle. Each request's splits are
+then made equal. It runs on the device in one launch (no host synchronisation once ``max_query_len``
+and ``max_seq_len`` are known), writes into fixed-size buffers (CUDA-graph capturable with ``out=``)
+and is computed once per step and reused by every layer.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from openmla.ops._validate import capturing, check_index
 
 __all__ = ["DecodePlan", "plan_decode"]
 
-_WAVES = int(os.environ.get("OPENMLA_DECODE_WAVES", "2"))  # target programs per SM
 # tokens: below this a split's fixed cost (q load, partial write) dominates
 # (64-row tiles: 512; measured on the H200, h128 b1 s32k: 72 us at 512 vs 92 us at 256, RESULTS.md run 5)
 _MIN_SPLIT_ENV = os.environ.get("OPENMLA_DECODE_MIN_SPLIT")
-_MAX_SPLIT_TILES = 64  # a split spans at most this many KV tiles (its page numbers stay in registers)
+_MAX_SPLIT_TILES = 128  # a split spans at most this many KV tiles (its page numbers stay in registers)
+# a work item's fixed cost (q load, partial write and its share of the reduce), in KV tokens
+_ITEM_COST = int(os.environ.get("OPENMLA_DECODE_ITEM_COST", "256"))
+_MAX_CANDIDATES = 256  # split counts tried for the longest request
 
 
 @triton.jit
@@ -41,10 +46,12 @@ def _plan_decode_fwd_kernel(
     work_split,  # [capacity] out
     B,
     capacity,
-    target,
+    slots,  # work items that run at once (programs per SM x SMs / programs per item)
     MIN_SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MAX_SPLIT: tl.constexpr,
+    ITEM_COST: tl.constexpr,
+    N_CAND: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
@@ -53,9 +60,23 @@ def _plan_decode_fwd_kernel(
     m_b = o_b < B
     L = tl.load(seq_lens + o_b, mask=m_b, other=0).to(tl.int64)
     qlen = tl.load(query_start_loc + o_b + 1, mask=m_b, other=0) - tl.load(query_start_loc + o_b, mask=m_b, other=0)
-    total = tl.sum(L, axis=0)
-    split = tl.maximum((total + target - 1) // target, MIN_SPLIT)
-    split = tl.minimum((split + BLOCK_N - 1) // BLOCK_N * BLOCK_N, MAX_SPLIT)
+    L_max = tl.max(tl.where(qlen > 0, L, 0), axis=0)
+    # candidate split lengths: the longest request cut into c = 1..N_CAND equal parts, in whole tiles,
+    # within [MIN_SPLIT, MAX_SPLIT] (the longest request may be shorter than MIN_SPLIT)
+    o_c = 1 + tl.arange(0, N_CAND)
+    cand = (L_max + o_c - 1) // o_c
+    cand = tl.maximum(cand, tl.minimum(MIN_SPLIT, L_max))
+    cand = tl.maximum(tl.minimum((cand + BLOCK_N - 1) // BLOCK_N * BLOCK_N, MAX_SPLIT), BLOCK_N)  # [C]
+    # cost of each candidate: whole waves of full-length items, or the total work over the slots
+    n_bc = tl.where(qlen[None, :] > 0, tl.maximum((L[None, :] + cand[:, None] - 1) // cand[:, None], 1), 0)  # [C, B]
+    per_bc = (L[None, :] + tl.maximum(n_bc, 1) - 1) // tl.maximum(n_bc, 1)
+    items = tl.sum(n_bc, axis=1)
+    full = tl.sum(tl.where(2 * per_bc >= cand[:, None], n_bc, 0), axis=1)
+    waves = (full + slots - 1) // slots
+    work = tl.sum(tl.where(n_bc > 0, L[None, :], 0), axis=1) + ITEM_COST * items
+    cost = tl.maximum(waves * (cand + ITEM_COST), (work + slots - 1) // slots)
+    cost = tl.where(items <= capacity, cost, 1 << 62)  # candidate 1 always fits (capacity covers it)
+    split = tl.sum(tl.where(o_c == tl.argmin(cost, axis=0) + 1, cand, 0), axis=0)  # fewest items among ties
     n = tl.where(qlen > 0, tl.maximum((L + split - 1) // split, 1), 0)
     n1 = tl.maximum(n, 1)
     per = (L + n1 - 1) // n1  # equal splits per request, not a short tail
@@ -89,6 +110,15 @@ class DecodeTiling:
     tma: bool = False  # full KV tiles through TMA descriptors (page-aligned tiles; Hopper and the interpreter)
 
     @property
+    def programs_per_sm(self) -> int:
+        """Programs that share an SM (an estimate that matches the sm90 compile reports in RESULTS.md):
+        up to 255 registers per thread leave room for two 4-warp programs or one 8-warp program, and
+        the KV ring (num_stages - 1 tiles of 576 bf16 columns) plus q must fit 227 KB of shared memory."""
+        by_regs = 2 if self.num_warps <= 4 else 1
+        ring = max(1, self.num_stages - 1) * self.block_n * 576 * 2 + self.block_m * 576 * 2
+        return max(1, min(by_regs, 232448 // ring))
+
+    @property
     def max_split(self) -> int:
         """Longest split in tokens: the kernel preloads a split's page numbers into registers."""
         return _MAX_SPLIT_TILES * self.block_n
@@ -111,12 +141,11 @@ def choose_tiling(num_heads: int, max_query_len: int) -> DecodeTiling:
     if override:
         n, w, st = (int(x) for x in override.split(","))
         return DecodeTiling(block_h, q_per, n, w, st, tma)
-    # measured on the H200 (benchmarks/RESULTS.md, run 3): 32-token tiles let two programs share an SM
+    # measured on the H200 (benchmarks/RESULTS.md, runs 3 and 7): 32-token tiles let two 4-warp programs
+    # share an SM; 64-row tiles are fastest with 64-token tiles, one 8-warp program per SM
     if block_m == 64:
-        return DecodeTiling(block_h, q_per, 32, 8, 3, tma)
-    if block_m == 32:
-        return DecodeTiling(block_h, q_per, 32, 4, 3, tma)
-    return DecodeTiling(block_h, q_per, 32, 4, 2, tma)
+        return DecodeTiling(block_h, q_per, 64, 8, 2, tma)
+    return DecodeTiling(block_h, q_per, 32, 4, 3, tma)
 
 
 def triton_next_pow2(n: int) -> int:
@@ -235,10 +264,10 @@ def plan_decode(
         num_sms = out.num_sms if out is not None else _default_num_sms(dev)
     tiling = choose_tiling(num_heads, max_query_len)
     programs_per_split = triton_cdiv(num_heads, tiling.block_h) * triton_cdiv(max_query_len, tiling.q_per)
-    target = max(1, (_WAVES * num_sms) // programs_per_split)
+    slots = max(1, (tiling.programs_per_sm * num_sms) // programs_per_split)
     min_split = int(_MIN_SPLIT_ENV) if _MIN_SPLIT_ENV else (512 if tiling.block_m == 64 else 256)
-    # splits are at most tiling.max_split long, so a batch of long requests may need more than target
-    capacity = B + max(target, B * triton_cdiv(max_seq_len, tiling.max_split))
+    # splits are at most tiling.max_split long, so a batch of long requests may need more than slots
+    capacity = B + max(slots, B * triton_cdiv(max_seq_len, tiling.max_split))
 
     if out is not None:
         if (out.batch_size, out.num_heads, out.max_query_len, out.d_v) != (B, num_heads, max_query_len, d_v):
@@ -262,8 +291,9 @@ def plan_decode(
     if B:
         _plan_decode_fwd_kernel[(1,)](
             seq_lens, query_start_loc, plan.split_len, plan.num_splits, plan.work_indptr, plan.work_req,
-            plan.work_split, B, capacity, target, MIN_SPLIT=min_split, BLOCK_N=tiling.block_n,
-            MAX_SPLIT=tiling.max_split, BLOCK_B=triton.next_power_of_2(B), BLOCK_I=16, num_warps=8,
+            plan.work_split, B, capacity, slots, MIN_SPLIT=min_split, BLOCK_N=tiling.block_n,
+            MAX_SPLIT=tiling.max_split, ITEM_COST=_ITEM_COST, N_CAND=_MAX_CANDIDATES,
+            BLOCK_B=triton.next_power_of_2(B), BLOCK_I=16, num_warps=8,
         )  # fmt: skip
     else:
         plan.work_indptr.zero_()

@@ -1,0 +1,112 @@
+"""Time the Hopper (Gluon) split-KV decode kernel against the portable one (sm90 GPU only).
+
+For each shape: the split kernel alone (CUDA-graph replay median, us) for every Gluon variant
+(BLOCK_N, STAGES, OVERLAP) and for the portable kernel with the same plan, the reduce alone, and
+TFLOPS = 2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64 tokens
+scattered over a pool larger than L2; causal; the plan is built once outside the timed region.
+
+    python benchmarks/bench_decode_gluon.py
+    python benchmarks/bench_decode_gluon.py --shapes "128,128,8192,1;32,128,8192,1" --variants "64,2,0;32,3,1"
+    python benchmarks/bench_decode_gluon.py --check   # also compare each variant with the portable output
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import bench_us, env_line
+
+import openmla
+from openmla.ops import decode as dec
+from openmla.ops import decode_gluon as dg
+
+PAGE = 64
+SCALE = 192**-0.5
+LOG2E = 1.4426950408889634
+SHAPES = "128,128,8192,1;32,128,8192,1;128,1,32768,1;64,128,8192,1;16,128,8192,4;128,128,8192,2"
+VARIANTS = "64,2,0;32,4,1;32,3,1;32,4,0;32,3,0"
+
+
+def make_problem(h, b, s, qlen, pool_gib):
+    pages_needed = b * (-(-s // PAGE))
+    pool_pages = max(pages_needed, int(pool_gib * 2**30 / (PAGE * 576 * 2)))
+    cache = torch.randn(pool_pages, PAGE, 576, device="cuda", dtype=torch.bfloat16)
+    block_table = torch.randperm(pool_pages, device="cuda")[:pages_needed].view(b, -1).int()
+    seq_lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(b + 1, dtype=torch.int32, device="cuda") * qlen
+    q = torch.randn(b * qlen, h, 576, device="cuda", dtype=torch.bfloat16)
+    return q, cache, block_table, seq_lens, qsl
+
+
+def run_shape(h, b, s, qlen, variants, args):
+    """Print one line per kernel for one shape (tensors are freed when this returns)."""
+    q, cache, bt, sl, qsl = make_problem(h, b, s, qlen, args.pool_gib)
+    plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s)
+    T = q.shape[0]
+    out = torch.empty(T, h, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(T, h, dtype=torch.float32, device="cuda")
+    flops = 2.0 * T * h * s * (576 + 512)
+    n_items = int(plan.work_indptr[-1])
+    head = f"{h:<4} {b:<5} {s:<6} {qlen:<4} |"
+
+    def reduce():
+        dec._mla_decode_reduce(qsl, plan, out, lse, 512)
+
+    def portable():
+        dec._mla_decode_split(q, cache, bt, sl, qsl, plan, out, lse, SCALE * LOG2E, 1.0, True, 512,
+                              dec.compute_dtype(torch.bfloat16))  # fmt: skip
+
+    def line(name, us):
+        return f"{head} {name:<15} | {us:10.1f} | {flops / us / 1e6:7.1f} | {us + red_us:10.1f} | {n_items}"
+
+    red_us = bench_us(reduce)
+    print(line("portable", bench_us(portable)))
+    if args.check:
+        portable()
+        reduce()
+        ref = out.float().clone()
+    if not dg.gluon_decode_supported(q, cache, plan):
+        print(f"{head} gluon: not supported here")
+        return
+    for block_n, stages, overlap in variants:
+        kw = {"block_n": block_n, "stages": stages, "overlap": bool(overlap)}
+
+        def gluon(kw=kw):
+            dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * LOG2E, 1.0, True, 512, **kw)
+
+        name = f"gluon {block_n},{stages},{overlap}"
+        try:
+            text = line(name, bench_us(gluon))
+        except Exception as exc:  # noqa: BLE001  (a variant that does not compile or launch here)
+            print(f"{head} {name:<15} | failed: {type(exc).__name__}: {exc}")
+            continue
+        if args.check:
+            gluon()
+            reduce()
+            text += f" | max|diff| vs portable {float((out.float() - ref).abs().max()):.3e}"
+        print(text)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=SHAPES, help='"h,b,s,qlen;..."')
+    ap.add_argument("--variants", default=VARIANTS, help='"block_n,stages,overlap;..."')
+    ap.add_argument("--pool-gib", type=float, default=2.0)
+    ap.add_argument("--check", action="store_true", help="compare every variant's output with the portable kernel")
+    args = ap.parse_args(argv)
+    print(env_line())
+    variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
+    print("h_q  b     seq    qlen | kernel          |   split_us |  TFLOPS | +reduce_us | work items")
+    for item in args.shapes.split(";"):
+        h, b, s, qlen = (int(x) for x in item.split(","))
+        run_shape(h, b, s, qlen, variants, args)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

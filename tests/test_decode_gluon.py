@@ -1,0 +1,261 @@
+"""The Hopper (Gluon) decode tier: an offline sm90 compile report on the CPU, and the kernel against the
+fp32 reference and the portable kernel on an sm90 GPU (``hopper`` marker)."""
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import openmla
+from openmla.ops import decode_gluon as dg
+from openmla.reference import mla_decode_ref
+from openmla.utils.testing import TOLERANCES, assert_close
+
+SCALE = 576**-0.5
+LOG2E = 1.4426950408889634
+
+# (BLOCK_N, STAGES, OVERLAP, CAUSAL, BLOCK_H): the default variant and the 32-key ones, both
+# causal flags and a few row foldings (BLOCK_H 64 = h128/h64, 16 = h16 x 4 query rows, 32)
+COMPILE_VARIANTS = [
+    (64, 2, False, True, 64),
+    (64, 2, False, False, 16),
+    (32, 4, True, True, 64),
+    (32, 4, True, False, 32),
+    (32, 3, True, True, 64),
+    (32, 3, False, False, 16),
+]
+
+_COMPILE_SCRIPT = r"""
+import json, os, subprocess, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from openmla.ops import decode_gluon as g
+
+fn = g._mla_decode_gluon_fwd_kernel
+layout = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
+          "fp4_padded=False, cga_layout=[])")
+ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc": "*i32", "work_req": "*i32",
+       "work_split": "*i32", "num_splits": "*i32", "split_len": "*i32", "out": "*bf16", "lse": "*fp32",
+       "o_part": "*fp32", "lse_part": "*fp32"}
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+report = []
+for block_n, stages, overlap, causal, block_h in json.loads(sys.argv[1]):
+    cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
+                CAUSAL=causal, OVERLAP=overlap, num_warps=8)
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in cons:
+            sig[name] = "constexpr"
+        elif name == "lat_desc":
+            sig[name] = f"tensordesc<bf16[32, 512],{layout}>"
+        elif name == "rope_desc":
+            sig[name] = f"tensordesc<bf16[32, 64],{layout}>"
+        elif name in ptr:
+            sig[name] = ptr[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("scale_log2", "v_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=8))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    line = next(l for l in usage.splitlines() if "REG:" in l)
+    fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
+    ptx = k.asm["ptx"]
+    report.append(dict(variant=[block_n, stages, overlap, causal, block_h], regs=int(fields["REG"]),
+                       stack=int(fields["STACK"]), local=int(fields["LOCAL"]), static_shared=int(fields["SHARED"]),
+                       shared=k.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
+                       tma=ptx.count("cp.async.bulk.tensor")))
+print("REPORT" + json.dumps(report))
+"""
+
+
+def _compile_report(variants):
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(variants)], check=False, capture_output=True,
+                         text=True, env=env, timeout=900)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    line = next(l for l in res.stdout.splitlines() if l.startswith("REPORT"))
+    return json.loads(line[len("REPORT") :])
+
+
+@pytest.mark.skipif(not dg.GLUON_AVAILABLE, reason="triton.experimental.gluon is not installed")
+def test_gluon_decode_compiles_for_sm90():
+    # offline sm90 compile (no GPU needed): wgmma + TMA in the PTX, no spill, fits the shared memory
+    for r in _compile_report(COMPILE_VARIANTS):
+        name = "BLOCK_N={} STAGES={} OVERLAP={} CAUSAL={} BLOCK_H={}".format(*r["variant"])
+        assert r["wgmma"] > 0 and r["tma"] > 0, f"{name}: {r}"
+        assert r["regs"] <= 255 and r["stack"] == 0 and r["local"] == 0, f"{name}: spills or too many registers {r}"
+        assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, f"{name}: shared memory {r}"
+
+
+def test_gluon_decode_unsupported_on_cpu():
+    q = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    assert not dg.gluon_decode_supported(q, cache, None)  # a CPU tensor is refused before the plan is read
+    assert dg.gluon_decode_config(128, 1) == (64, 1)
+    assert dg.gluon_decode_config(16, 4) == (16, 4)
+    assert dg.gluon_decode_config(24, 2) == (32, 2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU (sm90) tests
+
+VARIANTS = [
+    {"block_n": 64, "stages": 2, "overlap": False},  # the default
+    {"block_n": 32, "stages": 4, "overlap": True},
+    {"block_n": 32, "stages": 3, "overlap": False},
+]
+
+
+def _batch(device, heads, qlens, lens, page, bad_tail=False):
+    """A paged bf16 cache with random rows for the requests and NaN in every unused row."""
+    B = len(lens)
+    W = max(1, -(-max(lens) // page)) + 1  # one spare column: entries past a request's pages
+    num_blocks = B * W + 3
+    cache = torch.randn(num_blocks, page, 576, device=device).to(torch.bfloat16)
+    block_table = torch.randperm(num_blocks, device=device)[: B * W].view(B, W).int()
+    flat = cache.view(-1, 576)
+    used = torch.zeros(num_blocks * page, dtype=torch.bool, device=device)
+    for b, n in enumerate(lens):
+        pos = torch.arange(n, device=device)
+        used[block_table[b, pos // page].long() * page + pos % page] = True
+        if bad_tail:  # block ids past the sequence: -1 and out of range (must never be read)
+            first = -(-n // page)
+            block_table[b, first:] = torch.where(torch.arange(W - first, device=device) % 2 == 0, -1, num_blocks + 7)
+    flat[~used] = float("nan")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32, device=device)
+    q = torch.randn(int(qsl[-1]), heads, 576, device=device).to(torch.bfloat16)
+    return q, cache, block_table, seq_lens, qsl
+
+
+def _qlens(kind, B):
+    if kind == "varlen":
+        return [1 + (3 * b) % 5 for b in range(B)]
+    return [int(kind)] * B
+
+
+def _gluon_decode(q, cache, bt, sl, qsl, causal, num_sms=None, **kw):
+    from openmla.ops.decode import _mla_decode_reduce
+
+    T, H, _ = q.shape
+    plan = openmla.plan_decode(sl, qsl, H, num_sms=num_sms)
+    assert dg.gluon_decode_supported(q, cache, plan)
+    out = torch.empty(T, H, 512, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * LOG2E, 1.0, causal, 512, **kw)
+    _mla_decode_reduce(qsl, plan, out, lse, 512)
+    return out, lse, plan
+
+
+def _check(q, cache, bt, sl, qsl, causal, num_sms=None, **kw):
+    out, lse, plan = _gluon_decode(q, cache, bt, sl, qsl, causal, num_sms, **kw)
+    ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=causal)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+    return out, lse, plan
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize(
+    "variant", range(len(VARIANTS)), ids=lambda i: "n{block_n}s{stages}o{overlap:d}".format(**VARIANTS[i])
+)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("qlen", ["1", "2", "4", "varlen"])
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])
+def test_gluon_decode(heads, qlen, causal, variant, device):
+    lens = [4096, 0, 3, 8191, 1000, 33, 2048, 17]  # ragged, one empty request, tails inside pages
+    q, cache, bt, sl, qsl = _batch(device, heads, _qlens(qlen, len(lens)), lens, 64)
+    _check(q, cache, bt, sl, qsl, causal, **VARIANTS[variant])
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("num_sms", [4, 132])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+def test_gluon_decode_splits(num_sms, variant, device):
+    # many splits (long requests, few or many SMs to balance over), block ids past the sequence invalid
+    lens = [30001, 9001, 12345, 64, 0]
+    q, cache, bt, sl, qsl = _batch(device, 128, [1, 2, 1, 3, 1], lens, 64, bad_tail=True)
+    _, _, plan = _check(q, cache, bt, sl, qsl, True, num_sms=num_sms, **VARIANTS[variant])
+    assert int(plan.num_splits.max()) > 1
+
+
+@pytest.mark.hopper
+def test_gluon_decode_split_starts_inside_pages(device):
+    # equal splits of odd lengths start at multiples of 32 that are not multiples of the 64-token page
+    # (a 64-key tile is then two boxes on two pages)
+    lens = [30001, 9001, 12345]
+    q, cache, bt, sl, qsl = _batch(device, 16, [1, 2, 1], lens, 64)
+    for num_sms in (132, 100, 66, 33, 8):
+        plan = openmla.plan_decode(sl, qsl, 16, num_sms=num_sms)
+        starts = [s * int(plan.split_len[b]) for b in range(3) for s in range(int(plan.num_splits[b]))]
+        if any(x % 64 for x in starts):
+            break
+    else:
+        pytest.skip("no planner setting gave split starts inside pages")
+    for kw in VARIANTS:
+        _check(q, cache, bt, sl, qsl, True, num_sms=num_sms, **kw)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("heads,qlen", [(16, 1), (32, 1), (128, 1), (128, 2), (16, 4)])
+def test_gluon_matches_portable(heads, qlen, device):
+    lens = [4096, 77, 2048, 1, 5000]
+    q, cache, bt, sl, qsl = _batch(device, heads, [qlen] * len(lens), lens, 64)
+    out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True)
+    ref_out, ref_lse = openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, causal=True, backend="triton")
+    # both round P to bf16 before P V; they differ only in accumulation order
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+
+
+@pytest.mark.hopper
+def test_gluon_decode_empty_rows(device):
+    # causal rows that see no key (seq_len < qlen) give out 0 and lse -inf, never NaN
+    lens = [2, 0, 40]
+    q, cache, bt, sl, qsl = _batch(device, 32, [4, 3, 1], lens, 64)
+    out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True)
+    ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True)
+    assert bool(torch.isneginf(lse[:2]).all()) and float(out[:2].abs().max()) == 0.0
+    assert math.isinf(float(lse[4, 0])) and not torch.isnan(out).any()
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("backend", ["gluon", "auto"])
+def test_mla_decode_backend(backend, device):
+    # the public entry point with the Gluon tier selected (forced, or by "auto" at 64 rows)
+    lens = [3000, 0, 64, 8191]
+    q, cache, bt, sl, qsl = _batch(device, 128, [1, 1, 2, 1], lens, 64)
+    out, lse = openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, causal=True, backend=backend)
+    ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True)
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+
+
+def test_backend_errors(device):
+    q = torch.randn(1, 16, 576, device=device).to(torch.float16)
+    cache = torch.randn(4, 64, 576, device=device).to(torch.float16)
+    bt = torch.arange(4, dtype=torch.int32, device=device).view(1, 4)
+    sl = torch.tensor([100], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="backend='gluon' needs"):  # fp16 is not handled by the Gluon tier
+        openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, backend="gluon")
+    with pytest.raises(ValueError, match="backend must be"):
+        openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, backend="cuda")
