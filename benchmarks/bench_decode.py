@@ -3,7 +3,9 @@
 For each shape: time (us, CUDA-graph replay median), KV GB/s (bytes actually read: q + the KV rows of
 every request + out), TFLOPS (2 * T * H * seq * (576 + 512)), the fraction of the read-only
 bandwidth of a large ``torch.sum`` measured in the same run, and the same shape through a plain
-PyTorch implementation for scale. KV pages are scattered over a pool of at least ``--pool-gib`` GiB
+PyTorch implementation for scale; both kernel tiers side by side ("triton_us": the portable kernel,
+"gluon_us": the Hopper kernel where it applies, the faster one starred; "tier": the one ``mla_decode``
+picks by default, whose time is "us"). KV pages are scattered over a pool of at least ``--pool-gib`` GiB
 (larger than L2).
 
     python benchmarks/bench_decode.py            # the target shapes and a reduced sweep
@@ -21,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import openmla  # noqa: E402
+from openmla.ops import decode as dec  # noqa: E402
 from common import bench_us, env_line, read_bandwidth_gbs  # noqa: E402
 
 PAGE = 64
@@ -74,17 +77,27 @@ def run_shape(h, b, s, qlen, fp8, bw, args):
     lse = torch.empty(q.shape[0], h, dtype=torch.float32, device="cuda")
     kw = dict(kv_cache_dtype="fp8", kv_scale=1.0) if fp8 else {}
 
-    def fn():
-        openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=plan, out=out, lse=lse, **kw)
+    def call(backend):
+        return lambda: openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=plan, out=out, lse=lse,
+                                          backend=backend, **kw)  # fmt: skip
 
-    us = bench_us(fn, graph=not args.no_graph)
-    from openmla.ops import decode as dec
-
-    # split kernel and reduce timed on their own (same arguments mla_decode passes)
-    split_us = bench_us(lambda: dec._mla_decode_split(
-        q, cache, bt, sl, qsl, plan, out, lse, SCALE * 1.4426950408889634, 1.0, True, 512,
-        dec.compute_dtype(torch.float16 if fp8 else torch.bfloat16)), graph=not args.no_graph)
-    reduce_us = bench_us(lambda: dec._mla_decode_reduce(qsl, plan, out, lse, 512), graph=not args.no_graph)
+    graph = not args.no_graph
+    us = bench_us(call("auto"), graph=graph)
+    # both tiers side by side (the Gluon tier only where it applies: sm90, bf16 cache)
+    tier_us = {"triton": bench_us(call("triton"), graph=graph), "gluon": float("nan")}
+    use_gluon = dec._use_gluon("auto", q, cache, plan, "fp8" if fp8 else "auto")
+    if dec.gluon_decode_supported(q, cache, plan, "fp8" if fp8 else "auto"):
+        tier_us["gluon"] = bench_us(call("gluon"), graph=graph)
+    winner = min((t for t in tier_us if tier_us[t] == tier_us[t]), key=tier_us.get)
+    # the split kernel mla_decode picks and the reduce, timed on their own (same arguments it passes)
+    scale_log2 = SCALE * 1.4426950408889634
+    if use_gluon:
+        split = lambda: dec.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, scale_log2, 1.0, True, 512)  # noqa: E731
+    else:
+        split = lambda: dec._mla_decode_split(q, cache, bt, sl, qsl, plan, out, lse, scale_log2, 1.0, True, 512,  # noqa: E731
+                                              dec.compute_dtype(torch.float16 if fp8 else torch.bfloat16))
+    split_us = bench_us(split, graph=graph)
+    reduce_us = bench_us(lambda: dec._mla_decode_reduce(qsl, plan, out, lse, 512), graph=graph)
     plan_us = bench_us(lambda: openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s, out=plan),
                        graph=False)
     row_bytes = 576 * (1 if fp8 else 2)
@@ -96,7 +109,8 @@ def run_shape(h, b, s, qlen, fp8, bw, args):
         torch_us = bench_us(lambda: torch_decode(q, cache, bt, sl, qlen, s, fp8), graph=False)
     return dict(h=h, b=b, s=s, qlen=qlen, kv="fp8" if fp8 else "bf16", us=us, gbs=gbs, tflops=flops / us / 1e6,
                 frac=gbs / bw, plan_us=plan_us, split_us=split_us, reduce_us=reduce_us, torch_us=torch_us,
-                splits=int(plan.work_indptr[-1]))  # the problem's tensors are freed when this returns
+                splits=int(plan.work_indptr[-1]), triton_us=tier_us["triton"], gluon_us=tier_us["gluon"],
+                winner=winner, tier="gluon" if use_gluon else "triton")  # the problem's tensors are freed when this returns
 
 
 def main(argv=None):
@@ -127,13 +141,16 @@ def main(argv=None):
             (16, 128, 8192, 1, True), (16, 128, 8192, 2, True), (128, 128, 8192, 1, True), (128, 1, 32768, 1, True),
         ]  # fmt: skip
     hdr = f"{'h_q':>4} {'b':>4} {'seq':>6} {'qlen':>4} {'kv':>4} {'us':>9} {'GB/s':>7} {'TFLOPS':>7} {'%bw':>6} " \
-          f"{'splits':>6} {'split_us':>8} {'red_us':>7} {'plan_us':>7} {'torch_us':>9} {'speedup':>7}"
+          f"{'tier':>6} {'triton_us':>9} {'gluon_us':>9} {'splits':>6} {'split_us':>8} {'red_us':>7} {'plan_us':>7} " \
+          f"{'torch_us':>9} {'speedup':>7}"
     print(hdr)
     for shape in shapes:
         r = run_shape(*shape, bw, args)
         torch.cuda.empty_cache()
         print(f"{r['h']:>4} {r['b']:>4} {r['s']:>6} {r['qlen']:>4} {r['kv']:>4} {r['us']:>9.1f} {r['gbs']:>7.0f} "
-              f"{r['tflops']:>7.1f} {100 * r['frac']:>5.1f}% {r['splits']:>6} {r['split_us']:>8.1f} "
+              f"{r['tflops']:>7.1f} {100 * r['frac']:>5.1f}% {r['tier']:>6} "
+              f"{r['triton_us']:>8.1f}{'*' if r['winner'] == 'triton' else ' '} "
+              f"{r['gluon_us']:>8.1f}{'*' if r['winner'] == 'gluon' else ' '} {r['splits']:>6} {r['split_us']:>8.1f} "
               f"{r['reduce_us']:>7.1f} {r['plan_us']:>7.1f} {r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>6.1f}x", flush=True)
     return 0
 

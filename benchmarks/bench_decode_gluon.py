@@ -1,7 +1,7 @@
 """Time the Hopper (Gluon) split-KV decode kernel against the portable one (sm90 GPU only).
 
 For each shape: the split kernel alone (CUDA-graph replay median, us) for every Gluon variant
-(BLOCK_N, STAGES, OVERLAP) and for the portable kernel with the same plan, the reduce alone, and
+(BLOCK_N, STAGES, OVERLAP[, WS]: WS=1 is the warp-specialised kernel) and for the portable kernel with the same plan, the reduce alone, and
 TFLOPS = 2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64 tokens
 scattered over a pool larger than L2; causal; the plan is built once outside the timed region.
 
@@ -29,7 +29,7 @@ PAGE = 64
 SCALE = 192**-0.5
 LOG2E = 1.4426950408889634
 SHAPES = "128,128,8192,1;32,128,8192,1;128,1,32768,1;64,128,8192,1;16,128,8192,4;128,128,8192,2"
-VARIANTS = "64,2,0;32,4,1;32,3,1;32,4,0;32,3,0"
+VARIANTS = "64,2,0;64,2,0,1;32,4,1;32,3,0;32,3,0,1"  # block_n,stages,overlap[,ws]
 
 
 def make_problem(h, b, s, qlen, pool_gib):
@@ -73,13 +73,14 @@ def run_shape(h, b, s, qlen, variants, args):
     if not dg.gluon_decode_supported(q, cache, plan):
         print(f"{head} gluon: not supported here")
         return
-    for block_n, stages, overlap in variants:
-        kw = {"block_n": block_n, "stages": stages, "overlap": bool(overlap)}
+    for block_n, stages, overlap, *rest in variants:
+        ws = bool(rest[0]) if rest else False
+        kw = {"block_n": block_n, "stages": stages, "overlap": bool(overlap), "ws": ws}
 
         def gluon(kw=kw):
             dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * LOG2E, 1.0, True, 512, **kw)
 
-        name = f"gluon {block_n},{stages},{overlap}"
+        name = f"gluon {block_n},{stages},{overlap}" + (",ws" if ws else "")
         try:
             text = line(name, bench_us(gluon))
         except Exception as exc:  # noqa: BLE001  (a variant that does not compile or launch here)
@@ -95,7 +96,7 @@ def run_shape(h, b, s, qlen, variants, args):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=SHAPES, help='"h,b,s,qlen;..."')
-    ap.add_argument("--variants", default=VARIANTS, help='"block_n,stages,overlap;..."')
+    ap.add_argument("--variants", default=VARIANTS, help='"block_n,stages,overlap[,ws];..."')
     ap.add_argument("--pool-gib", type=float, default=2.0)
     ap.add_argument("--check", action="store_true", help="compare every variant's output with the portable kernel")
     args = ap.parse_args(argv)

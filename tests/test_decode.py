@@ -165,6 +165,18 @@ def test_plan_balances_ragged_batch(device):
     assert bool((req[: int(plan.work_indptr[-1])] >= 0).all()) and bool((req[int(plan.work_indptr[-1]) :] == -1).all())
 
 
+def test_plan_fills_whole_waves(device):
+    # a uniform batch: the split count that runs in whole waves of the slots (programs that run at
+    # once) wins over finer splits that leave a second, partial wave
+    qsl = torch.arange(9, dtype=torch.int32, device=device)
+    lens = torch.full((8,), 1000, dtype=torch.int32, device=device)
+    per_sm = openmla.plan_decode(lens, qsl, 16, num_sms=1).tiling.programs_per_sm
+    plan = openmla.plan_decode(lens, qsl, 16, num_sms=16 // per_sm)  # 16 slots: 2 x 500 beats 4 x 250 (2 waves)
+    assert int(plan.work_indptr[-1]) == 16 and bool((plan.num_splits.cpu() == 2).all())  # 16 slots, 2 each
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        openmla.plan_decode(lens, qsl, 16, kv_cache_dtype="int8")
+
+
 def test_fp8_query(device):
     lens = pick([40, 7], [4096, 100])
     q, cache, bt, sl, qsl = _batch(device, 16, [1, 1], lens, 16, torch.float8_e4m3fn)

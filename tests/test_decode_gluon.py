@@ -19,26 +19,29 @@ from openmla.utils.testing import TOLERANCES, assert_close
 SCALE = 576**-0.5
 LOG2E = 1.4426950408889634
 
-# (BLOCK_N, STAGES, OVERLAP, CAUSAL, BLOCK_H): the default variant and the 32-key ones, both
-# causal flags and a few row foldings (BLOCK_H 64 = h128/h64, 16 = h16 x 4 query rows, 32)
+# (BLOCK_N, STAGES, OVERLAP, CAUSAL, BLOCK_H, WS): the default variant and the 32-key ones, both
+# causal flags and a few row foldings (BLOCK_H 64 = h128/h64, 16 = h16 x 4 query rows, 32), and the
+# warp-specialised kernel (WS: 1-warp TMA producer + two consumer warpgroups)
 COMPILE_VARIANTS = [
-    (64, 2, False, True, 64),
-    (64, 2, False, False, 16),
-    (32, 4, True, True, 64),
-    (32, 4, True, False, 32),
-    (32, 3, True, True, 64),
-    (32, 3, False, False, 16),
+    (64, 2, False, True, 64, False),
+    (64, 2, False, False, 16, False),
+    (32, 4, True, True, 64, False),
+    (32, 4, True, False, 32, False),
+    (32, 3, True, True, 64, False),
+    (32, 3, False, False, 16, False),
+    (64, 2, False, True, 64, True),
+    (64, 2, False, False, 16, True),
+    (32, 3, False, True, 32, True),
 ]
 
 _COMPILE_SCRIPT = r"""
-import json, os, subprocess, sys, tempfile
+import json, os, re, subprocess, sys, tempfile
 os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from openmla.ops import decode_gluon as g
 
-fn = g._mla_decode_gluon_fwd_kernel
 layout = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
           "fp4_padded=False, cga_layout=[])")
 ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc": "*i32", "work_req": "*i32",
@@ -46,9 +49,15 @@ ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc
        "o_part": "*fp32", "lse_part": "*fp32"}
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 report = []
-for block_n, stages, overlap, causal, block_h in json.loads(sys.argv[1]):
+for block_n, stages, overlap, causal, block_h, ws in json.loads(sys.argv[1]):
     cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
-                CAUSAL=causal, OVERLAP=overlap, num_warps=8)
+                CAUSAL=causal, num_warps=8)
+    if ws:
+        fn = g._mla_decode_gluon_ws_kernel
+        cons["PRODUCER_REGS"] = g.WS_PRODUCER_REGS
+    else:
+        fn = g._mla_decode_gluon_fwd_kernel
+        cons["OVERLAP"] = overlap
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in cons:
@@ -73,10 +82,11 @@ for block_n, stages, overlap, causal, block_h in json.loads(sys.argv[1]):
     line = next(l for l in usage.splitlines() if "REG:" in l)
     fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
     ptx = k.asm["ptx"]
-    report.append(dict(variant=[block_n, stages, overlap, causal, block_h], regs=int(fields["REG"]),
+    report.append(dict(variant=[block_n, stages, overlap, causal, block_h, ws], regs=int(fields["REG"]),
                        stack=int(fields["STACK"]), local=int(fields["LOCAL"]), static_shared=int(fields["SHARED"]),
                        shared=k.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
-                       tma=ptx.count("cp.async.bulk.tensor")))
+                       tma=ptx.count("cp.async.bulk.tensor"), num_warps=k.metadata.num_warps,
+                       setmaxnreg=sorted(set(re.findall(r"setmaxnreg[.]inc[.]sync[.]aligned[.]u32\s+(\d+)", ptx)))))
 print("REPORT" + json.dumps(report))
 """
 
@@ -96,10 +106,12 @@ def _compile_report(variants):
 def test_gluon_decode_compiles_for_sm90():
     # offline sm90 compile (no GPU needed): wgmma + TMA in the PTX, no spill, fits the shared memory
     for r in _compile_report(COMPILE_VARIANTS):
-        name = "BLOCK_N={} STAGES={} OVERLAP={} CAUSAL={} BLOCK_H={}".format(*r["variant"])
+        name = "BLOCK_N={} STAGES={} OVERLAP={} CAUSAL={} BLOCK_H={} WS={}".format(*r["variant"])
         assert r["wgmma"] > 0 and r["tma"] > 0, f"{name}: {r}"
         assert r["regs"] <= 255 and r["stack"] == 0 and r["local"] == 0, f"{name}: spills or too many registers {r}"
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, f"{name}: shared memory {r}"
+        if r["variant"][5]:  # 8 consumer warps + the producer warp's warpgroup, registers moved by setmaxnreg
+            assert r["num_warps"] == 12 and r["setmaxnreg"], f"{name}: {r}"
 
 
 def test_gluon_decode_unsupported_on_cpu():
@@ -115,10 +127,17 @@ def test_gluon_decode_unsupported_on_cpu():
 # GPU (sm90) tests
 
 VARIANTS = [
-    {"block_n": 64, "stages": 2, "overlap": False},  # the default
+    {"block_n": 64, "stages": 2, "overlap": False, "ws": False},
     {"block_n": 32, "stages": 4, "overlap": True},
-    {"block_n": 32, "stages": 3, "overlap": False},
+    {"block_n": 32, "stages": 3, "overlap": False, "ws": False},
+    {"block_n": 64, "stages": 2, "overlap": False, "ws": True},  # the default: warp-specialised (TMA producer warp)
+    {"block_n": 32, "stages": 3, "overlap": False, "ws": True},
 ]
+
+
+def _variant_id(i):
+    v = VARIANTS[i]
+    return "n{}s{}o{:d}".format(v["block_n"], v["stages"], v["overlap"]) + ("ws" if v.get("ws") else "")
 
 
 def _batch(device, heads, qlens, lens, page, bad_tail=False):
@@ -173,7 +192,7 @@ def _check(q, cache, bt, sl, qsl, causal, num_sms=None, **kw):
 
 @pytest.mark.hopper
 @pytest.mark.parametrize(
-    "variant", range(len(VARIANTS)), ids=lambda i: "n{block_n}s{stages}o{overlap:d}".format(**VARIANTS[i])
+    "variant", range(len(VARIANTS)), ids=_variant_id
 )
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("qlen", ["1", "2", "4", "varlen"])
@@ -186,7 +205,7 @@ def test_gluon_decode(heads, qlen, causal, variant, device):
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("num_sms", [4, 132])
-@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+@pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=_variant_id)
 def test_gluon_decode_splits(num_sms, variant, device):
     # many splits (long requests, few or many SMs to balance over), block ids past the sequence invalid
     lens = [30001, 9001, 12345, 64, 0]
@@ -225,11 +244,27 @@ def test_gluon_matches_portable(heads, qlen, device):
 
 
 @pytest.mark.hopper
-def test_gluon_decode_empty_rows(device):
+@pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4)])
+def test_gluon_ws_matches_default(heads, qlen, device):
+    # the warp-specialised kernel runs the same MMAs in the same order; only the row sum is accumulated
+    # per key column and reduced at the end (rounding differences only)
+    lens = [4096, 77, 2048, 1, 5000, 0]
+    q, cache, bt, sl, qsl = _batch(device, heads, [qlen] * len(lens), lens, 64, bad_tail=True)
+    out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=8, ws=False)
+    out_ws, lse_ws, _ = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=8, ws=True)
+    assert_close("out", out.float(), out_ws.float(), *TOLERANCES[torch.bfloat16])
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ws))
+    fin = torch.isfinite(lse)
+    assert float((lse[fin] - lse_ws[fin]).abs().max()) < 1e-4
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("ws", [False, True], ids=["serial", "ws"])
+def test_gluon_decode_empty_rows(ws, device):
     # causal rows that see no key (seq_len < qlen) give out 0 and lse -inf, never NaN
     lens = [2, 0, 40]
     q, cache, bt, sl, qsl = _batch(device, 32, [4, 3, 1], lens, 64)
-    out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True)
+    out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True, ws=ws)
     ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True)
     assert bool(torch.isneginf(lse[:2]).all()) and float(out[:2].abs().max()) == 0.0
     assert math.isinf(float(lse[4, 0])) and not torch.isnan(out).any()

@@ -90,6 +90,7 @@ class ModelRunner:
             dtype=dtype,
             kv_entry=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
             workspace_tokens=workspace_tokens,
+            kv_cache_dtype=model.attention_layers[0].kv_cache_dtype,
         )
         num_blocks = block_manager.allocator.num_blocks
         self.kv_caches = [

@@ -232,6 +232,7 @@ class MLAMetadataBuilder:
         workspace_tokens (int | None): context tokens per chunk of a chunked-context prefill (bounds
             its workspace); default ``min(max(8 * max_model_len, 4 * max_num_seqs * block_size), 64 * 1024)``.
         use_plan (bool): compute a ``plan_decode`` work plan per step (on by default).
+        kv_cache_dtype (str): "auto" or "fp8", the cache the decode kernel reads (the plan's tiles).
 
     Raises:
         ValueError: on non-positive sizes.
@@ -251,6 +252,7 @@ class MLAMetadataBuilder:
         kv_entry: int = 576,
         workspace_tokens: int | None = None,
         use_plan: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         for name, val in (
             ("num_heads", num_heads),
@@ -272,6 +274,7 @@ class MLAMetadataBuilder:
         self.device = torch.device(device)
         self.dtype = dtype
         self.use_plan = use_plan
+        self.kv_cache_dtype = kv_cache_dtype
         self.max_blocks_per_seq = _cdiv(max_model_len, block_size)
         if workspace_tokens is None:
             workspace_tokens = min(max(8 * max_model_len, 4 * max_num_seqs * block_size), 64 * 1024)
@@ -383,7 +386,8 @@ class MLAMetadataBuilder:
             key = (B, max_qlen)
             plan = plan_decode(
                 seq_lens, qo_indptr, self.num_heads, max_query_len=max_qlen, max_seq_len=self.max_model_len,
-                out=self._plans.get(key), validate=False,  # the batch spec was checked on the host
+                kv_cache_dtype=self.kv_cache_dtype, out=self._plans.get(key),
+                validate=False,  # the batch spec was checked on the host
             )  # fmt: skip
             self._plans[key] = plan
         return MLADecodeMetadata(

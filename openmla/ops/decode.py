@@ -25,7 +25,7 @@ __all__ = ["mla_decode"]
 
 _LOG2E = 1.4426950408889634
 # "auto" runs the Gluon kernel for tiles of at least this many rows (heads x qlen); measured on the H200
-_GLUON_AUTO_MIN_ROWS = int(os.environ.get("OPENMLA_DECODE_GLUON_MIN_ROWS", "64"))
+_GLUON_AUTO_MIN_ROWS = int(os.environ.get("OPENMLA_DECODE_GLUON_MIN_ROWS", "32"))
 _LN2 = 0.6931471805599453
 
 
@@ -447,7 +447,7 @@ def mla_decode(
         if int(query_start_loc[-1]) != T:
             raise ValueError(f"query_start_loc[-1] ({int(query_start_loc[-1])}) must equal q.shape[0] ({T})")
     if plan is None:
-        plan = plan_decode(seq_lens, query_start_loc, H, d_v=d_v)
+        plan = plan_decode(seq_lens, query_start_loc, H, d_v=d_v, kv_cache_dtype=kv_cache_dtype)
     else:
         plan.check(B, H, d_v)
     if out is None:

@@ -32,6 +32,13 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``):
   A stage is refilled once the P V of its tile is done, so the loads run ``STAGES - 1`` tiles ahead
   of the serial loop but only ``STAGES - 2`` ahead of the overlapped one (which holds tiles j and
   j + 1): OVERLAP needs 3+ stages, i.e. 32-key tiles (4 stages fit).
+* ``ws=True`` (``_mla_decode_gluon_ws_kernel``, same results up to rounding of the row sum): warp
+  specialisation. A 1-warp producer partition (32 registers) does the page lookups and issues every TMA
+  load, waiting on per-stage "empty" mbarriers; the two consumer warpgroups (default partition, 232
+  registers after ``setmaxnreg``) wait on per-stage "ready" mbarriers, run the serial loop and release a
+  stage with one ``mbarrier.arrive`` after the P V. The row sum is kept per key column and reduced once
+  at the end. CTA-wide barriers per 64-key tile in the steady state: 5 (loop top, row max x 2, P, after
+  P V) instead of 12 (the serial loop also syncs before each of its 4 TMA messages and reduces the sum).
 * Keys past the sequence end inside a valid page hold anything (stale data, NaN in the tests): the
   tile that holds the sequence end has those rows of its latent buffer zeroed in shared memory before
   the MMAs (a NaN there would survive ``P = 0`` in ``P V``); their scores are masked to -inf anyway.
@@ -83,6 +90,9 @@ BLOCK_M = 64  # rows per program: one wgmma M of 64 per warpgroup
 SUB_N = 32  # keys per TMA box: the plan's split granularity, so a box never crosses a page
 NUM_WARPS = 8
 SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm90
+# registers of the 1-warp producer partition of the ``ws=True`` variant: 24 spills a few bytes (its
+# arguments arrive through shared memory); 32 leaves the two consumer warpgroups 232 (no spill)
+WS_PRODUCER_REGS = 32
 
 
 if GLUON_AVAILABLE:
@@ -369,6 +379,200 @@ if GLUON_AVAILABLE:
             gl.store(lse_part + (i_w.to(gl.int64) * MAX_QLEN + o_ts) * H + o_hs, b_lse, mask=m_s)
 
 
+    # ---------------------------------------------------------------------------------------------
+    # Warp-specialised variant (``ws=True``): a 1-warp producer partition issues every TMA load of the
+    # KV ring (page lookups included) and waits on per-stage "empty" mbarriers; the default partition
+    # (the two consumer warpgroups) waits on per-stage "ready" mbarriers and computes exactly what the
+    # serial loop of ``_mla_decode_gluon_fwd_kernel`` computes (same MMAs, same softmax, same order).
+
+    @gluon.jit
+    def _ws_producer(lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, p_bt, kv_lo, kv_hi, n_tiles,
+                     max_blocks, num_blocks, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):  # fmt: skip
+        NSUB: gl.constexpr = BLOCK_N // 32
+        for j in range(n_tiles):
+            stage = j % STAGES
+            n0 = kv_lo + j * BLOCK_N
+            r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
+            r1 = r0
+            if NSUB == 2:
+                r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
+            # the consumers released this stage (fresh barriers pass parity 1 at once: the first lap)
+            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+            _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, stage, r0, r1, NSUB)
+
+    @gluon.jit
+    def _ws_consumer(q, q_smem, lat_smem, rope_smem, p_smem, ready, empty, p_bt, block_table, query_start_loc,
+                     num_splits, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h,
+                     stride_o_t, stride_o_h, H, num_blocks, max_blocks, i_w, i_h, i_q, i_b, q_start, qlen, L,
+                     kv_lo, kv_hi, n_tiles, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
+                     BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr):  # fmt: skip
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        D_V: gl.constexpr = 512
+        NSUB: gl.constexpr = BLOCK_N // 32
+        NW: gl.constexpr = 8
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                           instr_shape=[16, BLOCK_N // 2, 16])  # fmt: skip
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                           instr_shape=[16, 256, 16])  # fmt: skip
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
+        LD_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        ROW_LD: gl.constexpr = gl.SliceLayout(1, LD_LAYOUT)
+        COL_LD: gl.constexpr = gl.SliceLayout(0, LD_LAYOUT)
+
+        # ---- Q rows -> shared memory while the producer starts the first tiles
+        o_m = gl.arange(0, BLOCK_M, layout=ROW_LD)
+        o_t = i_q * Q_PER + o_m // BLOCK_H
+        o_h = i_h * BLOCK_H + o_m % BLOCK_H
+        m_ld = gl.expand_dims((o_t < qlen) & (o_h < H), 1)
+        p_q = q + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_q_t + o_h * stride_q_h, 1)
+        o_c = gl.expand_dims(gl.arange(0, 64, layout=COL_LD), 0)
+        for c in gl.static_range(9):
+            b_q = gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0)
+            q_smem.index(c).store(b_q.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        o_ms = gl.arange(0, BLOCK_M, layout=ROW_S)
+        o_ts = i_q * Q_PER + o_ms // BLOCK_H
+        if CAUSAL:
+            limit = L - qlen + o_ts + 1
+        else:
+            limit = gl.full([BLOCK_M], 0, gl.int32, ROW_S) + L
+        limit = gl.expand_dims(gl.minimum(limit, kv_hi), 1)
+        o_ns = gl.arange(0, BLOCK_N, layout=COL_S)
+        b_m = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
+        # the row sums stay per key column (each thread its own keys) until the epilogue: no cross-warpgroup
+        # reduction of the sum in the loop
+        b_lv = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
+        acc = gl.zeros([BLOCK_M, D_V], gl.float32, O_LAYOUT)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
+
+        for j in range(n_tiles):
+            stage = j % STAGES
+            n0 = kv_lo + j * BLOCK_N
+            ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
+            ok_n = (o_ns < 32) & ok0
+            if NSUB == 2:
+                ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
+                ok_n = ok_n | ((o_ns >= 32) & ok1)
+            m_n = gl.expand_dims(ok_n, 0) & (gl.expand_dims(n0 + o_ns, 0) < limit)
+
+            lat = lat_smem.index(stage)
+            mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+            if n0 + BLOCK_N > L:
+                _zero_tail(lat, n0, L, BLOCK_N, NW)
+            b_s = _qk(q_smem, lat, rope_smem.index(stage), s_zero)
+            b_s = warpgroup_mma_wait(0, deps=(b_s,))
+
+            b_s = gl.where(m_n, b_s * scale_log2, float("-inf"))
+            b_m_new = gl.maximum(b_m, gl.max(b_s, axis=1))
+            b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+            b_alpha = gl.exp2(b_m - b_m_use)
+            b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 1))
+            b_lv = b_lv * gl.expand_dims(b_alpha, 1) + b_p
+            b_m = b_m_new
+            p_smem.store(b_p.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()  # each warpgroup reads all of P
+
+            acc = acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1)
+            acc = warpgroup_mma(p_smem, lat, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            gl.thread_barrier()  # both warpgroups are done with this stage and with P
+            mbarrier.arrive(empty.index(stage), count=1)  # the producer may refill it
+
+        b_l = gl.sum(b_lv, axis=1)
+        n_split = gl.load(num_splits + i_b)
+        empty_r = b_l == 0.0
+        b_lse = gl.where(empty_r, float("-inf"),
+                         (b_m + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)  # fmt: skip
+        b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_l))
+        b_o = acc * gl.expand_dims(gl.convert_layout(b_inv, ROW_O), 1)
+        o_mo = gl.arange(0, BLOCK_M, layout=ROW_O)
+        o_to = i_q * Q_PER + o_mo // BLOCK_H
+        o_ho = i_h * BLOCK_H + o_mo % BLOCK_H
+        m_o = gl.expand_dims((o_to < qlen) & (o_ho < H), 1)
+        o_v = gl.expand_dims(gl.arange(0, D_V, layout=COL_O), 0)
+        o_hs = i_h * BLOCK_H + o_ms % BLOCK_H
+        m_s = (o_ts < qlen) & (o_hs < H)
+        if n_split == 1:
+            row = (q_start + o_to).to(gl.int64)
+            p_o = out + gl.expand_dims(row * stride_o_t + o_ho * stride_o_h, 1) + o_v
+            gl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
+            gl.store(lse + (q_start + o_ts).to(gl.int64) * H + o_hs, b_lse, mask=m_s)
+        else:
+            part = (i_w.to(gl.int64) * MAX_QLEN + o_to) * H + o_ho
+            gl.store(o_part + gl.expand_dims(part * D_V, 1) + o_v, b_o, mask=m_o)
+            gl.store(lse_part + (i_w.to(gl.int64) * MAX_QLEN + o_ts) * H + o_hs, b_lse, mask=m_s)
+
+    @gluon.jit
+    def _mla_decode_gluon_ws_kernel(
+        q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
+        split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks,
+        PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """Same arguments and results as ``_mla_decode_gluon_fwd_kernel`` (serial loop), warp-specialised."""
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
+        gl.static_assert(num_warps == 8, "two consumer warpgroups in the default partition")
+        gl.static_assert(BLOCK_N == 32 or BLOCK_N == 64, "BLOCK_N is 32 or 64")
+        Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
+
+        i_w = gl.program_id(0)
+        i_h = gl.program_id(1)
+        i_q = gl.program_id(2)
+        i_b = gl.load(work_req + i_w)
+        if i_b < 0:
+            return
+        i_b = i_b.to(gl.int64)
+        q_start = gl.load(query_start_loc + i_b)
+        qlen = gl.load(query_start_loc + i_b + 1) - q_start
+        if i_q * Q_PER >= qlen:
+            return
+        L = gl.load(seq_lens + i_b)
+        i_s = gl.load(work_split + i_w)
+        chunk = gl.load(split_len + i_b)
+        kv_lo = i_s * chunk
+        kv_hi = gl.minimum(L, kv_lo + chunk)
+        if CAUSAL:
+            kv_hi = gl.minimum(kv_hi, L - qlen + gl.minimum(i_q * Q_PER + Q_PER, qlen))
+        n_tiles = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
+        p_bt = block_table + i_b * stride_bt_b
+
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, BLOCK_M, 64], Q_SMEM)
+        lat_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], lat_desc.layout)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], rope_desc.layout)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], P_SMEM)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+            mbarrier.init(empty.index(st), count=1)
+        fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
+
+        gl.warp_specialize([
+            (_ws_consumer, (q, q_smem, lat_smem, rope_smem, p_smem, ready, empty, p_bt, block_table,
+                            query_start_loc, num_splits, out, lse, o_part, lse_part, scale_log2, v_scale,
+                            stride_q_t, stride_q_h, stride_o_t, stride_o_h, H, num_blocks, max_blocks, i_w, i_h,
+                            i_q, i_b, q_start, qlen, L, kv_lo, kv_hi, n_tiles, PAGE, MAX_QLEN, BLOCK_H, Q_PER,
+                            BLOCK_N, STAGES, CAUSAL)),
+            (_ws_producer, (lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, p_bt, kv_lo, kv_hi, n_tiles,
+                            max_blocks, num_blocks, PAGE, BLOCK_N, STAGES)),
+        ], [1], [PRODUCER_REGS])  # fmt: skip
+
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(st))
+            mbarrier.invalidate(empty.index(st))
+
 def gluon_decode_config(num_heads: int, max_query_len: int) -> tuple[int, int]:
     """``(BLOCK_H, Q_PER)`` of the Gluon kernel: 64 rows = heads x query tokens, heads first."""
     block_h = min(triton.next_power_of_2(max(1, num_heads)), BLOCK_M)
@@ -412,7 +616,7 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
 
 def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                            scale_log2: float, v_scale: float, causal: bool, d_v: int, *, block_n: int = 64,
-                           stages: int | None = None, overlap: bool = False) -> None:  # fmt: skip
+                           stages: int | None = None, overlap: bool = False, ws: bool | None = None) -> None:  # fmt: skip
     r"""Launch the Gluon split-KV kernel (same meaning as ``_mla_decode_split`` in ``ops/decode.py``).
 
     Writes the final rows of single-split requests into ``out``/``lse`` and the normalised fp32
@@ -431,13 +635,21 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         block_n (int): keys per KV tile, 32 or 64 (keyword-only tuning knob).
         stages (int | None): KV ring depth (default: 2 for 64-key tiles; 4 for 32 with overlap, else 3).
         overlap (bool): issue the next tile's scores MMA before this tile's softmax (needs stages >= 3).
+        ws (bool | None): the warp-specialised variant (``_mla_decode_gluon_ws_kernel``): a 1-warp
+            producer partition issues the TMA loads on per-stage empty/ready mbarriers; the consumers
+            run the serial loop (not combinable with ``overlap``). None: on unless ``overlap`` (measured
+            4-8% faster than the plain serial loop on the H200, benchmarks/RESULTS.md run 10).
     """
+    if ws is None:
+        ws = not overlap
     if d_v != D_V:
         raise ValueError(f"the Gluon decode kernel needs d_v = {D_V}; got {d_v}")
     if block_n not in (32, 64):
         raise ValueError(f"block_n must be 32 or 64; got {block_n}")
     if stages is None:
         stages = 2 if block_n == 64 else (4 if overlap else 3)
+    if ws and overlap:
+        raise ValueError("ws=True runs the serial loop; overlap=True is not offered with it")
     if overlap and stages < 3:
         raise ValueError("overlap=True needs stages >= 3 (tiles j and j + 1 are resident together)")
     smem = 64 * 576 * 2 + stages * block_n * D_QK * 2 + 64 * block_n * 2 + 1024
@@ -451,6 +663,16 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     lat_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, D_V], _kv_layout())
     rope_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, D_R], _kv_layout())
     grid = (plan.capacity, triton.cdiv(H, block_h), triton.cdiv(plan.max_query_len, q_per))
+    if ws:
+        _mla_decode_gluon_ws_kernel[grid](
+            q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split,
+            plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
+            q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
+            H, num_blocks, block_table.shape[1],
+            PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n, STAGES=stages,
+            CAUSAL=causal, PRODUCER_REGS=WS_PRODUCER_REGS, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        return
     _mla_decode_gluon_fwd_kernel[grid](
         q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split, plan.num_splits,
         plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,

@@ -32,7 +32,7 @@ _MIN_SPLIT_ENV = os.environ.get("OPENMLA_DECODE_MIN_SPLIT")
 _MAX_SPLIT_TILES = 128  # a split spans at most this many KV tiles (its page numbers stay in registers)
 # a work item's fixed cost (q load, partial write and its share of the reduce), in KV tokens
 _ITEM_COST = int(os.environ.get("OPENMLA_DECODE_ITEM_COST", "256"))
-_MAX_CANDIDATES = 256  # split counts tried for the longest request
+_MAX_CANDIDATES = 128  # split counts tried for the longest request
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def _plan_decode_fwd_kernel(
     # one program plans the whole batch: a single launch, no host synchronisation
     o_b = tl.arange(0, BLOCK_B)
     m_b = o_b < B
-    L = tl.load(seq_lens + o_b, mask=m_b, other=0).to(tl.int64)
+    L = tl.load(seq_lens + o_b, mask=m_b, other=0)
     qlen = tl.load(query_start_loc + o_b + 1, mask=m_b, other=0) - tl.load(query_start_loc + o_b, mask=m_b, other=0)
     L_max = tl.max(tl.where(qlen > 0, L, 0), axis=0)
     # candidate split lengths: the longest request cut into c = 1..N_CAND equal parts, in whole tiles,
@@ -75,7 +75,7 @@ def _plan_decode_fwd_kernel(
     waves = (full + slots - 1) // slots
     work = tl.sum(tl.where(n_bc > 0, L[None, :], 0), axis=1) + ITEM_COST * items
     cost = tl.maximum(waves * (cand + ITEM_COST), (work + slots - 1) // slots)
-    cost = tl.where(items <= capacity, cost, 1 << 62)  # candidate 1 always fits (capacity covers it)
+    cost = tl.where(items <= capacity, cost, 2**31 - 1)  # candidate 1 always fits (capacity covers it)
     split = tl.sum(tl.where(o_c == tl.argmin(cost, axis=0) + 1, cand, 0), axis=0)  # fewest items among ties
     n = tl.where(qlen > 0, tl.maximum((L + split - 1) // split, 1), 0)
     n1 = tl.maximum(n, 1)
@@ -128,7 +128,7 @@ class DecodeTiling:
         return self.block_h * self.q_per
 
 
-def choose_tiling(num_heads: int, max_query_len: int) -> DecodeTiling:
+def choose_tiling(num_heads: int, max_query_len: int, kv_cache_dtype: str = "auto") -> DecodeTiling:
     """Rows per program: 16 (memory-bound, mma.sync), 32, or 64 (wgmma-sized) by heads x qlen."""
     rows = num_heads * max_query_len
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
@@ -141,11 +141,14 @@ def choose_tiling(num_heads: int, max_query_len: int) -> DecodeTiling:
     if override:
         n, w, st = (int(x) for x in override.split(","))
         return DecodeTiling(block_h, q_per, n, w, st, tma)
-    # measured on the H200 (benchmarks/RESULTS.md, runs 3 and 7): 32-token tiles let two 4-warp programs
-    # share an SM; 64-row tiles are fastest with 64-token tiles, one 8-warp program per SM
+    # measured on the H200 (benchmarks/RESULTS.md, runs 7-9): 64-token tiles, 3 stages, one 4-warp
+    # program per SM for 16 and 32 rows (h16 b128 s8k: 94.8% of read bandwidth, no reduce needed);
+    # 64-token tiles, one 8-warp program per SM for 64 rows (the Gluon tier takes those on sm90)
     if block_m == 64:
         return DecodeTiling(block_h, q_per, 64, 8, 2, tma)
-    return DecodeTiling(block_h, q_per, 32, 4, 3, tma)
+    if kv_cache_dtype == "fp8":  # widening e4m3 in registers: 32-token tiles through TMA, two programs per SM
+        return DecodeTiling(block_h, q_per, 32, 4, 2, True)
+    return DecodeTiling(block_h, q_per, 64, 4, 3, tma)
 
 
 def triton_next_pow2(n: int) -> int:
@@ -213,6 +216,7 @@ def plan_decode(
     max_seq_len: int | None = None,
     num_sms: int | None = None,
     d_v: int = 512,
+    kv_cache_dtype: str = "auto",
     out: DecodePlan | None = None,
     validate: bool = True,
 ) -> DecodePlan:
@@ -229,6 +233,7 @@ def plan_decode(
             from ``seq_lens`` (a host sync) when None.
         num_sms (int | None): multiprocessors to balance over (default: the device's).
         d_v (int): output width (512 for DeepSeek's latent).
+        kv_cache_dtype (str): "auto" or "fp8", the cache the layers read (fp8 caches get their own tiles).
         validate (bool): check the bounds against the tensors (one host sync). A scheduler that
             already checked its batch on the host passes False together with both bounds; the plan then
             never waits for the device.
@@ -262,7 +267,9 @@ def plan_decode(
         max_query_len, max_seq_len = max_query_len or 1, max_seq_len or 0
     if num_sms is None:
         num_sms = out.num_sms if out is not None else _default_num_sms(dev)
-    tiling = choose_tiling(num_heads, max_query_len)
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f'kv_cache_dtype must be "auto" or "fp8"; got {kv_cache_dtype!r}')
+    tiling = choose_tiling(num_heads, max_query_len, kv_cache_dtype)
     programs_per_split = triton_cdiv(num_heads, tiling.block_h) * triton_cdiv(max_query_len, tiling.q_per)
     slots = max(1, (tiling.programs_per_sm * num_sms) // programs_per_split)
     min_split = int(_MIN_SPLIT_ENV) if _MIN_SPLIT_ENV else (512 if tiling.block_m == 64 else 256)
