@@ -72,7 +72,8 @@ def torch_decode(q, cache, block_table, seq_lens, qlen, s, fp8):
 
 def run_shape(h, b, s, qlen, fp8, bw, args):
     q, cache, bt, sl, qsl = make_problem(h, b, s, qlen, fp8, args.pool_gib)
-    plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s)
+    plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s,
+                                kv_cache_dtype="fp8" if fp8 else "auto")
     out = torch.empty(q.shape[0], h, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(q.shape[0], h, dtype=torch.float32, device="cuda")
     kw = dict(kv_cache_dtype="fp8", kv_scale=1.0) if fp8 else {}

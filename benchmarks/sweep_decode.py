@@ -87,7 +87,8 @@ def main(argv=None):
         for variant in args.variants.split(";"):
             restore = _apply(variant)
             try:
-                plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s)
+                plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s,
+                                kv_cache_dtype="fp8" if fp8 else "auto")
                 us = bench_us(lambda: openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=plan, out=out, **kw))
                 rows.append((variant, us, int(plan.work_indptr[-1])))
             except Exception as exc:  # a variant that does not compile or fit is reported, not fatal

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from openmla.device import compute_dtype
+from openmla.device import INTERPRET, compute_dtype
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe, scalar_scale
 from openmla.ops.decode_gluon import gluon_decode_supported, mla_decode_split_gluon
 from openmla.ops.plan import DecodePlan, plan_decode
@@ -282,7 +282,9 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
     t = plan.tiling
     page = kv_cache.shape[1]
     grid = (plan.capacity, triton.cdiv(H, t.block_h), triton.cdiv(plan.max_query_len, t.q_per))
-    page_aligned = page % t.block_n == 0
+    # fp32 caches (tests, the CPU engine) take half-length tiles: the same ring would not fit shared memory
+    block_n = t.block_n // 2 if kv_cache.element_size() == 4 and not INTERPRET else t.block_n
+    page_aligned = page % block_n == 0
     kc_desc = kr_desc = None
     # TMA tiles: forced by the tiling, and the default for fp8 caches on sm90+ (measured 1.26x faster
     # there, RESULTS.md run 7; the bf16 cache is faster through pointers)
@@ -292,16 +294,16 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
     use_tma = want_tma and tma_ok and page_aligned and kv_cache.stride(0) == page * kv_cache.stride(1)
     if use_tma:  # the cache as rows [num_blocks * page, d_qk]; TMA zero-fills rows outside it
         rows = kv_cache.shape[0] * page
-        kc_desc = TensorDescriptor(kv_cache, [rows, d_v], [kv_cache.stride(1), 1], [t.block_n, d_v // 4])
+        kc_desc = TensorDescriptor(kv_cache, [rows, d_v], [kv_cache.stride(1), 1], [block_n, d_v // 4])
         kr_desc = TensorDescriptor(kv_cache[:, :, d_v:], [rows, q.shape[2] - d_v], [kv_cache.stride(1), 1],
-                                   [t.block_n, q.shape[2] - d_v])  # fmt: skip
+                                   [block_n, q.shape[2] - d_v])  # fmt: skip
     _mla_decode_fwd_kernel[grid](
         q, kv_cache, kc_desc, kr_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split, plan.num_splits,
         plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), H, kv_cache.shape[0], block_table.shape[1],
         PAGE=page, MAX_QLEN=plan.max_query_len, D_V=d_v, D_R=q.shape[2] - d_v,
-        BLOCK_H=t.block_h, Q_PER=t.q_per, BLOCK_N=t.block_n, PAGE_ALIGNED=page_aligned, USE_TMA=use_tma,
+        BLOCK_H=t.block_h, Q_PER=t.q_per, BLOCK_N=block_n, PAGE_ALIGNED=page_aligned, USE_TMA=use_tma,
         MAX_PAGES=triton.next_power_of_2(t.max_split // page + 1), CAUSAL=causal, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=t.num_warps, num_stages=t.num_stages,
