@@ -26,8 +26,12 @@ def read_bandwidth_gbs(gib: float = 4.0) -> float:
 
 
 def env_line() -> str:
+    """Device, versions and the git commit (``+dirty`` when tracked files differ from it: a copied tree)."""
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True).stdout.strip()  # fmt: skip
+        sha += "+dirty" if sha and dirty else ""
     except OSError:
         sha = "?"
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
