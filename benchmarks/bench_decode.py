@@ -92,11 +92,15 @@ def run_shape(h, b, s, qlen, fp8, bw, args):
     winner = min((t for t in tier_us if tier_us[t] == tier_us[t]), key=tier_us.get)
     # the split kernel mla_decode picks and the reduce, timed on their own (same arguments it passes)
     scale_log2 = SCALE * 1.4426950408889634
-    if use_gluon:
-        split = lambda: dec.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, scale_log2, 1.0, True, 512)  # noqa: E731
-    else:
-        split = lambda: dec._mla_decode_split(q, cache, bt, sl, qsl, plan, out, lse, scale_log2, 1.0, True, 512,  # noqa: E731
-                                              dec.compute_dtype(torch.float16 if fp8 else torch.bfloat16))
+    compute = dec.compute_dtype(torch.float16 if fp8 else torch.bfloat16)
+
+    def split():
+        args = (q, cache, bt, sl, qsl, plan, out, lse, scale_log2, 1.0, True, 512)
+        if use_gluon:
+            dec.mla_decode_split_gluon(*args)
+        else:
+            dec._mla_decode_split(*args, compute)
+
     split_us = bench_us(split, graph=graph)
     reduce_us = bench_us(lambda: dec._mla_decode_reduce(qsl, plan, out, lse, 512), graph=graph)
     plan_us = bench_us(lambda: openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s, out=plan),
@@ -111,7 +115,7 @@ def run_shape(h, b, s, qlen, fp8, bw, args):
     return dict(h=h, b=b, s=s, qlen=qlen, kv="fp8" if fp8 else "bf16", us=us, gbs=gbs, tflops=flops / us / 1e6,
                 frac=gbs / bw, plan_us=plan_us, split_us=split_us, reduce_us=reduce_us, torch_us=torch_us,
                 splits=int(plan.work_indptr[-1]), triton_us=tier_us["triton"], gluon_us=tier_us["gluon"],
-                winner=winner, tier="gluon" if use_gluon else "triton")  # the problem's tensors are freed when this returns
+                winner=winner, tier="gluon" if use_gluon else "triton")  # the problem's tensors are freed on return
 
 
 def main(argv=None):
@@ -152,7 +156,8 @@ def main(argv=None):
               f"{r['tflops']:>7.1f} {100 * r['frac']:>5.1f}% {r['tier']:>6} "
               f"{r['triton_us']:>8.1f}{'*' if r['winner'] == 'triton' else ' '} "
               f"{r['gluon_us']:>8.1f}{'*' if r['winner'] == 'gluon' else ' '} {r['splits']:>6} {r['split_us']:>8.1f} "
-              f"{r['reduce_us']:>7.1f} {r['plan_us']:>7.1f} {r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>6.1f}x", flush=True)
+              f"{r['reduce_us']:>7.1f} {r['plan_us']:>7.1f} {r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>6.1f}x",
+              flush=True)
     return 0
 
 

@@ -123,8 +123,8 @@ def test_tma_tiles(heads, qlens, causal, dtype, device):
     out, _ = _check(q, cache, bt, sl, qsl, causal, dtype, plan=plan)
     bad = bt.clone()
     bad[2, 1] = cache.shape[0] + 5  # keys 64..127 of request 2 name a block past the cache
-    out_bad, _ = openmla.mla_decode(q, cache, bad, sl, qsl, SCALE, causal=causal, plan=plan,
-                                    **(dict(kv_cache_dtype="fp8", kv_scale=KV_SCALE) if dtype != torch.bfloat16 else {}))
+    kv = {"kv_cache_dtype": "fp8", "kv_scale": KV_SCALE} if dtype == torch.float8_e4m3fn else {}
+    out_bad, _ = openmla.mla_decode(q, cache, bad, sl, qsl, SCALE, causal=causal, plan=plan, **kv)
     assert not torch.isnan(out_bad).any()
     rows = slice(int(qsl[2]), int(qsl[3]))
     assert torch.equal(out_bad[: rows.start], out[: rows.start])  # other requests are untouched

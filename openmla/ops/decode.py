@@ -298,8 +298,8 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
         kr_desc = TensorDescriptor(kv_cache[:, :, d_v:], [rows, q.shape[2] - d_v], [kv_cache.stride(1), 1],
                                    [block_n, q.shape[2] - d_v])  # fmt: skip
     _mla_decode_fwd_kernel[grid](
-        q, kv_cache, kc_desc, kr_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split, plan.num_splits,
-        plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
+        q, kv_cache, kc_desc, kr_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split,
+        plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), H, kv_cache.shape[0], block_table.shape[1],
         PAGE=page, MAX_QLEN=plan.max_query_len, D_V=d_v, D_R=q.shape[2] - d_v,
