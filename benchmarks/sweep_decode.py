@@ -9,7 +9,8 @@ yardstick is measured once. One line per (variant, shape); the best variant per 
         --variants "item_cost=0;item_cost=1024;max_tiles=64;tiling=32,4,2|min_split=512"
 
 A variant is ``key=value[|key=value...]`` with keys item_cost, min_split, max_tiles, tiling (block_n,warps,stages),
-tma (0/1: full KV tiles through TMA descriptors), backend (auto/triton/gluon).
+tma (0/1: full KV tiles through TMA descriptors), backend (auto/triton/gluon),
+pdl (0/1: programmatic dependent launch of the reduce).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import openmla  # noqa: E402
+import openmla.ops.decode as decode_mod  # noqa: E402
 import openmla.ops.plan as plan_mod  # noqa: E402
 from bench_decode import PAGE, SCALE, make_problem, parse_shapes  # noqa: E402
 from common import bench_us, env_line, read_bandwidth_gbs  # noqa: E402
@@ -34,10 +36,11 @@ def _apply(variant: str):
     """Set the knobs of one variant; returns a function that restores them."""
     saved = (plan_mod._ITEM_COST, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES,
              os.environ.get("OPENMLA_DECODE_TILING"), os.environ.get("OPENMLA_DECODE_TMA"),
-             os.environ.get("OPENMLA_DECODE_BACKEND"))
+             os.environ.get("OPENMLA_DECODE_BACKEND"), decode_mod._PDL)
 
     def restore():
-        plan_mod._ITEM_COST, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES, tiling, tma, backend = saved
+        plan_mod._ITEM_COST, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES, tiling, tma, backend, pdl = saved
+        decode_mod._PDL = pdl
         for name, value in (("OPENMLA_DECODE_TILING", tiling), ("OPENMLA_DECODE_TMA", tma),
                             ("OPENMLA_DECODE_BACKEND", backend)):
             if value is None:
@@ -60,6 +63,8 @@ def _apply(variant: str):
                 os.environ["OPENMLA_DECODE_TMA"] = value
             elif key == "backend":
                 os.environ["OPENMLA_DECODE_BACKEND"] = value
+            elif key == "pdl":
+                decode_mod._PDL = value == "1"
             else:
                 raise ValueError(f"unknown knob {key!r} in variant {variant!r}")
     return restore

@@ -130,6 +130,26 @@ def test_tma_tiles(heads, qlens, causal, dtype, device):
     assert torch.equal(out_bad[: rows.start], out[: rows.start])  # other requests are untouched
 
 
+def test_pdl_reduce(device, monkeypatch):
+    # the reduce launched with programmatic dependent launch (opt-in) waits for the split kernel's writes,
+    # eagerly and replayed from a CUDA graph
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm90+")
+    import openmla.ops.decode as decode_mod
+
+    monkeypatch.setattr(decode_mod, "_PDL", True)
+    q, cache, bt, sl, qsl = _batch(device, 16, [1, 2, 1], [20000, 5000, 9000], 64, torch.bfloat16)
+    plan = openmla.plan_decode(sl, qsl, 16)
+    assert int(plan.num_splits.max()) > 1
+    out, lse = _check(q, cache, bt, sl, qsl, True, torch.bfloat16, plan=plan)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=plan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+
+
 def test_plan_reuse_and_out_buffers(device):
     lens = pick([50, 3, 0, 9], [5000, 3, 0, 20000])
     qlens = [2, 1, 2, 2]

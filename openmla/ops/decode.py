@@ -14,6 +14,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from openmla.device import INTERPRET, compute_dtype
@@ -26,6 +27,7 @@ __all__ = ["mla_decode"]
 _LOG2E = 1.4426950408889634
 # "auto" runs the Gluon kernel for tiles of at least this many rows (heads x qlen); measured on the H200
 _GLUON_AUTO_MIN_ROWS = int(os.environ.get("OPENMLA_DECODE_GLUON_MIN_ROWS", "32"))
+_PDL = os.environ.get("OPENMLA_DECODE_PDL", "0") == "1"
 _LN2 = 0.6931471805599453
 
 
@@ -117,9 +119,12 @@ def _mla_decode_fwd_kernel(
     CAUSAL: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_H * Q_PER
     DC: tl.constexpr = D_V // 4  # latent chunk width
+    if PDL:  # programmatic dependent launch: the reduce grid may be scheduled from now on
+        gdc_launch_dependents()
     i_w = tl.program_id(0)
     i_h = tl.program_id(1)
     i_q = tl.program_id(2)
@@ -236,8 +241,11 @@ def _mla_decode_reduce_kernel(
     D_V: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # one program per (request, query row, head, column block); splits merged BLOCK_S at a time
+    if PDL:  # launched early (programmatic dependent launch): wait until the split kernel's writes are visible
+        gdc_wait()
     i_b = tl.program_id(0).to(tl.int64)
     i_t = tl.program_id(1)
     i_hd = tl.program_id(2)
@@ -275,6 +283,13 @@ def _mla_decode_reduce_kernel(
         tl.store(lse + row * H + i_h, b_lse)
 
 
+def _pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch between the split kernel and the reduce (sm90+, opt-in while it is
+    unmeasured: ``OPENMLA_DECODE_PDL=1``): the reduce grid is launched while the split kernel runs and
+    waits on ``griddepcontrol.wait``, hiding its launch latency."""
+    return _PDL and not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                       scale_log2: float, v_scale: float, causal: bool, d_v: int, compute):
     """Launch the split-KV kernel: final rows for single-split requests, partials for the others."""
@@ -305,7 +320,7 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
         PAGE=page, MAX_QLEN=plan.max_query_len, D_V=d_v, D_R=q.shape[2] - d_v,
         BLOCK_H=t.block_h, Q_PER=t.q_per, BLOCK_N=block_n, PAGE_ALIGNED=page_aligned, USE_TMA=use_tma,
         MAX_PAGES=triton.next_power_of_2(t.max_split // page + 1), CAUSAL=causal, COMPUTE=compute,
-        DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
+        DOT_PRECISION="ieee" if compute == tl.float32 else "tf32", PDL=_pdl(q.device),
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
 
@@ -314,10 +329,11 @@ def _mla_decode_reduce(query_start_loc, plan: DecodePlan, out, lse, d_v: int):
     """Launch the LSE merge of the partials of multi-split requests."""
     H = out.shape[1]
     block_d = min(128, d_v)
+    pdl = _pdl(out.device)
     _mla_decode_reduce_kernel[(plan.batch_size, plan.max_query_len, H * (d_v // block_d))](
         query_start_loc, plan.num_splits, plan.work_indptr, plan.o_part, plan.lse_part, out, lse,
         out.stride(0), out.stride(1), H, MAX_QLEN=plan.max_query_len, D_V=d_v, BLOCK_S=16, BLOCK_D=block_d,
-        num_warps=4,
+        PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
 
