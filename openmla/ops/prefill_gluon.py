@@ -1,0 +1,507 @@
+"""Hopper (sm90) tier of the MLA prefill: a warp-specialised Gluon flash-attention forward kernel (bf16).
+
+Same contract as :func:`openmla.ops.prefill.flash_attn_varlen` for bf16 inputs with ``d_qk = 192``
+(128 + 64) and ``d_v = 128``: a ragged batch packed by ``cu_seqlens``, bottom-right causal masking
+(query ``i`` of a request with ``Lq`` queries and ``Lk`` keys sees keys ``j <= i + Lk - Lq``), GQA
+(query head ``h`` reads key/value head ``h // (h_q // h_kv)``), the normalised bf16 output and the
+natural-log fp32 LSE; rows that see no key get out 0 and lse -inf (never NaN).
+
+Why a Gluon kernel: Triton keeps the two warpgroups of an 8-warp program in lockstep (CTA-wide
+barriers every iteration), so both softmaxes run while the tensor cores idle. Here the warpgroups are
+separate partitions of ``gl.warp_specialize`` and only meet through mbarriers.
+
+Design (one program per 128-query-row block of one request and one query head; FA3-style):
+
+* Partitions: ``_consumer`` twice (the default partition, warpgroup 0, query rows 0-63 of the block;
+  a 4-warp worker, warpgroup 1, rows 64-127) and ``_producer`` (a 1-warp worker, few registers after
+  ``setmaxnreg``). The consumers' register budget is raised by ``setmaxnreg`` (``CONSUMER_REGS``).
+* Producer: Q ``[128, 192]`` once, as six TMA boxes ``[64, 64]`` (one 128-byte swizzle atom wide)
+  over ``q`` viewed as a 2-D ``[Tq, (H - 1) * stride_h + 192]`` tensor; then for every key tile ``j``
+  K ``[BLOCK_N, 192]`` (TMA splits the box into three 64-column messages) and V ``[BLOCK_N, 128]``
+  into a ``STAGES``-deep ring. K and V have their own ready/empty mbarriers (the scores can start
+  before V lands); an empty barrier needs one arrival per consumer warpgroup (count 2).
+* Consumer loop (per warpgroup, 64 rows): ``S_j = Q K_j^T`` as three chained async wgmmas (k = 64
+  each, B = the K tile's 64-column slice, permuted), then the PV of the previous tile ``O += P_{j-1}
+  V_{j-1}`` as one async wgmma with ``P`` in registers (``DotOperandLayout`` of the output's MMA
+  layout: the accumulator layout of S converts to it without data movement). ``wgmma.wait_group 1``
+  gives ``S_j`` while the PV still runs; the online softmax of ``S_j`` (base 2, the scale folded into
+  ``exp2(s * scale - m)`` when ``sm_scale > 0``) overlaps it; ``wait_group 0`` then rescales ``O`` by
+  ``alpha_j``. K_j is released right after the scores, V_{j-1} after the PV.
+* Ping-pong (``PINGPONG``): the two warpgroups take turns issuing their wgmmas, through two
+  count-1 mbarriers (``turn``): warpgroup ``w`` waits for its turn before issuing and passes the turn
+  right after, so the tensor cores run one warpgroup's GEMMs while the other one is in its softmax.
+  It only orders the issue, never the results. Both warpgroups take the same number of turns
+  (``n_tiles + 1``: the scores of tile 0, one per loop step, the last PV).
+* Barriers: no CTA-wide barrier after the partitions start. Triton puts a warpgroup-local named
+  barrier (``bar.sync id, 128``) before each ``mbarrier.arrive`` (one thread of the warpgroup arrives),
+  i.e. three per key tile and consumer; the two consumers never wait for each other except through
+  ``turn`` (PINGPONG) and the shared ring stages.
+* Masks: a key tile that every row of the warpgroup sees entirely (inside the request and, when
+  causal, left of the warpgroup's diagonal) runs unmasked; the others (the diagonal tiles, the last
+  tile of a request) set the hidden scores to -inf (a uniform runtime branch per tile). Rows with no
+  visible key so far keep ``m = -inf`` and shift by 0, so ``p = 0``, never NaN.
+* Varlen: a TMA box may cross into the next request's rows (masked keys: scores -inf, so P is exactly
+  0) or past the tensor (TMA fills zeros). The V rows of the last tile past the request are zeroed in
+  shared memory by each consumer before its last PV (stale or NaN rows past ``cu_seqlens_k[-1]`` must
+  not reach ``0 * NaN``); both warpgroups write the same zeros. Rows past the request's queries are
+  computed (on finite or zero Q rows) and not stored. Output and LSE are written by masked pointer
+  stores from the MMA layout.
+* Schedule: the grid is ``(H, B, row blocks)`` with the last (heaviest, when causal) row blocks
+  launched first. The number of key tiles of a program is that of its 128-row block for both
+  warpgroups (so their turns match); warpgroup 0 may run a fully masked tile (p = 0) on the diagonal.
+
+Shared memory (BLOCK_N 128, 2 stages): Q 49,152 + 2 x (K 49,152 + V 32,768) = 212,992 B + barriers
+(limit 232,448). BLOCK_N 64 with 3-4 stages also fits.
+
+Limits: sm90, bf16 q/k/v, ``d_qk = 192``, ``d_v = 128``, last dim contiguous, token strides and the
+head strides with 16-byte-aligned bases (TMA), ``h_q`` a multiple of ``h_kv``. Gluon needs
+``triton.experimental.gluon`` (Triton >= 3.5); without it :func:`gluon_prefill_supported` is False and
+importing this module still works.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+
+__all__ = ["GLUON_AVAILABLE", "gluon_prefill_supported", "flash_attn_varlen_gluon"]
+
+try:  # Gluon ships inside triton >= 3.5; keep `import openmla` working without it
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    GLUON_AVAILABLE = True
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed triton
+    GLUON_AVAILABLE = False
+
+D_QK = 192
+D_V = 128
+BLOCK_M = 128  # query rows per program: 64 per consumer warpgroup
+SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm90
+#: registers of the 1-warp producer partition and of the consumer warpgroups (setmaxnreg)
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+#: default tile: keys per tile and ring depth (env "block_n,stages" overrides, for tuning)
+_TILING = os.environ.get("OPENMLA_PREFILL_GLUON_TILING")
+BLOCK_N_DEFAULT, STAGES_DEFAULT = (int(x) for x in (_TILING or "128,2").split(","))
+#: take turns issuing the wgmmas of the two consumer warpgroups (see the module docstring)
+PINGPONG: bool = os.environ.get("OPENMLA_PREFILL_GLUON_PINGPONG", "1") != "0"
+
+
+def _smem_bytes(block_n: int, stages: int) -> int:
+    return BLOCK_M * D_QK * 2 + stages * block_n * (D_QK + D_V) * 2 + 1024
+
+
+if GLUON_AVAILABLE:
+
+    @gluon.jit
+    def _producer(q_desc, k1_desc, k2_desc, v_desc, q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                  row_q, col_q, row_k, col_k, col_v, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """1 warp: Q once, then the K and V tiles of the ring (each waits for its stage to be released)."""
+        mbarrier.expect(q_ready, 6 * 64 * 64 * 2)
+        for w in gl.static_range(2):
+            for c in gl.static_range(3):
+                tma.async_copy_global_to_shared(q_desc, [row_q + w * 64, col_q + c * 64], q_ready,
+                                                q_smem.index(w * 3 + c))  # fmt: skip
+        for j in range(n_tiles):
+            st = j % STAGES
+            ph = ((j // STAGES) & 1) ^ 1  # fresh barriers pass parity 1 at once (the first lap)
+            row = row_k + j * BLOCK_N
+            mbarrier.wait(k_empty.index(st), ph)
+            mbarrier.expect(k_ready.index(st), BLOCK_N * 192 * 2)
+            tma.async_copy_global_to_shared(k1_desc, [row, col_k], k_ready.index(st), k1_smem.index(st))
+            tma.async_copy_global_to_shared(k2_desc, [row, col_k + 128], k_ready.index(st), k2_smem.index(st))
+            mbarrier.wait(v_empty.index(st), ph)
+            mbarrier.expect(v_ready.index(st), BLOCK_N * 128 * 2)
+            tma.async_copy_global_to_shared(v_desc, [row, col_v], v_ready.index(st), v_smem.index(st))
+
+    @gluon.jit
+    def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Wait until warpgroup WG may issue its ``k``-th batch of wgmmas (warpgroup 0 goes first)."""
+        if PINGPONG:
+            if WG == 0:
+                mbarrier.wait(turn.index(0), (k & 1) ^ 1)
+            else:
+                mbarrier.wait(turn.index(1), k & 1)
+
+    @gluon.jit
+    def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+
+    @gluon.jit
+    def _qk(q_smem, k1_tile, k2_tile, s_init, WG: gl.constexpr):
+        """Start ``S = Q K^T`` (k = 192 as three chained async wgmmas over 64-column slices)."""
+        s = warpgroup_mma(q_smem.index(WG * 3), k1_tile.slice(0, 64, dim=1).permute((1, 0)), s_init, use_acc=False,
+                          is_async=True)  # fmt: skip
+        s = warpgroup_mma(q_smem.index(WG * 3 + 1), k1_tile.slice(64, 64, dim=1).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_smem.index(WG * 3 + 2), k2_tile.permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _mask(s, n0, row0, len_k, delta, CAUSAL: gl.constexpr, S_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Scores of hidden keys (past the request; right of the row's diagonal when causal) -> -inf."""
+        o_n = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT)), 0)
+        keep = o_n < len_k
+        if CAUSAL:
+            o_r = gl.expand_dims(row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, S_LAYOUT)), 1)
+            keep = keep & (o_n <= o_r + delta)
+        return gl.where(keep, s, float("-inf"))
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, qk_scale, SCALE_POS: gl.constexpr):
+        """Online softmax step (base 2): ``(p, m_new, l_new, alpha)``. ``m`` is in scaled base-2 units.
+        With ``SCALE_POS`` (scale > 0) ``s`` holds raw scores: the row max is taken on them and the scale
+        rides in the exponent (one FMA per score); otherwise ``s`` is already scaled (and masked)."""
+        if SCALE_POS:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: shift by 0, p = 0
+        alpha = gl.exp2(m_i - m_use)
+        if SCALE_POS:
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+        else:
+            p = gl.exp2(s - gl.expand_dims(m_use, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _zero_v_tail(v_tile, n_valid, BLOCK_N: gl.constexpr):
+        """Zero the rows ``>= n_valid`` of a landed V tile (keys past the request), then fence and sync
+        this warpgroup: the wgmma that follows reads the zeros."""
+        Z_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        keep = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, Z_LAYOUT)) < n_valid, 1)
+        for c in gl.static_range(2):
+            buf = v_tile.slice(c * 64, 64, dim=1)
+            x = buf.load(Z_LAYOUT)
+            buf.store(gl.where(keep, x, gl.zeros_like(x)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _consumer(q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o, lse,
+                  stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h, n_tiles, qk_scale,
+                  WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  SCALE_POS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr):  # fmt: skip
+        """One consumer warpgroup: rows ``start_m + WG * 64 + [0, 64)`` of the block."""
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 128, 16])  # fmt: skip
+        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
+
+        row0 = start_m + WG * 64  # first query row (request-local) of this warpgroup
+        delta = len_k - len_q
+        # keys [0, n_full) are seen by every row of this warpgroup: tiles ending there need no mask
+        if CAUSAL:
+            n_full = gl.maximum(gl.minimum(len_k, row0 + delta + 1), 0)
+        else:
+            n_full = len_k
+
+        m_i = gl.full([64], float("-inf"), gl.float32, ROW_S)
+        l_i = gl.full([64], 0.0, gl.float32, ROW_S)
+        acc = gl.zeros([64, 128], gl.float32, O_LAYOUT)
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
+
+        mbarrier.wait(q_ready, 0)
+        if n_tiles > 0:
+            # ---- tile 0: scores and softmax (no PV yet)
+            mbarrier.wait(k_ready.index(0), 0)
+            _turn_wait(turn, 0, WG, PINGPONG)
+            s_tok = _qk(q_smem, k1_smem.index(0), k2_smem.index(0), s_zero, WG)
+            _turn_pass(turn, WG, PINGPONG)
+            s = warpgroup_mma_wait(0, deps=(s_tok,))
+            mbarrier.arrive(k_empty.index(0), count=1)
+            if not SCALE_POS:  # scale <= 0: scale before masking (-inf * 0 would be NaN)
+                s = s * qk_scale
+            if BLOCK_N > n_full:
+                s = _mask(s, 0, row0, len_k, delta, CAUSAL, S_LAYOUT, BLOCK_N)
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, SCALE_POS)
+            p_op = gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT)
+
+            # ---- steady state: scores of tile j, PV of tile j - 1 (in flight during the softmax of j)
+            for j in range(1, n_tiles):
+                st = j % STAGES
+                pst = (j - 1) % STAGES
+                mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+                mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
+                _turn_wait(turn, j, WG, PINGPONG)
+                s_tok = _qk(q_smem, k1_smem.index(st), k2_smem.index(st), s_zero, WG)
+                o_tok = warpgroup_mma(p_op, v_smem.index(pst), acc, is_async=True)
+                _turn_pass(turn, WG, PINGPONG)
+                s = warpgroup_mma_wait(1, deps=(s_tok,))  # the scores; the PV may still run
+                mbarrier.arrive(k_empty.index(st), count=1)
+                n0 = j * BLOCK_N
+                if not SCALE_POS:
+                    s = s * qk_scale
+                if n0 + BLOCK_N > n_full:
+                    s = _mask(s, n0, row0, len_k, delta, CAUSAL, S_LAYOUT, BLOCK_N)
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, SCALE_POS)
+                acc, p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+                mbarrier.arrive(v_empty.index(pst), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+                p_op = gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT)
+
+            # ---- PV of the last tile
+            lst = (n_tiles - 1) % STAGES
+            mbarrier.wait(v_ready.index(lst), ((n_tiles - 1) // STAGES) & 1)
+            n_last = (n_tiles - 1) * BLOCK_N
+            if n_last + BLOCK_N > len_k:  # rows past the request (another request's, or stale data)
+                _zero_v_tail(v_smem.index(lst), len_k - n_last, BLOCK_N)
+            _turn_wait(turn, n_tiles, WG, PINGPONG)
+            o_tok = warpgroup_mma(p_op, v_smem.index(lst), acc, is_async=True)
+            _turn_pass(turn, WG, PINGPONG)
+            acc, p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            mbarrier.arrive(v_empty.index(lst), count=1)
+
+        # ---- epilogue: normalise, store the rows of this request (out 0 / lse -inf where l = 0)
+        empty = l_i == 0.0
+        inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+        b_o = acc * gl.expand_dims(gl.convert_layout(inv, ROW_O), 1)
+        o_r = row0 + gl.arange(0, 64, layout=ROW_O)
+        rows = (bos_q + o_r).to(gl.int64)
+        p_o = o + gl.expand_dims(rows * stride_ot + i_h * stride_oh, 1) + gl.expand_dims(gl.arange(0, 128, layout=COL_O), 0)
+        gl.store(p_o, b_o.to(gl.bfloat16), mask=gl.expand_dims(o_r < len_q, 1))
+        if STORE_LSE:
+            b_lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+            o_rs = row0 + gl.arange(0, 64, layout=ROW_S)
+            gl.store(lse + (bos_q + o_rs).to(gl.int64) * stride_lt + i_h * stride_lh, b_lse, mask=o_rs < len_q)
+
+    @gluon.jit
+    def _flash_attn_varlen_gluon_kernel(
+        q_desc,  # q as [Tq, (H - 1) * stride_qh + 192] bf16, block [64, 64]
+        k1_desc,  # k as [Tk, (H_KV - 1) * stride_kh + 192], block [BLOCK_N, 128] (columns 0:128 of a head)
+        k2_desc,  # the same view, block [BLOCK_N, 64] (columns 128:192)
+        v_desc,  # v as [Tk, (H_KV - 1) * stride_vh + 128], block [BLOCK_N, 128]
+        o,  # [Tq, H, 128] bf16
+        lse,  # [Tq, H] fp32 (STORE_LSE)
+        cu_seqlens_q,  # [B + 1]
+        cu_seqlens_k,  # [B + 1]
+        qk_scale,  # sm_scale * log2(e)
+        stride_qh,
+        stride_kh,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        stride_lt,
+        stride_lh,
+        GROUP: gl.constexpr,  # H_Q // H_KV
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        SCALE_POS: gl.constexpr,  # sm_scale > 0
+        PINGPONG: gl.constexpr,
+        STORE_LSE: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
+        gl.static_assert(BLOCK_N == 64 or BLOCK_N == 128, "BLOCK_N is 64 or 128")
+        i_h = gl.program_id(0)
+        i_b = gl.program_id(1)
+        i_m = gl.program_id(2)
+        if CAUSAL:  # the last row blocks see the most keys: launch them first
+            i_m = gl.num_programs(2) - 1 - i_m
+        bos_q = gl.load(cu_seqlens_q + i_b).to(gl.int32)  # int32 TMA coordinates (Tq < 2**31)
+        len_q = gl.load(cu_seqlens_q + i_b + 1).to(gl.int32) - bos_q
+        start_m = i_m * 128
+        if start_m >= len_q:
+            return
+        bos_k = gl.load(cu_seqlens_k + i_b).to(gl.int32)
+        len_k = gl.load(cu_seqlens_k + i_b + 1).to(gl.int32) - bos_k
+        if CAUSAL:
+            n_end = gl.maximum(gl.minimum(len_k, gl.minimum(start_m + 128, len_q) + len_k - len_q), 0)
+        else:
+            n_end = len_k
+        n_tiles = gl.cdiv(n_end, BLOCK_N)
+        i_hk = i_h // GROUP
+
+        Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [6, 64, 64], Q_SMEM)
+        k1_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 128], k1_desc.layout)
+        k2_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], k2_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 128], v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        for st in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(st), count=1)
+            mbarrier.init(v_ready.index(st), count=1)
+            mbarrier.init(k_empty.index(st), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(v_empty.index(st), count=2)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
+
+        gl.warp_specialize([
+            (_consumer, (q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o, lse,
+                         stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h, n_tiles,
+                         qk_scale, 0, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE)),
+            (_consumer, (q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o, lse,
+                         stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h, n_tiles,
+                         qk_scale, 1, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE)),
+            (_producer, (q_desc, k1_desc, k2_desc, v_desc, q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+                         v_empty, bos_q + start_m, i_h * stride_qh, bos_k, i_hk * stride_kh, i_hk * stride_vh,
+                         n_tiles, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+
+        mbarrier.invalidate(q_ready)
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(k_ready.index(st))
+            mbarrier.invalidate(v_ready.index(st))
+            mbarrier.invalidate(k_empty.index(st))
+            mbarrier.invalidate(v_empty.index(st))
+        mbarrier.invalidate(turn.index(0))
+        mbarrier.invalidate(turn.index(1))
+
+
+def _nvmma_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def _tma_ok(t: torch.Tensor, d: int) -> bool:
+    """A ``[T, H, d]`` bf16 tensor readable as the 2-D TMA view ``[T, (H - 1) * stride_h + d]``."""
+    T, H, _ = t.shape
+    s0, s1, s2 = t.stride()
+    es = t.element_size()
+    if s2 != 1 or t.data_ptr() % 16 or (s0 * es) % 16:
+        return False
+    if H > 1 and s1 < d:  # heads overlap
+        return False
+    width = (H - 1) * s1 + d
+    return T < 2**31 and width < 2**31 and (T <= 1 or s0 >= width)
+
+
+def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> bool:
+    """Whether :func:`flash_attn_varlen_gluon` handles these inputs: Gluon available, an sm90 CUDA device,
+    bf16 q/k/v, ``d_qk = 192``, ``d_v = 128``, ``h_q`` a multiple of ``h_kv``, last dims contiguous and
+    token strides / base pointers 16-byte aligned (the 2-D TMA views). Extra arguments (``cu_seqlens``,
+    lengths, ``sm_scale``, ...) are accepted and ignored; descales (fp8) are not handled."""
+    if not GLUON_AVAILABLE:
+        return False
+    if any(kwargs.get(n) is not None for n in ("q_descale", "k_descale", "v_descale")):
+        return False
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return False
+    if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if any(t.dtype != torch.bfloat16 or t.dim() != 3 for t in (q, k, v)):
+        return False
+    if q.shape[2] != D_QK or k.shape[2] != D_QK or v.shape[2] != D_V:
+        return False
+    H, H_KV = q.shape[1], k.shape[1]
+    if H_KV == 0 or H % H_KV or v.shape[:2] != k.shape[:2]:
+        return False
+    return _tma_ok(q, D_QK) and _tma_ok(k, D_QK) and _tma_ok(v, D_V)
+
+
+def _desc(t: torch.Tensor, d: int, block: list[int]):
+    T, H, _ = t.shape
+    width = (H - 1) * t.stride(1) + d
+    return TensorDescriptor(t, [T, width], [t.stride(0), 1], block, _nvmma_layout())
+
+
+def flash_attn_varlen_gluon(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sm_scale: float,
+    *,
+    causal: bool = True,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    block_n: int | None = None,
+    stages: int | None = None,
+    pingpong: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""bf16 varlen flash attention on sm90 (Gluon); the semantics of :func:`openmla.flash_attn_varlen`.
+
+    Args:
+        q: `[Tq, h_q, 192]` bf16. k: `[Tk, h_kv, 192]` bf16. v: `[Tk, h_kv, 128]` bf16 (see
+            :func:`gluon_prefill_supported` for the layouts accepted).
+        cu_seqlens_q, cu_seqlens_k: `[B + 1]` int32 (or int64), starting at 0, non-decreasing.
+        max_seqlen_q (int): an upper bound of the query lengths (sizes the grid).
+        max_seqlen_k (int): unused (API parity).
+        sm_scale (float): softmax scale.
+        causal (bool): bottom-right aligned causal mask.
+        out: optional `[Tq, h_q, 128]` bf16 buffer (any strides, last dim contiguous).
+        lse: optional `[Tq, h_q]` fp32 buffer.
+        block_n, stages, pingpong: tuning knobs (keys per tile 64 / 128, ring depth, warpgroup turns).
+
+    Returns:
+        ``(out, lse)``: out `[Tq, h_q, 128]` bf16 (0 for rows that see no key), lse `[Tq, h_q]` fp32
+        natural-log LSE of ``sm_scale * q . k`` (-inf for rows that see no key). Rows past
+        ``cu_seqlens_q[-1]`` are not written.
+    """
+    if not gluon_prefill_supported(q, k, v):
+        raise ValueError("flash_attn_varlen_gluon needs sm90, bf16 q/k/v with d_qk 192, d_v 128, h_q % h_kv == 0 "
+                         f"and TMA-compatible strides; got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")  # fmt: skip
+    if not math.isfinite(float(sm_scale)):
+        raise ValueError(f"sm_scale must be finite; got {sm_scale!r}")
+    Tq, H, _ = q.shape
+    Tk, H_KV, _ = k.shape
+    B = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape[0] != B + 1:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
+    if out is None:
+        out = torch.empty(Tq, H, D_V, dtype=torch.bfloat16, device=q.device)
+    elif out.shape != (Tq, H, D_V) or out.dtype != torch.bfloat16 or out.stride(2) != 1:
+        raise ValueError(f"out must be [Tq, H, 128] bf16 with a contiguous last dim; got {tuple(out.shape)} {out.dtype}")
+    if lse is None:
+        lse = torch.empty(Tq, H, dtype=torch.float32, device=q.device)
+    elif lse.shape != (Tq, H) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be [Tq, H] fp32; got {tuple(lse.shape)} {lse.dtype}")
+    if B <= 0 or Tq == 0 or max_seqlen_q == 0 or H == 0:
+        return out, lse
+    block_n = BLOCK_N_DEFAULT if block_n is None else block_n
+    stages = (STAGES_DEFAULT if block_n == BLOCK_N_DEFAULT else (3 if block_n == 64 else 2)) if stages is None else stages
+    if block_n not in (64, 128):
+        raise ValueError(f"block_n must be 64 or 128; got {block_n}")
+    if _smem_bytes(block_n, stages) > SMEM_LIMIT:
+        raise ValueError(f"block_n={block_n} x stages={stages} needs {_smem_bytes(block_n, stages)} B of shared memory")
+    pingpong = PINGPONG if pingpong is None else pingpong
+    if Tk == 0:  # no key anywhere (every len_k is 0): a 1-row dummy keeps the descriptors valid, never read
+        k = torch.zeros(1, H_KV, D_QK, dtype=k.dtype, device=k.device)
+        v = torch.zeros(1, H_KV, D_V, dtype=v.dtype, device=v.device)
+    q_desc = _desc(q, D_QK, [64, 64])
+    k1_desc = _desc(k, D_QK, [block_n, 128])
+    k2_desc = _desc(k, D_QK, [block_n, 64])
+    v_desc = _desc(v, D_V, [block_n, D_V])
+    grid = (H, B, triton.cdiv(max_seqlen_q, BLOCK_M))
+    if B > 65535 or grid[2] > 65535:
+        raise ValueError(f"grid {grid} exceeds the CUDA limit of 65535 blocks in y / z")
+    _flash_attn_varlen_gluon_kernel[grid](
+        q_desc, k1_desc, k2_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k, float(sm_scale) * 1.4426950408889634,
+        q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        GROUP=H // H_KV, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), SCALE_POS=float(sm_scale) > 0,
+        PINGPONG=bool(pingpong), STORE_LSE=True, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=4,
+    )  # fmt: skip
+    return out, lse

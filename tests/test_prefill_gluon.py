@@ -1,0 +1,242 @@
+"""The Hopper (Gluon) prefill kernel: an offline sm90 compile report on the CPU, and the kernel against the
+fp32 reference and the Triton ``flash_attn_varlen`` on an sm90 GPU (``hopper`` marker)."""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import openmla
+from openmla.ops import prefill_gluon as pg
+from openmla.reference.prefill import flash_attn_varlen_ref
+from openmla.utils.testing import TOLERANCES, assert_close
+
+SCALE = 192**-0.5
+
+# (BLOCK_N, STAGES, CAUSAL, PINGPONG, GROUP, SCALE_POS)
+COMPILE_VARIANTS = [
+    (128, 2, True, True, 1, True),  # the default
+    (128, 2, False, True, 1, True),
+    (128, 2, True, False, 1, True),
+    (128, 2, True, True, 8, False),
+    (64, 3, True, True, 1, True),
+    (64, 4, False, False, 16, True),
+]
+
+_COMPILE_SCRIPT = r"""
+import json, os, re, subprocess, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from openmla.ops import prefill_gluon as g
+
+NVMMA = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
+         "fp4_padded=False, cga_layout=[])")
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+fn = g._flash_attn_varlen_gluon_kernel
+report = []
+for block_n, stages, causal, pingpong, group, scale_pos in json.loads(sys.argv[1]):
+    cons = dict(GROUP=group, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, SCALE_POS=scale_pos, PINGPONG=pingpong,
+                STORE_LSE=True, PRODUCER_REGS=g.PRODUCER_REGS, CONSUMER_REGS=g.CONSUMER_REGS, num_warps=4)
+    blocks = {"q_desc": [64, 64], "k1_desc": [block_n, 128], "k2_desc": [block_n, 64], "v_desc": [block_n, 128]}
+    ptr = {"o": "*bf16", "lse": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in cons:
+            sig[name] = "constexpr"
+        elif name in blocks:
+            sig[name] = f"tensordesc<bf16{blocks[name]},{NVMMA}>"
+        elif name in ptr:
+            sig[name] = ptr[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    line = next(l for l in usage.splitlines() if "REG:" in l)
+    fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
+    ptx = k.asm["ptx"]
+    report.append(dict(variant=[block_n, stages, causal, pingpong, group, scale_pos], regs=int(fields["REG"]),
+                       stack=int(fields["STACK"]), local=int(fields["LOCAL"]), static_shared=int(fields["SHARED"]),
+                       shared=k.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
+                       tma=ptx.count("cp.async.bulk.tensor"), num_warps=k.metadata.num_warps,
+                       setmaxnreg=sorted(set(re.findall(r"setmaxnreg[.](?:inc|dec)[.]sync[.]aligned[.]u32\s+(\d+)", ptx))),
+                       cta_barrier=len(re.findall(r"\bbar[.]sync\s+0;|\bbarrier[.]sync\s+0;", ptx))))
+print("REPORT" + json.dumps(report))
+"""
+
+
+def _compile_report(variants):
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(variants)], check=False, capture_output=True,
+                         text=True, env=env, timeout=900)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    line = next(l for l in res.stdout.splitlines() if l.startswith("REPORT"))
+    return json.loads(line[len("REPORT") :])
+
+
+@pytest.mark.skipif(not pg.GLUON_AVAILABLE, reason="triton.experimental.gluon is not installed")
+def test_gluon_prefill_compiles_for_sm90():
+    # offline sm90 compile (no GPU needed): wgmma + TMA in the PTX, no spill, fits the shared memory,
+    # 4 + 4 consumer warps + the producer's warpgroup, registers moved by setmaxnreg
+    for r in _compile_report(COMPILE_VARIANTS):
+        name = "BLOCK_N={} STAGES={} CAUSAL={} PINGPONG={} GROUP={} SCALE_POS={}".format(*r["variant"])
+        assert r["wgmma"] > 0 and r["tma"] > 0, f"{name}: {r}"
+        assert r["regs"] <= 255 and r["stack"] == 0 and r["local"] == 0, f"{name}: spills or too many registers {r}"
+        assert r["shared"] + r["static_shared"] <= pg.SMEM_LIMIT, f"{name}: shared memory {r}"
+        assert r["num_warps"] == 12 and str(pg.CONSUMER_REGS) in r["setmaxnreg"], f"{name}: {r}"
+        assert r["cta_barrier"] == 0, f"{name}: a CTA-wide barrier in the kernel {r}"
+
+
+def test_gluon_prefill_unsupported_on_cpu():
+    q = torch.zeros(4, 16, 192, dtype=torch.bfloat16)
+    k = torch.zeros(4, 16, 192, dtype=torch.bfloat16)
+    v = torch.zeros(4, 16, 128, dtype=torch.bfloat16)
+    assert not pg.gluon_prefill_supported(q, k, v)
+    with pytest.raises(ValueError, match="flash_attn_varlen_gluon needs"):
+        cu = torch.tensor([0, 4], dtype=torch.int32)
+        pg.flash_attn_varlen_gluon(q, k, v, cu, cu, 4, 4, SCALE)
+    assert pg._smem_bytes(128, 2) <= pg.SMEM_LIMIT and pg._smem_bytes(64, 4) <= pg.SMEM_LIMIT
+    assert pg._smem_bytes(128, 3) > pg.SMEM_LIMIT
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU (sm90) tests
+
+
+def _cu(lens, device):
+    return torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=device)
+
+
+def _problem(device, heads, qlens, klens, h_kv=None, pad_rows=0, v_strided=False):
+    """bf16 q/k/v for a ragged batch; ``pad_rows`` extra rows past the last request hold NaN (never read
+    as data: the kernel must not let them reach the output)."""
+    h_kv = h_kv or heads
+    Tq, Tk = sum(qlens) + pad_rows, sum(klens) + pad_rows
+    q = torch.randn(Tq, heads, 192, device=device).to(torch.bfloat16)
+    k = torch.randn(Tk, h_kv, 192, device=device).to(torch.bfloat16)
+    if v_strided:  # v as the second half of a [Tk, h_kv, 256] tensor (head stride 256)
+        kv = torch.randn(Tk, h_kv, 256, device=device).to(torch.bfloat16)
+        v = kv[..., 128:]
+    else:
+        v = torch.randn(Tk, h_kv, 128, device=device).to(torch.bfloat16)
+    if pad_rows:
+        q[sum(qlens):] = float("nan")
+        k[sum(klens):] = float("nan")
+        v[sum(klens):] = float("nan")
+    return q, k, v, _cu(qlens, device), _cu(klens, device)
+
+
+def _check(q, k, v, cu_q, cu_k, qlens, klens, causal, against_triton=True, **kw):
+    nq = int(cu_q[-1])
+    out, lse = pg.flash_attn_varlen_gluon(q, k, v, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal, **kw)
+    ref_out, ref_lse = flash_attn_varlen_ref(q[:nq], k, v, cu_q, cu_k, SCALE, causal=causal)
+    out, lse = out[:nq], lse[:nq]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+    if against_triton:
+        t_out, t_lse = openmla.flash_attn_varlen(q[:nq], k, v, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal)
+        # both round P to bf16 before P V; they differ in tiling and accumulation order
+        assert_close("out vs triton", t_out, out, *TOLERANCES[torch.bfloat16])
+        assert_close("lse vs triton", t_lse, lse, 1e-3, 1e-3, 1e-6)
+    return out, lse
+
+
+# (query lengths, key lengths): ragged, length-1 and empty requests, Lk > Lq (a cached prefix), Lk < Lq
+# (causal rows that see no key), tile-boundary lengths
+BATCHES = {
+    "ragged": ([700, 1, 0, 129, 64, 333, 128, 255], [700, 1, 0, 129, 64, 333, 128, 255]),
+    "prefix": ([300, 5, 128, 1, 77], [1000, 200, 128, 513, 77]),
+    "short_k": ([200, 64, 9], [100, 1, 0]),
+}
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gluon_prefill(heads, causal, batch, device):
+    qlens, klens = BATCHES[batch]
+    q, k, v, cu_q, cu_k = _problem(device, heads, qlens, klens)
+    _check(q, k, v, cu_q, cu_k, qlens, klens, causal)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("block_n,stages,pingpong", [(128, 2, True), (128, 2, False), (64, 3, True), (64, 4, False)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gluon_prefill_tilings(block_n, stages, pingpong, causal, device):
+    qlens, klens = [1500, 3, 640, 0, 191], [2100, 3, 640, 5, 191]
+    q, k, v, cu_q, cu_k = _problem(device, 16, qlens, klens)
+    _check(q, k, v, cu_q, cu_k, qlens, klens, causal, block_n=block_n, stages=stages, pingpong=pingpong)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gluon_prefill_nan_tails_and_strides(causal, device):
+    # NaN rows past the last request (a TMA box of the last tile reaches them) and v with head stride 256
+    qlens, klens = [333, 70, 1], [400, 70, 2]
+    q, k, v, cu_q, cu_k = _problem(device, 16, qlens, klens, pad_rows=300, v_strided=True)
+    assert pg.gluon_prefill_supported(q, k, v)
+    _check(q, k, v, cu_q, cu_k, qlens, klens, causal)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("h_kv", [1, 4])
+def test_gluon_prefill_gqa(h_kv, device):
+    qlens, klens = [300, 1, 129], [500, 1, 129]
+    q, k, v, cu_q, cu_k = _problem(device, 16, qlens, klens, h_kv=h_kv)
+    _check(q, k, v, cu_q, cu_k, qlens, klens, True)
+
+
+@pytest.mark.hopper
+def test_gluon_prefill_empty_rows(device):
+    # causal, Lk < Lq: the first Lq - Lk rows of a request see no key -> out 0, lse -inf, never NaN
+    qlens, klens = [130, 4, 3], [2, 0, 3]
+    q, k, v, cu_q, cu_k = _problem(device, 16, qlens, klens)
+    out, lse = _check(q, k, v, cu_q, cu_k, qlens, klens, True)
+    assert bool(torch.isneginf(lse[:128]).all()) and float(out[:128].abs().max()) == 0.0
+    assert bool(torch.isneginf(lse[130:134]).all()) and float(out[130:134].abs().max()) == 0.0
+    assert bool(torch.isfinite(lse[128:130]).all())
+
+
+@pytest.mark.hopper
+def test_gluon_prefill_given_outputs_and_untouched_rows(device):
+    # out / lse buffers given (out strided), rows past cu_seqlens_q[-1] left as they were
+    qlens = [200, 37]
+    q, k, v, cu_q, cu_k = _problem(device, 16, qlens, qlens, pad_rows=10)
+    q = q.nan_to_num(0.0)
+    big = torch.full((q.shape[0], 16, 256), 7.0, dtype=torch.bfloat16, device=device)
+    out = big[..., :128]
+    lse = torch.full((q.shape[0], 16), 3.0, dtype=torch.float32, device=device)
+    o2, l2 = pg.flash_attn_varlen_gluon(q, k, v, cu_q, cu_k, 200, 200, SCALE, causal=True, out=out, lse=lse)
+    assert o2 is out and l2 is lse
+    ref_out, ref_lse = flash_attn_varlen_ref(q[:237], k, v, cu_q, cu_k, SCALE, causal=True)
+    assert_close("out", ref_out, out[:237], *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse[:237], 1e-3, 1e-3, 1e-6)
+    assert bool((out[237:] == 7.0).all()) and bool((lse[237:] == 3.0).all()) and bool((big[..., 128:] == 7.0).all())
+
+
+@pytest.mark.hopper
+def test_gluon_prefill_long_matches_triton(device):
+    # a long causal request (many ring laps, all four tile kinds) against the Triton kernel only
+    qlens = [4096, 1000]
+    q, k, v, cu_q, cu_k = _problem(device, 128, qlens, qlens)
+    out, lse = pg.flash_attn_varlen_gluon(q, k, v, cu_q, cu_k, 4096, 4096, SCALE, causal=True)
+    t_out, t_lse = openmla.flash_attn_varlen(q, k, v, cu_q, cu_k, 4096, 4096, SCALE, causal=True)
+    assert not torch.isnan(out).any()
+    assert_close("out vs triton", t_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse vs triton", t_lse, lse, 1e-3, 1e-3, 1e-6)
