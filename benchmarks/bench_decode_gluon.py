@@ -1,13 +1,18 @@
 """Time the Hopper (Gluon) split-KV decode kernel against the portable one (sm90 GPU only).
 
 For each shape: the split kernel alone (CUDA-graph replay median, us) for every Gluon variant
-(BLOCK_N, STAGES, OVERLAP[, WS]: WS=1 is the warp-specialised kernel) and for the portable kernel with the same plan, the reduce alone, and
+(BLOCK_N, STAGES, OVERLAP[, WS]: WS=1 is the warp-specialised kernel; "seesaw": the seesaw kernel, each
+warpgroup the scores of every other tile) and for the portable kernel with the same plan, the reduce alone, and
 TFLOPS = 2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64 tokens
 scattered over a pool larger than L2; causal; the plan is built once outside the timed region.
 
     python benchmarks/bench_decode_gluon.py
     python benchmarks/bench_decode_gluon.py --shapes "128,128,8192,1;32,128,8192,1" --variants "64,2,0;32,3,1"
     python benchmarks/bench_decode_gluon.py --check   # also compare each variant with the portable output
+    python benchmarks/bench_decode_gluon.py --fp8 --variants "64,2,0,1"   # e4m3 cache (ws kernel only)
+
+With ``--fp8`` the cache is float8_e4m3fn (per-tensor scale 0.05); the portable kernel runs its fp8 path
+(fp16 products) and the Gluon ws kernel its widening path; GB/s counts the fp8 bytes read.
 """
 
 from __future__ import annotations
@@ -29,13 +34,20 @@ PAGE = 64
 SCALE = 192**-0.5
 LOG2E = 1.4426950408889634
 SHAPES = "128,128,8192,1;32,128,8192,1;128,1,32768,1;64,128,8192,1;16,128,8192,4;128,128,8192,2"
-VARIANTS = "64,2,0;64,2,0,1;32,4,1;32,3,0;32,3,0,1"  # block_n,stages,overlap[,ws]
+VARIANTS = "64,2,0;64,2,0,1;32,4,1;32,3,0;32,3,0,1;seesaw"  # block_n,stages,overlap[,ws] or "seesaw"
+KV_SCALE = 0.05
 
 
-def make_problem(h, b, s, qlen, pool_gib):
+def make_problem(h, b, s, qlen, pool_gib, fp8=False):
     pages_needed = b * (-(-s // PAGE))
-    pool_pages = max(pages_needed, int(pool_gib * 2**30 / (PAGE * 576 * 2)))
-    cache = torch.randn(pool_pages, PAGE, 576, device="cuda", dtype=torch.bfloat16)
+    pool_pages = max(pages_needed, int(pool_gib * 2**30 / (PAGE * 576 * (1 if fp8 else 2))))
+    if fp8:
+        cache = torch.empty(pool_pages, PAGE, 576, device="cuda", dtype=torch.float8_e4m3fn)
+        for i in range(0, pool_pages, 4096):  # in slices: no fp32 copy of the whole pool
+            cache[i : i + 4096] = (torch.randn(min(4096, pool_pages - i), PAGE, 576, device="cuda") / KV_SCALE / 4).to(
+                torch.float8_e4m3fn)  # fmt: skip
+    else:
+        cache = torch.randn(pool_pages, PAGE, 576, device="cuda", dtype=torch.bfloat16)
     block_table = torch.randperm(pool_pages, device="cuda")[:pages_needed].view(b, -1).int()
     seq_lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
     qsl = torch.arange(b + 1, dtype=torch.int32, device="cuda") * qlen
@@ -45,12 +57,15 @@ def make_problem(h, b, s, qlen, pool_gib):
 
 def run_shape(h, b, s, qlen, variants, args):
     """Print one line per kernel for one shape (tensors are freed when this returns)."""
-    q, cache, bt, sl, qsl = make_problem(h, b, s, qlen, args.pool_gib)
-    plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s)
+    q, cache, bt, sl, qsl = make_problem(h, b, s, qlen, args.pool_gib, args.fp8)
+    kv_dtype = "fp8" if args.fp8 else "auto"
+    kv_s = KV_SCALE if args.fp8 else 1.0
+    plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s, kv_cache_dtype=kv_dtype)
     T = q.shape[0]
     out = torch.empty(T, h, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(T, h, dtype=torch.float32, device="cuda")
     flops = 2.0 * T * h * s * (576 + 512)
+    kv_bytes = b * s * 576 * cache.element_size()
     n_items = int(plan.work_indptr[-1])
     head = f"{h:<4} {b:<5} {s:<6} {qlen:<4} |"
 
@@ -58,11 +73,12 @@ def run_shape(h, b, s, qlen, variants, args):
         dec._mla_decode_reduce(qsl, plan, out, lse, 512)
 
     def portable():
-        dec._mla_decode_split(q, cache, bt, sl, qsl, plan, out, lse, SCALE * LOG2E, 1.0, True, 512,
-                              dec.compute_dtype(torch.bfloat16))  # fmt: skip
+        dec._mla_decode_split(q, cache, bt, sl, qsl, plan, out, lse, SCALE * kv_s * LOG2E, kv_s, True, 512,
+                              dec.compute_dtype(torch.float16 if args.fp8 else torch.bfloat16))  # fmt: skip
 
     def line(name, us):
-        return f"{head} {name:<15} | {us:10.1f} | {flops / us / 1e6:7.1f} | {us + red_us:10.1f} | {n_items}"
+        return (f"{head} {name:<15} | {us:10.1f} | {flops / us / 1e6:7.1f} | {kv_bytes / (us + red_us) / 1e3:7.0f} | "
+                f"{us + red_us:10.1f} | {n_items}")  # fmt: skip
 
     red_us = bench_us(reduce)
     print(line("portable", bench_us(portable)))
@@ -70,17 +86,23 @@ def run_shape(h, b, s, qlen, variants, args):
         portable()
         reduce()
         ref = out.float().clone()
-    if not dg.gluon_decode_supported(q, cache, plan):
+    if not dg.gluon_decode_supported(q, cache, plan, kv_dtype):
         print(f"{head} gluon: not supported here")
         return
-    for block_n, stages, overlap, *rest in variants:
-        ws = bool(rest[0]) if rest else False
-        kw = {"block_n": block_n, "stages": stages, "overlap": bool(overlap), "ws": ws}
+    for v in variants:
+        if v == ("seesaw",):
+            kw = {"variant": "seesaw"}
+            name = "gluon seesaw"
+        else:
+            block_n, stages, overlap, *rest = (int(x) for x in v)
+            ws = bool(rest[0]) if rest else False
+            kw = {"block_n": block_n, "stages": stages, "overlap": bool(overlap), "ws": ws}
+            name = f"gluon {block_n},{stages},{overlap}" + (",ws" if ws else "")
 
         def gluon(kw=kw):
-            dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * LOG2E, 1.0, True, 512, **kw)
+            dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * kv_s * LOG2E, kv_s, True, 512,
+                                      **kw)  # fmt: skip
 
-        name = f"gluon {block_n},{stages},{overlap}" + (",ws" if ws else "")
         try:
             text = line(name, bench_us(gluon))
         except Exception as exc:  # noqa: BLE001  (a variant that does not compile or launch here)
@@ -99,10 +121,11 @@ def main(argv=None):
     ap.add_argument("--variants", default=VARIANTS, help='"block_n,stages,overlap[,ws];..."')
     ap.add_argument("--pool-gib", type=float, default=2.0)
     ap.add_argument("--check", action="store_true", help="compare every variant's output with the portable kernel")
+    ap.add_argument("--fp8", action="store_true", help="float8_e4m3fn cache (only the ws 64,2 Gluon variant applies)")
     args = ap.parse_args(argv)
     print(env_line())
-    variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
-    print("h_q  b     seq    qlen | kernel          |   split_us |  TFLOPS | +reduce_us | work items")
+    variants = [tuple(v.strip().split(",")) for v in args.variants.split(";")]
+    print("h_q  b     seq    qlen | kernel          |   split_us |  TFLOPS | GB/s+red | +reduce_us | work items")
     for item in args.shapes.split(";"):
         h, b, s, qlen = (int(x) for x in item.split(","))
         run_shape(h, b, s, qlen, variants, args)

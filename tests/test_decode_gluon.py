@@ -18,20 +18,28 @@ from openmla.utils.testing import TOLERANCES, assert_close
 
 SCALE = 576**-0.5
 LOG2E = 1.4426950408889634
+KV_SCALE = 0.05  # fp8 caches: value = stored e4m3 * KV_SCALE
 
-# (BLOCK_N, STAGES, OVERLAP, CAUSAL, BLOCK_H, WS): the default variant and the 32-key ones, both
-# causal flags and a few row foldings (BLOCK_H 64 = h128/h64, 16 = h16 x 4 query rows, 32), and the
-# warp-specialised kernel (WS: 1-warp TMA producer + two consumer warpgroups)
+# (BLOCK_N, STAGES, OVERLAP, CAUSAL, BLOCK_H, WS, FP8, SEESAW): the default variant and the 32-key ones,
+# both causal flags and a few row foldings (BLOCK_H 64 = h128/h64, 16 = h16 x 4 query rows, 32), the
+# warp-specialised kernel (WS: 1-warp TMA producer + two consumer warpgroups), its fp8-cache path, and
+# the seesaw kernel (two 4-warp warpgroup partitions, each the scores of every other tile)
 COMPILE_VARIANTS = [
-    (64, 2, False, True, 64, False),
-    (64, 2, False, False, 16, False),
-    (32, 4, True, True, 64, False),
-    (32, 4, True, False, 32, False),
-    (32, 3, True, True, 64, False),
-    (32, 3, False, False, 16, False),
-    (64, 2, False, True, 64, True),
-    (64, 2, False, False, 16, True),
-    (32, 3, False, True, 32, True),
+    (64, 2, False, True, 64, False, False, False),
+    (64, 2, False, False, 16, False, False, False),
+    (32, 4, True, True, 64, False, False, False),
+    (32, 4, True, False, 32, False, False, False),
+    (32, 3, True, True, 64, False, False, False),
+    (32, 3, False, False, 16, False, False, False),
+    (64, 2, False, True, 64, True, False, False),
+    (64, 2, False, False, 16, True, False, False),
+    (32, 3, False, True, 32, True, False, False),
+    (64, 2, False, True, 64, True, True, False),
+    (64, 2, False, False, 16, True, True, False),
+    (64, 2, False, True, 32, True, True, False),
+    (64, 2, False, True, 64, False, False, True),
+    (64, 2, False, False, 16, False, False, True),
+    (64, 2, False, True, 32, False, False, True),
 ]
 
 _COMPILE_SCRIPT = r"""
@@ -42,19 +50,24 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from openmla.ops import decode_gluon as g
 
-layout = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
-          "fp4_padded=False, cga_layout=[])")
+def nvmma(swizzle, bits):
+    return (f"NVMMASharedLayout(swizzle_byte_width={swizzle}, element_bitwidth={bits}, rank=2, transposed=False, "
+            "fp4_padded=False, cga_layout=[])")
 ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc": "*i32", "work_req": "*i32",
        "work_split": "*i32", "num_splits": "*i32", "split_len": "*i32", "out": "*bf16", "lse": "*fp32",
        "o_part": "*fp32", "lse_part": "*fp32"}
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 report = []
-for block_n, stages, overlap, causal, block_h, ws in json.loads(sys.argv[1]):
+for block_n, stages, overlap, causal, block_h, ws, fp8, seesaw in json.loads(sys.argv[1]):
     cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
-                CAUSAL=causal, num_warps=8)
-    if ws:
+                CAUSAL=causal, num_warps=4 if seesaw else 8)
+    if seesaw:
+        fn = g._mla_decode_gluon_seesaw_kernel
+        cons["WG_REGS"] = g.SEESAW_WG_REGS
+    elif ws:
         fn = g._mla_decode_gluon_ws_kernel
         cons["PRODUCER_REGS"] = g.WS_PRODUCER_REGS
+        cons["FP8"] = fp8
     else:
         fn = g._mla_decode_gluon_fwd_kernel
         cons["OVERLAP"] = overlap
@@ -63,9 +76,9 @@ for block_n, stages, overlap, causal, block_h, ws in json.loads(sys.argv[1]):
         if name in cons:
             sig[name] = "constexpr"
         elif name == "lat_desc":
-            sig[name] = f"tensordesc<bf16[32, 512],{layout}>"
+            sig[name] = f"tensordesc<fp8e4nv[32, 512],{nvmma(128, 8)}>" if fp8 else f"tensordesc<bf16[32, 512],{nvmma(128, 16)}>"
         elif name == "rope_desc":
-            sig[name] = f"tensordesc<bf16[32, 64],{layout}>"
+            sig[name] = f"tensordesc<fp8e4nv[32, 64],{nvmma(64, 8)}>" if fp8 else f"tensordesc<bf16[32, 64],{nvmma(128, 16)}>"
         elif name in ptr:
             sig[name] = ptr[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -74,7 +87,7 @@ for block_n, stages, overlap, causal, block_h, ws in json.loads(sys.argv[1]):
         else:
             sig[name] = "i32"
     k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=8))
+                       options=dict(num_warps=cons["num_warps"]))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
@@ -82,7 +95,7 @@ for block_n, stages, overlap, causal, block_h, ws in json.loads(sys.argv[1]):
     line = next(l for l in usage.splitlines() if "REG:" in l)
     fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
     ptx = k.asm["ptx"]
-    report.append(dict(variant=[block_n, stages, overlap, causal, block_h, ws], regs=int(fields["REG"]),
+    report.append(dict(variant=[block_n, stages, overlap, causal, block_h, ws, fp8, seesaw], regs=int(fields["REG"]),
                        stack=int(fields["STACK"]), local=int(fields["LOCAL"]), static_shared=int(fields["SHARED"]),
                        shared=k.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
                        tma=ptx.count("cp.async.bulk.tensor"), num_warps=k.metadata.num_warps,
@@ -106,12 +119,14 @@ def _compile_report(variants):
 def test_gluon_decode_compiles_for_sm90():
     # offline sm90 compile (no GPU needed): wgmma + TMA in the PTX, no spill, fits the shared memory
     for r in _compile_report(COMPILE_VARIANTS):
-        name = "BLOCK_N={} STAGES={} OVERLAP={} CAUSAL={} BLOCK_H={} WS={}".format(*r["variant"])
+        name = "BLOCK_N={} STAGES={} OVERLAP={} CAUSAL={} BLOCK_H={} WS={} FP8={} SEESAW={}".format(*r["variant"])
         assert r["wgmma"] > 0 and r["tma"] > 0, f"{name}: {r}"
         assert r["regs"] <= 255 and r["stack"] == 0 and r["local"] == 0, f"{name}: spills or too many registers {r}"
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, f"{name}: shared memory {r}"
         if r["variant"][5]:  # 8 consumer warps + the producer warp's warpgroup, registers moved by setmaxnreg
             assert r["num_warps"] == 12 and r["setmaxnreg"], f"{name}: {r}"
+        if r["variant"][7]:  # two 4-warp warpgroup partitions, no producer partition
+            assert r["num_warps"] == 8, f"{name}: {r}"
 
 
 def test_gluon_decode_unsupported_on_cpu():
@@ -121,6 +136,20 @@ def test_gluon_decode_unsupported_on_cpu():
     assert dg.gluon_decode_config(128, 1) == (64, 1)
     assert dg.gluon_decode_config(16, 4) == (16, 4)
     assert dg.gluon_decode_config(24, 2) == (32, 2)
+    cache8 = cache.to(torch.float8_e4m3fn)
+    assert not dg.gluon_decode_supported(q, cache8, None, "fp8")
+    assert not dg.gluon_decode_supported(q, cache8, None, "int8")
+    # the fp8 path is the warp-specialised kernel with 64-key tiles only (refused before any launch)
+    for kw in ({"block_n": 32}, {"ws": False}, {"overlap": True}):
+        with pytest.raises(ValueError, match="fp8 cache"):
+            dg.mla_decode_split_gluon(q, cache8, None, None, None, None, None, None, 1.0, 1.0, True, 512, **kw)
+    # the seesaw kernel: bf16 cache, 64-key tiles, 2 stages only
+    for c, kw in ((cache8, {}), (cache, {"block_n": 32}), (cache, {"stages": 3}), (cache, {"overlap": True})):
+        with pytest.raises(ValueError, match="seesaw"):
+            dg.mla_decode_split_gluon(q, c, None, None, None, None, None, None, 1.0, 1.0, True, 512, variant="seesaw",
+                                      **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="variant"):
+        dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512, variant="x")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -132,20 +161,27 @@ VARIANTS = [
     {"block_n": 32, "stages": 3, "overlap": False, "ws": False},
     {"block_n": 64, "stages": 2, "overlap": False, "ws": True},  # the default: warp-specialised (TMA producer warp)
     {"block_n": 32, "stages": 3, "overlap": False, "ws": True},
+    {"block_n": 64, "stages": 2, "overlap": False, "variant": "seesaw"},
 ]
 
 
 def _variant_id(i):
     v = VARIANTS[i]
-    return "n{}s{}o{:d}".format(v["block_n"], v["stages"], v["overlap"]) + ("ws" if v.get("ws") else "")
+    return (
+        "n{}s{}o{:d}".format(v["block_n"], v["stages"], v["overlap"])
+        + ("ws" if v.get("ws") else "")
+        + (v.get("variant") or "")
+    )
 
 
-def _batch(device, heads, qlens, lens, page, bad_tail=False):
-    """A paged bf16 cache with random rows for the requests and NaN in every unused row."""
+def _batch(device, heads, qlens, lens, page, bad_tail=False, fp8=False):
+    """A paged bf16 (or e4m3, ``fp8``) cache with random rows for the requests and NaN in every unused row."""
     B = len(lens)
     W = max(1, -(-max(lens) // page)) + 1  # one spare column: entries past a request's pages
     num_blocks = B * W + 3
-    cache = torch.randn(num_blocks, page, 576, device=device).to(torch.bfloat16)
+    rows = torch.randn(num_blocks, page, 576, device=device)
+    # fp8: values ~ N(0, 1) after dequantisation (stored * KV_SCALE)
+    cache = (rows / KV_SCALE / 4).to(torch.float8_e4m3fn) if fp8 else rows.to(torch.bfloat16)
     block_table = torch.randperm(num_blocks, device=device)[: B * W].view(B, W).int()
     flat = cache.view(-1, 576)
     used = torch.zeros(num_blocks * page, dtype=torch.bool, device=device)
@@ -155,7 +191,10 @@ def _batch(device, heads, qlens, lens, page, bad_tail=False):
         if bad_tail:  # block ids past the sequence: -1 and out of range (must never be read)
             first = -(-n // page)
             block_table[b, first:] = torch.where(torch.arange(W - first, device=device) % 2 == 0, -1, num_blocks + 7)
-    flat[~used] = float("nan")
+    if fp8:
+        flat.view(torch.uint8)[~used] = 0x7F  # e4m3fn NaN
+    else:
+        flat[~used] = float("nan")
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     qsl = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32, device=device)
     q = torch.randn(int(qsl[-1]), heads, 576, device=device).to(torch.bfloat16)
@@ -172,18 +211,22 @@ def _gluon_decode(q, cache, bt, sl, qsl, causal, num_sms=None, **kw):
     from openmla.ops.decode import _mla_decode_reduce
 
     T, H, _ = q.shape
-    plan = openmla.plan_decode(sl, qsl, H, num_sms=num_sms)
-    assert dg.gluon_decode_supported(q, cache, plan)
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    kv_dtype = "fp8" if fp8 else "auto"
+    kv_s = KV_SCALE if fp8 else 1.0
+    plan = openmla.plan_decode(sl, qsl, H, num_sms=num_sms, kv_cache_dtype=kv_dtype)
+    assert dg.gluon_decode_supported(q, cache, plan, kv_dtype)
     out = torch.empty(T, H, 512, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
-    dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * LOG2E, 1.0, causal, 512, **kw)
+    dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * kv_s * LOG2E, kv_s, causal, 512, **kw)
     _mla_decode_reduce(qsl, plan, out, lse, 512)
     return out, lse, plan
 
 
 def _check(q, cache, bt, sl, qsl, causal, num_sms=None, **kw):
     out, lse, plan = _gluon_decode(q, cache, bt, sl, qsl, causal, num_sms, **kw)
-    ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=causal)
+    kv_scale = KV_SCALE if cache.dtype == torch.float8_e4m3fn else None
+    ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=causal, kv_scale=kv_scale)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
     assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
@@ -191,9 +234,7 @@ def _check(q, cache, bt, sl, qsl, causal, num_sms=None, **kw):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize(
-    "variant", range(len(VARIANTS)), ids=_variant_id
-)
+@pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=_variant_id)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("qlen", ["1", "2", "4", "varlen"])
 @pytest.mark.parametrize("heads", [16, 32, 64, 128])
@@ -259,12 +300,27 @@ def test_gluon_ws_matches_default(heads, qlen, device):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("ws", [False, True], ids=["serial", "ws"])
-def test_gluon_decode_empty_rows(ws, device):
+@pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4), (32, 2)])
+def test_gluon_seesaw_matches_ws(heads, qlen, device):
+    # same products; the seesaw kernel sums its rows per warpgroup (every other tile) and then adds the two
+    lens = [4096, 77, 2048, 1, 5000, 0, 129, 192]  # odd and even tile counts (the last tile on either side)
+    q, cache, bt, sl, qsl = _batch(device, heads, [qlen] * len(lens), lens, 64, bad_tail=True)
+    for num_sms in (8, 132):
+        out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=num_sms, ws=True)
+        out_s, lse_s, _ = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=num_sms, variant="seesaw")
+        assert_close("out", out.float(), out_s.float(), *TOLERANCES[torch.bfloat16])
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_s))
+        fin = torch.isfinite(lse)
+        assert float((lse[fin] - lse_s[fin]).abs().max()) < 1e-4
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("kw", [{"ws": False}, {"ws": True}, {"variant": "seesaw"}], ids=["serial", "ws", "seesaw"])
+def test_gluon_decode_empty_rows(kw, device):
     # causal rows that see no key (seq_len < qlen) give out 0 and lse -inf, never NaN
     lens = [2, 0, 40]
     q, cache, bt, sl, qsl = _batch(device, 32, [4, 3, 1], lens, 64)
-    out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True, ws=ws)
+    out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True, **kw)
     ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True)
     assert bool(torch.isneginf(lse[:2]).all()) and float(out[:2].abs().max()) == 0.0
     assert math.isinf(float(lse[4, 0])) and not torch.isnan(out).any()
@@ -282,6 +338,44 @@ def test_mla_decode_backend(backend, device):
     ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True)
     assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
     assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+
+
+# fp8 (e4m3) cache: TMA'd as fp8, widened to fp16 in shared memory by the consumers
+@pytest.mark.hopper
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("qlen", ["1", "2", "varlen"])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_gluon_decode_fp8(heads, qlen, causal, device):
+    lens = [4096, 0, 3, 8191, 1000, 33, 2048, 17]  # NaN bytes (0x7F) in every row past a request
+    q, cache, bt, sl, qsl = _batch(device, heads, _qlens(qlen, len(lens)), lens, 64, fp8=True)
+    _check(q, cache, bt, sl, qsl, causal)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("num_sms", [4, 132])
+def test_gluon_decode_fp8_splits(num_sms, device):
+    lens = [30001, 9001, 12345, 64, 0]
+    q, cache, bt, sl, qsl = _batch(device, 128, [1, 2, 1, 3, 1], lens, 64, bad_tail=True, fp8=True)
+    _, _, plan = _check(q, cache, bt, sl, qsl, True, num_sms=num_sms)
+    assert int(plan.num_splits.max()) > 1
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("backend", ["gluon", "auto"])
+@pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4), (16, 1)])
+def test_mla_decode_fp8_backend(heads, qlen, backend, device):
+    # the public entry point with an fp8 cache ("auto" keeps fp8 caches on the portable kernel for now)
+    lens = [3000, 0, 64, 8191, 77]
+    q, cache, bt, sl, qsl = _batch(device, heads, [qlen] * len(lens), lens, 64, fp8=True)
+    kv = {"kv_cache_dtype": "fp8", "kv_scale": KV_SCALE}
+    out, lse = openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, causal=True, backend=backend, **kv)
+    ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True, kv_scale=KV_SCALE)
+    assert not torch.isnan(out).any()
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+    port_out, port_lse = openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, causal=True, backend="triton", **kv)
+    assert_close("out", port_out, out, *TOLERANCES[torch.bfloat16])  # both compute in fp16
+    assert_close("lse", port_lse, lse, 1e-3, 1e-3, 1e-6)
 
 
 def test_backend_errors(device):

@@ -348,12 +348,14 @@ def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtyp
     if backend == "gluon":
         if not ok:
             raise ValueError(
-                "backend='gluon' needs an sm90 GPU with triton.experimental.gluon, bf16 q and cache "
-                f"(kv_cache_dtype='auto'), d_qk 576, a page size that is a multiple of 32; got q {describe(q)}, "
+                "backend='gluon' needs an sm90 GPU with triton.experimental.gluon, bf16 q, a bf16 cache "
+                "(kv_cache_dtype='auto') or a float8_e4m3fn cache (kv_cache_dtype='fp8'), d_qk 576, a page size "
+                f"that is a multiple of 32; got q {describe(q)}, "
                 f"kv_cache {describe(kv_cache)}, kv_cache_dtype {kv_cache_dtype!r}"
             )
         return True
-    return ok and plan.tiling.block_m >= _GLUON_AUTO_MIN_ROWS
+    # fp8 caches stay on the portable kernel under "auto" until the Gluon fp8 path is measured on the H200
+    return ok and plan.tiling.block_m >= _GLUON_AUTO_MIN_ROWS and kv_cache_dtype == "auto"
 
 
 def _host_scale(name: str, scale, device) -> float:

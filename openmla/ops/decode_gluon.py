@@ -39,6 +39,22 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``):
   stage with one ``mbarrier.arrive`` after the P V. The row sum is kept per key column and reduced once
   at the end. CTA-wide barriers per 64-key tile in the steady state: 5 (loop top, row max x 2, P, after
   P V) instead of 12 (the serial loop also syncs before each of its 4 TMA messages and reduces the sum).
+* ``variant="seesaw"`` (``_mla_decode_gluon_seesaw_kernel``, bf16 cache, 64-key tiles, 2 stages): the two
+  warpgroups are separate 4-warp partitions with 256 registers each (no producer partition: each issues
+  the TMA loads of its own tiles). Tile j belongs to warpgroup j % 2, which computes its full scores
+  (m64n64 wgmmas: Q and K read once per key, instead of Q twice when the warpgroups split the keys) and
+  softmax and writes P_j over the tile's rope columns plus its row max to shared memory ("pready"
+  mbarrier); both warpgroups rescale their 256 output columns and add P_j V_j. Shared memory 223,812 B,
+  255 registers, no spill (sm90 offline compile).
+* fp8 cache (``kv_cache_dtype="fp8"``, float8_e4m3fn, selected by the cache dtype; ws kernel, 64-key tiles,
+  ``FP8=True``): the producer TMAs e4m3 tiles (half the bytes: latent boxes ``[32, 128]`` with the
+  128-byte swizzle, four per 32 keys, and a ``[32, 64]`` rope box with the 64-byte swizzle) into a ring of
+  2 fp8 stages; after the "ready" wait the consumers widen the stage (``cvt.rn.f16x2.e4m3x2``, exact)
+  into one fp16 tile ``[64, 576]`` in shared memory, zeroing keys >= L (the cache's NaN bytes), fence,
+  release the fp8 stage at once, and run the same MMAs in fp16 (q rounded to fp16 when loaded, P in fp16;
+  the portable kernel also computes fp8 caches in fp16). ``kv_scale`` is folded into ``scale_log2`` and
+  ``v_scale`` by the caller. Shared memory: Q 73,728 + fp16 tile 73,728 + 2 x 36,864 + P 8,192 (+ 1,024
+  static) = 230,948 B.
 * Keys past the sequence end inside a valid page hold anything (stale data, NaN in the tests): the
   tile that holds the sequence end has those rows of its latent buffer zeroed in shared memory before
   the MMAs (a NaN there would survive ``P = 0`` in ``P V``); their scores are masked to -inf anyway.
@@ -48,7 +64,7 @@ reduction scratch): 64 x 2 stages = 229,904 B, 32 x 4 = 225,824 B, 32 x 3 = 188,
 Registers (sm90 offline compile, 8 warps): 64/2/serial 228-230, 32/4/overlap 246-248, 32/3/overlap
 250-252, no spill; 64/2/overlap reaches 255 with a few spilled bytes (and no prefetch), not offered.
 
-Limits: bf16 q and cache (fp8 is not handled here), d_qk = 576 = 512 + 64, page size a multiple of 32,
+Limits: bf16 q; a bf16 cache or an e4m3 cache (per-tensor scale), d_qk = 576 = 512 + 64, page size a multiple of 32,
 split lengths multiples of 32, cache rows of one page contiguous across pages (a 2-D view). Gluon
 needs ``triton.experimental.gluon`` (Triton >= 3.5); without it ``gluon_decode_supported`` is False
 and importing this module still works.
@@ -93,6 +109,9 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm90
 # registers of the 1-warp producer partition of the ``ws=True`` variant: 24 spills a few bytes (its
 # arguments arrive through shared memory); 32 leaves the two consumer warpgroups 232 (no spill)
 WS_PRODUCER_REGS = 32
+# registers of the second warpgroup (the worker partition) of ``variant="seesaw"``; the default partition
+# (warpgroup 0) gets what remains: 65536 / 256 threads = 256 each
+SEESAW_WG_REGS = 256
 
 
 if GLUON_AVAILABLE:
@@ -115,10 +134,11 @@ if GLUON_AVAILABLE:
         return gl.where(ok, blk * PAGE + n % PAGE, num_blocks * PAGE)
 
     @gluon.jit
-    def _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, bars, stage, row0, row1, NSUB: gl.constexpr):
+    def _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, bars, stage, row0, row1, NSUB: gl.constexpr,
+                  ELEM_BYTES: gl.constexpr = 2):  # fmt: skip
         """Start the TMA loads of one KV tile (NSUB boxes of 32 keys: [32, 512] latent + [32, 64] rope)."""
         bar = bars.index(stage)
-        mbarrier.expect(bar, NSUB * 32 * 576 * 2)
+        mbarrier.expect(bar, NSUB * 32 * 576 * ELEM_BYTES)
         for h in gl.static_range(NSUB):
             row = row0 if h == 0 else row1
             tma.async_copy_global_to_shared(lat_desc, [row, 0], bar, lat_smem.index(stage).slice(h * 32, 32, dim=0))
@@ -144,6 +164,38 @@ if GLUON_AVAILABLE:
             buf = lat.slice(c * 64, 64, dim=1)
             x = buf.load(z_layout)
             buf.store(gl.where(keep, x, gl.zeros_like(x)))
+        fence_async_shared()  # generic-proxy writes before the async-proxy (wgmma) reads
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _widen_part(src, dst, n0, L, MASK: gl.constexpr, layout: gl.constexpr, NCOL: gl.constexpr,
+                    BLOCK_N: gl.constexpr):  # fmt: skip
+        """fp8 (e4m3) shared ``src [BLOCK_N, k * NCOL]`` -> fp16 shared ``dst``, NCOL columns at a time;
+        rows whose key is >= L become zeros when ``MASK`` (NaN bytes there must not reach the MMAs)."""
+        if MASK:
+            o_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+            keep = gl.expand_dims(o_r < L, 1)
+        for c in gl.static_range(src.shape[1] // NCOL):
+            x = src.slice(c * NCOL, NCOL, dim=1).load(layout).to(gl.float16)
+            if MASK:
+                x = gl.where(keep, x, gl.zeros_like(x))
+            dst.slice(c * NCOL, NCOL, dim=1).store(x)
+
+    @gluon.jit
+    def _widen_tile(lat8, rope8, lat, rope, n0, L, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+        """Widen one landed fp8 KV tile into the fp16 tile the MMAs read (exact: every e4m3 value is an
+        fp16 value; the per-tensor scale is applied outside). Keys >= L are zeroed. Ends with a fence and
+        a CTA barrier: the tile is ready for wgmma and the fp8 stage may be released."""
+        gl.static_assert(num_warps == 8, "two warpgroups")
+        # 16 fp8 bytes a thread (one 16-byte shared load), a warp 8 rows x 64 columns, warps [4, 2]
+        LAT_W: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 2], [1, 0])
+        ROPE_W: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 2], [1, 0])
+        if n0 + BLOCK_N > L:
+            _widen_part(lat8, lat, n0, L, True, LAT_W, 128, BLOCK_N)
+            _widen_part(rope8, rope, n0, L, True, ROPE_W, 64, BLOCK_N)
+        else:
+            _widen_part(lat8, lat, n0, L, False, LAT_W, 128, BLOCK_N)
+            _widen_part(rope8, rope, n0, L, False, ROPE_W, 64, BLOCK_N)
         fence_async_shared()  # generic-proxy writes before the async-proxy (wgmma) reads
         gl.thread_barrier()
 
@@ -378,7 +430,6 @@ if GLUON_AVAILABLE:
             gl.store(o_part + gl.expand_dims(part * D_V, 1) + o_v, b_o, mask=m_o)
             gl.store(lse_part + (i_w.to(gl.int64) * MAX_QLEN + o_ts) * H + o_hs, b_lse, mask=m_s)
 
-
     # ---------------------------------------------------------------------------------------------
     # Warp-specialised variant (``ws=True``): a 1-warp producer partition issues every TMA load of the
     # KV ring (page lookups included) and waits on per-stage "empty" mbarriers; the default partition
@@ -388,7 +439,7 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _ws_producer(lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, p_bt, kv_lo, kv_hi, n_tiles,
                      max_blocks, num_blocks, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr):  # fmt: skip
+                     STAGES: gl.constexpr, ELEM_BYTES: gl.constexpr):  # fmt: skip
         NSUB: gl.constexpr = BLOCK_N // 32
         for j in range(n_tiles):
             stage = j % STAGES
@@ -399,15 +450,16 @@ if GLUON_AVAILABLE:
                 r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
             # the consumers released this stage (fresh barriers pass parity 1 at once: the first lap)
             mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
-            _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, stage, r0, r1, NSUB)
+            _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, stage, r0, r1, NSUB, ELEM_BYTES)
 
     @gluon.jit
-    def _ws_consumer(q, q_smem, lat_smem, rope_smem, p_smem, ready, empty, p_bt, block_table, query_start_loc,
+    def _ws_consumer(q, q_smem, lat_smem, rope_smem, lat8_smem, rope8_smem, p_smem, ready, empty, p_bt, block_table,
+                     query_start_loc,
                      num_splits, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h,
                      stride_o_t, stride_o_h, H, num_blocks, max_blocks, i_w, i_h, i_q, i_b, q_start, qlen, L,
                      kv_lo, kv_hi, n_tiles, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
                      BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr):  # fmt: skip
+                     CAUSAL: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         D_V: gl.constexpr = 512
         NSUB: gl.constexpr = BLOCK_N // 32
@@ -433,7 +485,7 @@ if GLUON_AVAILABLE:
         o_c = gl.expand_dims(gl.arange(0, 64, layout=COL_LD), 0)
         for c in gl.static_range(9):
             b_q = gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0)
-            q_smem.index(c).store(b_q.to(gl.bfloat16))
+            q_smem.index(c).store(b_q.to(q_smem.dtype))  # fp16 with an fp8 cache (like the portable kernel)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -462,11 +514,18 @@ if GLUON_AVAILABLE:
                 ok_n = ok_n | ((o_ns >= 32) & ok1)
             m_n = gl.expand_dims(ok_n, 0) & (gl.expand_dims(n0 + o_ns, 0) < limit)
 
-            lat = lat_smem.index(stage)
             mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-            if n0 + BLOCK_N > L:
-                _zero_tail(lat, n0, L, BLOCK_N, NW)
-            b_s = _qk(q_smem, lat, rope_smem.index(stage), s_zero)
+            if FP8:  # widen the fp8 stage into the one fp16 tile, then hand the stage back to the producer
+                lat = lat_smem.index(0)
+                rope = rope_smem.index(0)
+                _widen_tile(lat8_smem.index(stage), rope8_smem.index(stage), lat, rope, n0, L, BLOCK_N, NW)
+                mbarrier.arrive(empty.index(stage), count=1)
+            else:
+                lat = lat_smem.index(stage)
+                rope = rope_smem.index(stage)
+                if n0 + BLOCK_N > L:
+                    _zero_tail(lat, n0, L, BLOCK_N, NW)
+            b_s = _qk(q_smem, lat, rope, s_zero)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
 
             b_s = gl.where(m_n, b_s * scale_log2, float("-inf"))
@@ -476,15 +535,16 @@ if GLUON_AVAILABLE:
             b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 1))
             b_lv = b_lv * gl.expand_dims(b_alpha, 1) + b_p
             b_m = b_m_new
-            p_smem.store(b_p.to(gl.bfloat16))
+            p_smem.store(b_p.to(p_smem.dtype))
             fence_async_shared()
             gl.thread_barrier()  # each warpgroup reads all of P
 
             acc = acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1)
             acc = warpgroup_mma(p_smem, lat, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            gl.thread_barrier()  # both warpgroups are done with this stage and with P
-            mbarrier.arrive(empty.index(stage), count=1)  # the producer may refill it
+            gl.thread_barrier()  # both warpgroups are done with this stage (or the fp16 tile) and with P
+            if not FP8:
+                mbarrier.arrive(empty.index(stage), count=1)  # the producer may refill it
 
         b_l = gl.sum(b_lv, axis=1)
         n_split = gl.load(num_splits + i_b)
@@ -517,9 +577,12 @@ if GLUON_AVAILABLE:
         stride_o_t, stride_o_h, H, num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
+        FP8: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """Same arguments and results as ``_mla_decode_gluon_fwd_kernel`` (serial loop), warp-specialised."""
+        """Same arguments and results as ``_mla_decode_gluon_fwd_kernel`` (serial loop), warp-specialised.
+
+        ``FP8``: the descriptors are over an e4m3 cache; the ring holds fp8 tiles, the consumers widen each
+        to fp16 (one fp16 tile) and run the MMAs in fp16 (q rounded to fp16, P in fp16)."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
         gl.static_assert(num_warps == 8, "two consumer warpgroups in the default partition")
@@ -548,10 +611,23 @@ if GLUON_AVAILABLE:
         n_tiles = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
         p_bt = block_table + i_b * stride_bt_b
 
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, BLOCK_M, 64], Q_SMEM)
-        lat_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], lat_desc.layout)
-        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], rope_desc.layout)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], P_SMEM)
+        if FP8:
+            CDT: gl.constexpr = gl.float16
+            KV16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+            P16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float16)
+            q_smem = gl.allocate_shared_memory(CDT, [9, BLOCK_M, 64], Q_SMEM)
+            ring_lat = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 512], lat_desc.layout)
+            ring_rope = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 64], rope_desc.layout)
+            lat_smem = gl.allocate_shared_memory(CDT, [1, BLOCK_N, 512], KV16)
+            rope_smem = gl.allocate_shared_memory(CDT, [1, BLOCK_N, 64], KV16)
+            p_smem = gl.allocate_shared_memory(CDT, [BLOCK_M, BLOCK_N], P16)
+        else:
+            q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, BLOCK_M, 64], Q_SMEM)
+            lat_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], lat_desc.layout)
+            rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], rope_desc.layout)
+            p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], P_SMEM)
+            ring_lat = lat_smem
+            ring_rope = rope_smem
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
@@ -560,18 +636,275 @@ if GLUON_AVAILABLE:
         fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
 
         gl.warp_specialize([
-            (_ws_consumer, (q, q_smem, lat_smem, rope_smem, p_smem, ready, empty, p_bt, block_table,
+            (_ws_consumer, (q, q_smem, lat_smem, rope_smem, ring_lat, ring_rope, p_smem, ready, empty, p_bt,
+                            block_table,
                             query_start_loc, num_splits, out, lse, o_part, lse_part, scale_log2, v_scale,
                             stride_q_t, stride_q_h, stride_o_t, stride_o_h, H, num_blocks, max_blocks, i_w, i_h,
                             i_q, i_b, q_start, qlen, L, kv_lo, kv_hi, n_tiles, PAGE, MAX_QLEN, BLOCK_H, Q_PER,
-                            BLOCK_N, STAGES, CAUSAL)),
-            (_ws_producer, (lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, p_bt, kv_lo, kv_hi, n_tiles,
-                            max_blocks, num_blocks, PAGE, BLOCK_N, STAGES)),
+                            BLOCK_N, STAGES, CAUSAL, FP8)),
+            (_ws_producer, (lat_desc, rope_desc, ring_lat, ring_rope, ready, empty, p_bt, kv_lo, kv_hi, n_tiles,
+                            max_blocks, num_blocks, PAGE, BLOCK_N, STAGES, 1 if FP8 else 2)),
         ], [1], [PRODUCER_REGS])  # fmt: skip
 
         for st in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(st))
             mbarrier.invalidate(empty.index(st))
+
+    # ---------------------------------------------------------------------------------------------
+    # "Seesaw" variant (``variant="seesaw"``): the two warpgroups are separate 4-warp partitions (warpgroup
+    # 0 the default one, warpgroup 1 a worker), 256 registers each: there is no producer partition.
+    # 64-key tiles, 2 stages; tile j lives in stage j % 2 and belongs to warpgroup j % 2, which
+    # * issues its TMA loads (tiles 0/1 at the start, tile j + 2 once the other warpgroup released stage j),
+    # * computes its scores alone (the full 64 keys: m64n64 wgmmas, so Q and K are read once per key
+    #   instead of Q twice as when the two warpgroups split the keys) and its online softmax, with the row
+    #   max M_{j-1} it already holds,
+    # * writes P_j over the rope columns of the stage (no longer needed once the scores are done: no
+    #   separate P buffer, which would not fit next to two stages) and M_j, and arrives on "pready".
+    # Both warpgroups then rescale their half of the output (columns 256 * wg ...) by exp2(M_{j-1} - M_j)
+    # and add P_j V_j; the other warpgroup waits on "pready" for P_j / M_j and releases the stage ("empty",
+    # count 1) after its P V. Row sums are per warpgroup (its own tiles) and added at the end.
+
+    @gluon.jit
+    def _seesaw_consumer(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready, empty, pready,
+                         qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
+                         split_len, out, lse,
+                         o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
+                         stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
+                         BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        BLOCK_N: gl.constexpr = 64
+        HALF: gl.constexpr = 256  # output columns of this warpgroup
+        NW: gl.constexpr = 4
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])  # fmt: skip
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
+        LD_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        ROW_LD: gl.constexpr = gl.SliceLayout(1, LD_LAYOUT)
+        COL_LD: gl.constexpr = gl.SliceLayout(0, LD_LAYOUT)
+
+        # the work item's scalars are read here (not passed in registers from the parent, which made the
+        # default partition spill) and again in the epilogue rather than kept across the loop
+        i_h = gl.program_id(1)
+        i_q = gl.program_id(2)
+        i_b = gl.load(work_req + gl.program_id(0)).to(gl.int64)
+        q_start = gl.load(query_start_loc + i_b)
+        qlen = gl.load(query_start_loc + i_b + 1) - q_start
+        L = gl.load(seq_lens + i_b)
+        chunk = gl.load(split_len + i_b)
+        kv_lo = gl.load(work_split + gl.program_id(0)) * chunk
+        kv_hi = gl.minimum(L, kv_lo + chunk)
+        if CAUSAL:
+            kv_hi = gl.minimum(kv_hi, L - qlen + gl.minimum(i_q * Q_PER + Q_PER, qlen))
+        n_tiles = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
+        p_bt = block_table + i_b * stride_bt_b
+        gl.static_assert(STAGES == 2, "tile j lives in stage j % 2 and belongs to warpgroup j % 2")
+
+        # ---- this warpgroup's first tile (tile WG, stage WG) in flight while Q loads
+        if WG < n_tiles:
+            n0 = kv_lo + WG * BLOCK_N
+            r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
+            r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
+            _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, WG, r0, r1, 2, 2)
+
+        # ---- Q rows -> shared memory: each warpgroup stores every other 64-column chunk, then both wait
+        o_m = gl.arange(0, BLOCK_M, layout=ROW_LD)
+        o_t = i_q * Q_PER + o_m // BLOCK_H
+        o_h = i_h * BLOCK_H + o_m % BLOCK_H
+        m_ld = gl.expand_dims((o_t < qlen) & (o_h < H), 1)
+        p_q = q + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_q_t + o_h * stride_q_h, 1)
+        o_c = gl.expand_dims(gl.arange(0, 64, layout=COL_LD), 0)
+        for c in gl.static_range(9):
+            if c % 2 == WG:
+                b_q = gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0)
+                q_smem.index(c).store(b_q.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(qbar, count=1)
+        mbarrier.wait(qbar, 0)
+
+        o_ms = gl.arange(0, BLOCK_M, layout=ROW_S)
+        o_ts = i_q * Q_PER + o_ms // BLOCK_H
+        if CAUSAL:
+            limit = L - qlen + o_ts + 1
+        else:
+            limit = gl.full([BLOCK_M], 0, gl.int32, ROW_S) + L
+        limit = gl.expand_dims(gl.minimum(limit, kv_hi), 1)
+        m_prev = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)  # M_{j-1}, the same in both warpgroups
+        b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)  # row sum of this warpgroup's tiles
+        acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_LAYOUT)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
+
+        for j in range(n_tiles):
+            stage = j % STAGES
+            ph = (j // STAGES) & 1
+            lat = lat_smem.index(stage)
+            pv = rope_smem.index(stage)  # the tile's rope columns, then its P (same [64, 64] 128B-swizzled shape)
+            if j % 2 == WG:  # this warpgroup's tile: scores, softmax, P
+                n0 = kv_lo + j * BLOCK_N
+                ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
+                ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
+                mbarrier.wait(ready.index(stage), ph)
+                if n0 + BLOCK_N > L:
+                    _zero_tail(lat, n0, L, BLOCK_N, NW)
+                b_s = _qk(q_smem, lat, pv, s_zero)
+                b_s = warpgroup_mma_wait(0, deps=(b_s,))
+                # the key mask after the MMAs, as a key range [lo, hi) per row (a box with an invalid block id
+                # can only be the first or the second half); the key index is built here from n0 so that no
+                # per-column constants stay live across the loop
+                lo = gl.where(ok0, n0, n0 + 32)
+                hi = gl.minimum(limit, gl.where(ok1, n0 + BLOCK_N, n0 + 32))
+                key = gl.expand_dims(gl.arange(0, BLOCK_N, layout=COL_S) + n0, 0)
+                b_s = gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
+                m_new = gl.maximum(m_prev, gl.max(b_s, axis=1))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                b_alpha = gl.exp2(m_prev - m_use)
+                b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
+                b_l = b_l * b_alpha + gl.sum(b_p, axis=1)
+                pv.store(b_p.to(gl.bfloat16))  # the scores MMAs are done with the rope columns
+                m_smem.index(stage).store(m_new)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(pready.index(stage), count=1)
+                m_prev = m_new
+                # page rows of tile j + 2 (this warpgroup's next tile, same stage): loads in flight during P V
+                r0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
+                r1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
+                acc = acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1)
+                acc = warpgroup_mma(pv, lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                gl.thread_barrier()  # this warpgroup is done with the stage
+                if j + 2 < n_tiles:  # refill the stage once the other warpgroup's P V is done too
+                    mbarrier.wait(empty.index(stage), ph)
+                    _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, stage, r0, r1, 2, 2)
+            else:  # the other warpgroup's tile: its P and row max
+                mbarrier.wait(pready.index(stage), ph)
+                m_new = m_smem.index(stage).load(ROW_S)
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                b_alpha = gl.exp2(m_prev - m_use)
+                b_l = b_l * b_alpha
+                m_prev = m_new
+                acc = acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1)
+                acc = warpgroup_mma(pv, lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                gl.thread_barrier()  # this warpgroup is done with the stage
+                mbarrier.arrive(empty.index(stage), count=1)  # the owner may refill it
+
+        # ---- row sums of both warpgroups (exchanged in a plain 1-D layout: its addresses are not those of
+        # the loop's row-max exchange, which the register allocator otherwise keeps alive across the loop)
+        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        l_smem.index(WG).store(gl.convert_layout(b_l, VEC))
+        gl.thread_barrier()
+        mbarrier.arrive(lbar, count=1)
+        mbarrier.wait(lbar, 0)
+        b_l = b_l + gl.convert_layout(l_smem.index(1 - WG).load(VEC), ROW_S)
+
+        # volatile: re-read rather than merged with the loads before the loop (kept live, they spill)
+        i_w = gl.program_id(0)
+        i_h = gl.program_id(1)
+        i_q = gl.program_id(2)
+        i_b = gl.load(work_req + i_w, volatile=True).to(gl.int64)
+        q_start = gl.load(query_start_loc + i_b, volatile=True)
+        qlen = gl.load(query_start_loc + i_b + 1, volatile=True) - q_start
+        o_ms = gl.arange(0, BLOCK_M, layout=ROW_S)
+        o_ts = i_q * Q_PER + o_ms // BLOCK_H
+        n_split = gl.load(num_splits + i_b, volatile=True)
+        empty_r = b_l == 0.0
+        b_lse = gl.where(empty_r, float("-inf"),
+                         (m_prev + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)  # fmt: skip
+        b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_l))
+        b_o = acc * gl.expand_dims(gl.convert_layout(b_inv, ROW_O), 1)
+        o_mo = gl.arange(0, BLOCK_M, layout=ROW_O)
+        o_to = i_q * Q_PER + o_mo // BLOCK_H
+        o_ho = i_h * BLOCK_H + o_mo % BLOCK_H
+        m_o = gl.expand_dims((o_to < qlen) & (o_ho < H), 1)
+        o_v = gl.expand_dims(WG * HALF + gl.arange(0, HALF, layout=COL_O), 0)
+        o_hs = i_h * BLOCK_H + o_ms % BLOCK_H
+        m_s = (o_ts < qlen) & (o_hs < H)  # both warpgroups write the (same) LSE: no extra registers for a mask
+        if n_split == 1:
+            row = (q_start + o_to).to(gl.int64)
+            p_o = out + gl.expand_dims(row * stride_o_t + o_ho * stride_o_h, 1) + o_v
+            gl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
+            gl.store(lse + (q_start + o_ts).to(gl.int64) * H + o_hs, b_lse, mask=m_s)
+        else:
+            part = (i_w.to(gl.int64) * MAX_QLEN + o_to) * H + o_ho
+            gl.store(o_part + gl.expand_dims(part * 512, 1) + o_v, b_o, mask=m_o)
+            gl.store(lse_part + (i_w.to(gl.int64) * MAX_QLEN + o_ts) * H + o_hs, b_lse, mask=m_s)
+
+    @gluon.jit
+    def _mla_decode_gluon_seesaw_kernel(
+        q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
+        split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks,
+        PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """Same arguments and results as ``_mla_decode_gluon_ws_kernel``: warpgroup 0 is the default
+        partition (``num_warps = 4``), warpgroup 1 a 4-warp worker with ``WG_REGS`` registers; no producer
+        partition (each warpgroup issues the TMA loads of its own tiles), so each gets 256 registers."""
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
+        gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
+        gl.static_assert(BLOCK_N == 64, "64-key tiles (P is written over the tile's 64 rope columns)")
+        Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        VEC_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+        i_w = gl.program_id(0)
+        i_q = gl.program_id(2)
+        i_b = gl.load(work_req + i_w)
+        if i_b < 0:
+            return
+        i_b = i_b.to(gl.int64)
+        q_start = gl.load(query_start_loc + i_b)
+        qlen = gl.load(query_start_loc + i_b + 1) - q_start
+        if i_q * Q_PER >= qlen:
+            return
+        # (the consumers read the work item's scalars themselves: nothing is carried in registers into the
+        # default partition)
+
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, BLOCK_M, 64], Q_SMEM)
+        lat_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], lat_desc.layout)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], rope_desc.layout)
+        m_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], VEC_SMEM)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        pready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        sync = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+            mbarrier.init(empty.index(st), count=1)  # the warpgroup that does not own the stage's tiles
+            mbarrier.init(pready.index(st), count=1)
+        mbarrier.init(sync.index(0), count=2)  # Q stored (both halves)
+        mbarrier.init(sync.index(1), count=2)  # row sums stored
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_seesaw_consumer, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready, empty,
+                                pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
+                                work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
+                                v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
+                                max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, STAGES, CAUSAL, 0)),
+            (_seesaw_consumer, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready, empty,
+                                pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
+                                work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
+                                v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
+                                max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, STAGES, CAUSAL, 1)),
+        ], [4], [WG_REGS])  # fmt: skip
+
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(st))
+            mbarrier.invalidate(empty.index(st))
+            mbarrier.invalidate(pready.index(st))
+        mbarrier.invalidate(sync.index(0))
+        mbarrier.invalidate(sync.index(1))
+
 
 def gluon_decode_config(num_heads: int, max_query_len: int) -> tuple[int, int]:
     """``(BLOCK_H, Q_PER)`` of the Gluon kernel: 64 rows = heads x query tokens, heads first."""
@@ -579,27 +912,39 @@ def gluon_decode_config(num_heads: int, max_query_len: int) -> tuple[int, int]:
     return block_h, BLOCK_M // block_h
 
 
-def _kv_layout():
+def _kv_layout(fp8: bool = False, inner: int = D_V):
+    if fp8:  # e4m3: the latent box is 512 bytes wide (four 128-byte swizzle atoms), the rope box 64 bytes
+        return gl.NVMMASharedLayout(swizzle_byte_width=min(128, inner), element_bitwidth=8, rank=2)
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def _smem_bytes(block_n: int, stages: int, fp8: bool) -> int:
+    """Shared memory of one program: Q + KV ring (+ the fp16 tile of the fp8 path) + P + barriers/scratch."""
+    if fp8:
+        return 64 * D_QK * 2 + block_n * D_QK * 2 + stages * block_n * D_QK + 64 * block_n * 2 + 1024
+    return 64 * D_QK * 2 + stages * block_n * D_QK * 2 + 64 * block_n * 2 + 1024
 
 
 def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
                            kv_cache_dtype: str = "auto") -> bool:  # fmt: skip
     """Whether :func:`mla_decode_split_gluon` handles this call.
 
-    True on an sm90 CUDA device with Gluon available, bf16 q and cache (``kv_cache_dtype="auto"``),
-    d_qk 576 (512 + 64), a page size that is a multiple of 32, a plan whose split lengths are
+    True on an sm90 CUDA device with Gluon available, bf16 q and either a bf16 cache
+    (``kv_cache_dtype="auto"``) or a float8_e4m3fn cache (``kv_cache_dtype="fp8"``: the warp-specialised
+    kernel widens each tile to fp16 in shared memory; q is rounded to fp16), d_qk 576 (512 + 64), a page
+    size that is a multiple of 32, a plan whose split lengths are
     multiples of 32 (``plan.tiling.block_n % 32 == 0``) and a cache whose pages are evenly strided
     rows (a 2-D view ``[num_blocks * page, 576]`` with 16-byte-aligned rows). Any head count and
     query length (rows are padded to 64: heads x query tokens).
     """
-    if not GLUON_AVAILABLE or kv_cache_dtype != "auto":
+    if not GLUON_AVAILABLE or kv_cache_dtype not in ("auto", "fp8"):
         return False
     if q.device.type != "cuda" or kv_cache.device != q.device:
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+    cache_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.bfloat16
+    if q.dtype != torch.bfloat16 or kv_cache.dtype != cache_dtype:
         return False
     if q.dim() != 3 or kv_cache.dim() != 3 or q.shape[2] != D_QK or kv_cache.shape[2] != D_QK:
         return False
@@ -609,14 +954,15 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
     if page % SUB_N or plan.tiling.block_n % SUB_N:
         return False
     s0, s1, s2 = kv_cache.stride()
-    if s2 != 1 or s0 != page * s1 or (s1 * 2) % 16 or kv_cache.data_ptr() % 16:
+    if s2 != 1 or s0 != page * s1 or (s1 * kv_cache.element_size()) % 16 or kv_cache.data_ptr() % 16:
         return False
     return kv_cache.shape[0] * page < 2**31  # int32 TMA row coordinates
 
 
 def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                            scale_log2: float, v_scale: float, causal: bool, d_v: int, *, block_n: int = 64,
-                           stages: int | None = None, overlap: bool = False, ws: bool | None = None) -> None:  # fmt: skip
+                           stages: int | None = None, overlap: bool = False, ws: bool | None = None,
+                           variant: str | None = None) -> None:  # fmt: skip
     r"""Launch the Gluon split-KV kernel (same meaning as ``_mla_decode_split`` in ``ops/decode.py``).
 
     Writes the final rows of single-split requests into ``out``/``lse`` and the normalised fp32
@@ -624,7 +970,10 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
 
     Args:
         q (torch.Tensor): `[T, H, 576]` bf16.
-        kv_cache (torch.Tensor): `[num_blocks, page, 576]` bf16 (page a multiple of 32).
+        kv_cache (torch.Tensor): `[num_blocks, page, 576]` bf16, or float8_e4m3fn (page a multiple of 32):
+            the fp8 path (always the warp-specialised kernel) loads e4m3 tiles by TMA, widens each to an
+            fp16 tile in shared memory (exact) and runs the same MMAs in fp16 (q rounded to fp16, like the
+            portable kernel); the caller folds ``kv_scale`` into ``scale_log2`` and passes it as ``v_scale``.
         block_table (torch.Tensor): `[B, W]` int32. seq_lens: `[B]` int32. query_start_loc: `[B + 1]` int32.
         plan (DecodePlan): from :func:`openmla.plan_decode` for this batch.
         out (torch.Tensor): `[T, H, 512]` bf16. lse: `[T, H]` fp32, contiguous.
@@ -634,14 +983,35 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         d_v (int): must be 512.
         block_n (int): keys per KV tile, 32 or 64 (keyword-only tuning knob).
         stages (int | None): KV ring depth (default: 2 for 64-key tiles; 4 for 32 with overlap, else 3).
+            The fp8 path needs 64-key tiles and fits 2 fp8 stages next to its fp16 tile.
         overlap (bool): issue the next tile's scores MMA before this tile's softmax (needs stages >= 3).
         ws (bool | None): the warp-specialised variant (``_mla_decode_gluon_ws_kernel``): a 1-warp
             producer partition issues the TMA loads on per-stage empty/ready mbarriers; the consumers
             run the serial loop (not combinable with ``overlap``). None: on unless ``overlap`` (measured
             4-8% faster than the plain serial loop on the H200, benchmarks/RESULTS.md run 10).
+        variant (str | None): ``"seesaw"``: ``_mla_decode_gluon_seesaw_kernel`` (bf16 cache, 64-key tiles,
+            2 stages; ``ws``/``overlap`` do not apply): each warpgroup computes the full scores and softmax
+            of every other tile, both accumulate P V into their half of the output columns. None: the
+            kernels above, chosen by ``ws``/``overlap``.
     """
+    if variant not in (None, "seesaw"):
+        raise ValueError(f'variant must be None or "seesaw"; got {variant!r}')
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if variant == "seesaw":
+        if fp8 or block_n != 64 or stages not in (None, 2) or overlap or ws:
+            raise ValueError(
+                "variant='seesaw' takes a bf16 cache, block_n=64, stages=2 and no overlap/ws; got "
+                f"{kv_cache.dtype}, block_n={block_n}, stages={stages}, overlap={overlap}, ws={ws}"
+            )
+        ws = False
     if ws is None:
         ws = not overlap
+    if fp8 and (not ws or block_n != 64):
+        # 32-key fp8 tiles compile with a few spilled scalars in the consumers (sm90, 240 registers)
+        raise ValueError(
+            "an fp8 cache runs only in the warp-specialised kernel with 64-key tiles "
+            f"(ws=True, overlap=False, block_n=64); got ws={ws}, block_n={block_n}"
+        )
     if d_v != D_V:
         raise ValueError(f"the Gluon decode kernel needs d_v = {D_V}; got {d_v}")
     if block_n not in (32, 64):
@@ -652,7 +1022,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         raise ValueError("ws=True runs the serial loop; overlap=True is not offered with it")
     if overlap and stages < 3:
         raise ValueError("overlap=True needs stages >= 3 (tiles j and j + 1 are resident together)")
-    smem = 64 * 576 * 2 + stages * block_n * D_QK * 2 + 64 * block_n * 2 + 1024
+    smem = _smem_bytes(block_n, stages, fp8)
     if smem > SMEM_LIMIT:
         raise ValueError(f"block_n={block_n} x stages={stages} needs {smem} B of shared memory (> {SMEM_LIMIT})")
     H = q.shape[1]
@@ -660,9 +1030,19 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     block_h, q_per = gluon_decode_config(H, plan.max_query_len)
     kv2d = kv_cache.as_strided((num_blocks * page, D_QK), (kv_cache.stride(1), 1))
     shape, strides = [num_blocks * page, D_QK], [kv_cache.stride(1), 1]
-    lat_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, D_V], _kv_layout())
-    rope_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, D_R], _kv_layout())
+    lat_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, D_V], _kv_layout(fp8, D_V))
+    rope_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, D_R], _kv_layout(fp8, D_R))
     grid = (plan.capacity, triton.cdiv(H, block_h), triton.cdiv(plan.max_query_len, q_per))
+    if variant == "seesaw":
+        _mla_decode_gluon_seesaw_kernel[grid](
+            q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split,
+            plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
+            q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
+            H, num_blocks, block_table.shape[1],
+            PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=64, STAGES=2,
+            CAUSAL=causal, WG_REGS=SEESAW_WG_REGS, num_warps=4,
+        )  # fmt: skip
+        return
     if ws:
         _mla_decode_gluon_ws_kernel[grid](
             q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split,
@@ -670,7 +1050,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
             H, num_blocks, block_table.shape[1],
             PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n, STAGES=stages,
-            CAUSAL=causal, PRODUCER_REGS=WS_PRODUCER_REGS, num_warps=NUM_WARPS,
+            CAUSAL=causal, PRODUCER_REGS=WS_PRODUCER_REGS, FP8=fp8, num_warps=NUM_WARPS,
         )  # fmt: skip
         return
     _mla_decode_gluon_fwd_kernel[grid](
