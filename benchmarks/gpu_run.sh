@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One device call: environment, benchmarks, then the GPU test set. Logs go to $OUT (or ./out).
-# usage: bash benchmarks/gpu_run.sh [bench|tests|all] [pytest args...]
+# usage: bash benchmarks/gpu_run.sh [bench|tests|all|unverified] [pytest args...]
+#   unverified: the kernels written without a GPU (Gluon fp8 decode, seesaw decode, Gluon prefill, the
+#   reduce's programmatic dependent launch): their tests with a per-file time limit (a barrier-phase bug
+#   hangs rather than fails), then their benchmarks
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OPENMLA_TEST_DEVICE=cuda
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -12,4 +15,17 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests_gpu.log" | tail -40
+fi
+if [ "$what" = unverified ]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_decode_gluon.py -k "fp8 or seesaw" 2>&1 \
+    | tee "$OUT/tests_gluon_new.log" | tail -15
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_prefill_gluon.py tests/test_decode.py -k "gluon or pdl" \
+    2>&1 | tee "$OUT/tests_prefill_gluon.log" | tail -15
+  timeout 120 python3 benchmarks/bench_decode_gluon.py --check --variants "64,2,0,1;seesaw" \
+    --shapes "128,128,8192,1;32,128,8192,1;128,1,32768,1" 2>&1 | tee "$OUT/bench_decode_gluon.log"
+  timeout 90 python3 benchmarks/bench_decode_gluon.py --check --fp8 --variants "64,2,0,1" \
+    --shapes "128,128,8192,1;16,128,8192,1;128,1,32768,1" 2>&1 | tee "$OUT/bench_decode_gluon_fp8.log"
+  timeout 120 python3 benchmarks/bench_prefill_gluon.py 2>&1 | tee "$OUT/bench_prefill_gluon.log"
+  timeout 60 python3 benchmarks/sweep_decode.py --shapes "128,1,32768,1;16,1,32768,1" --variants "default;pdl=1" \
+    2>&1 | tee "$OUT/sweep_pdl.log"
 fi
