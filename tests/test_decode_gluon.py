@@ -20,26 +20,20 @@ SCALE = 576**-0.5
 LOG2E = 1.4426950408889634
 KV_SCALE = 0.05  # fp8 caches: value = stored e4m3 * KV_SCALE
 
-# (BLOCK_N, STAGES, OVERLAP, CAUSAL, BLOCK_H, WS, FP8, SEESAW): the default variant and the 32-key ones,
-# both causal flags and a few row foldings (BLOCK_H 64 = h128/h64, 16 = h16 x 4 query rows, 32), the
-# warp-specialised kernel (WS: 1-warp TMA producer + two consumer warpgroups), its fp8-cache path, and
-# the seesaw kernel (two 4-warp warpgroup partitions, each the scores of every other tile)
+# (BLOCK_N, STAGES, CAUSAL, BLOCK_H, FP8, SEESAW): the default warp-specialised kernel (1-warp TMA
+# producer + two consumer warpgroups) with 64- and 32-key tiles, both causal flags and a few row
+# foldings (BLOCK_H 64 = h128/h64, 16 = h16 x 4 query rows, 32), its fp8-cache path, and the seesaw
+# kernel (two 4-warp warpgroup partitions, each the scores of every other tile)
 COMPILE_VARIANTS = [
-    (64, 2, False, True, 64, False, False, False),
-    (64, 2, False, False, 16, False, False, False),
-    (32, 4, True, True, 64, False, False, False),
-    (32, 4, True, False, 32, False, False, False),
-    (32, 3, True, True, 64, False, False, False),
-    (32, 3, False, False, 16, False, False, False),
-    (64, 2, False, True, 64, True, False, False),
-    (64, 2, False, False, 16, True, False, False),
-    (32, 3, False, True, 32, True, False, False),
-    (64, 2, False, True, 64, True, True, False),
-    (64, 2, False, False, 16, True, True, False),
-    (64, 2, False, True, 32, True, True, False),
-    (64, 2, False, True, 64, False, False, True),
-    (64, 2, False, False, 16, False, False, True),
-    (64, 2, False, True, 32, False, False, True),
+    (64, 2, True, 64, False, False),
+    (64, 2, False, 16, False, False),
+    (32, 3, True, 32, False, False),
+    (64, 2, True, 64, True, False),
+    (64, 2, False, 16, True, False),
+    (64, 2, True, 32, True, False),
+    (64, 2, True, 64, False, True),
+    (64, 2, False, 16, False, True),
+    (64, 2, True, 32, False, True),
 ]
 
 _COMPILE_SCRIPT = r"""
@@ -58,19 +52,16 @@ ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc
        "o_part": "*fp32", "lse_part": "*fp32"}
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 report = []
-for block_n, stages, overlap, causal, block_h, ws, fp8, seesaw in json.loads(sys.argv[1]):
+for block_n, stages, causal, block_h, fp8, seesaw in json.loads(sys.argv[1]):
     cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
                 CAUSAL=causal, num_warps=4 if seesaw else 8)
     if seesaw:
         fn = g._mla_decode_gluon_seesaw_kernel
         cons["WG_REGS"] = g.SEESAW_WG_REGS
-    elif ws:
+    else:
         fn = g._mla_decode_gluon_ws_kernel
         cons["PRODUCER_REGS"] = g.WS_PRODUCER_REGS
         cons["FP8"] = fp8
-    else:
-        fn = g._mla_decode_gluon_fwd_kernel
-        cons["OVERLAP"] = overlap
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in cons:
@@ -95,7 +86,7 @@ for block_n, stages, overlap, causal, block_h, ws, fp8, seesaw in json.loads(sys
     line = next(l for l in usage.splitlines() if "REG:" in l)
     fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
     ptx = k.asm["ptx"]
-    report.append(dict(variant=[block_n, stages, overlap, causal, block_h, ws, fp8, seesaw], regs=int(fields["REG"]),
+    report.append(dict(variant=[block_n, stages, causal, block_h, fp8, seesaw], regs=int(fields["REG"]),
                        stack=int(fields["STACK"]), local=int(fields["LOCAL"]), static_shared=int(fields["SHARED"]),
                        shared=k.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
                        tma=ptx.count("cp.async.bulk.tensor"), num_warps=k.metadata.num_warps,
@@ -119,14 +110,14 @@ def _compile_report(variants):
 def test_gluon_decode_compiles_for_sm90():
     # offline sm90 compile (no GPU needed): wgmma + TMA in the PTX, no spill, fits the shared memory
     for r in _compile_report(COMPILE_VARIANTS):
-        name = "BLOCK_N={} STAGES={} OVERLAP={} CAUSAL={} BLOCK_H={} WS={} FP8={} SEESAW={}".format(*r["variant"])
+        name = "BLOCK_N={} STAGES={} CAUSAL={} BLOCK_H={} FP8={} SEESAW={}".format(*r["variant"])
         assert r["wgmma"] > 0 and r["tma"] > 0, f"{name}: {r}"
         assert r["regs"] <= 255 and r["stack"] == 0 and r["local"] == 0, f"{name}: spills or too many registers {r}"
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, f"{name}: shared memory {r}"
-        if r["variant"][5]:  # 8 consumer warps + the producer warp's warpgroup, registers moved by setmaxnreg
-            assert r["num_warps"] == 12 and r["setmaxnreg"], f"{name}: {r}"
-        if r["variant"][7]:  # two 4-warp warpgroup partitions, no producer partition
+        if r["variant"][5]:  # two 4-warp warpgroup partitions, no producer partition
             assert r["num_warps"] == 8, f"{name}: {r}"
+        else:  # 8 consumer warps + the producer warp's warpgroup, registers moved by setmaxnreg
+            assert r["num_warps"] == 12 and r["setmaxnreg"], f"{name}: {r}"
 
 
 def test_gluon_decode_unsupported_on_cpu():
@@ -139,12 +130,11 @@ def test_gluon_decode_unsupported_on_cpu():
     cache8 = cache.to(torch.float8_e4m3fn)
     assert not dg.gluon_decode_supported(q, cache8, None, "fp8")
     assert not dg.gluon_decode_supported(q, cache8, None, "int8")
-    # the fp8 path is the warp-specialised kernel with 64-key tiles only (refused before any launch)
-    for kw in ({"block_n": 32}, {"ws": False}, {"overlap": True}):
-        with pytest.raises(ValueError, match="fp8 cache"):
-            dg.mla_decode_split_gluon(q, cache8, None, None, None, None, None, None, 1.0, 1.0, True, 512, **kw)
+    # the fp8 path takes 64-key tiles only (refused before any launch)
+    with pytest.raises(ValueError, match="fp8 cache"):
+        dg.mla_decode_split_gluon(q, cache8, None, None, None, None, None, None, 1.0, 1.0, True, 512, block_n=32)
     # the seesaw kernel: bf16 cache, 64-key tiles, 2 stages only
-    for c, kw in ((cache8, {}), (cache, {"block_n": 32}), (cache, {"stages": 3}), (cache, {"overlap": True})):
+    for c, kw in ((cache8, {}), (cache, {"block_n": 32}), (cache, {"stages": 3})):
         with pytest.raises(ValueError, match="seesaw"):
             dg.mla_decode_split_gluon(q, c, None, None, None, None, None, None, 1.0, 1.0, True, 512, variant="seesaw",
                                       **kw)  # fmt: skip
@@ -156,22 +146,15 @@ def test_gluon_decode_unsupported_on_cpu():
 # GPU (sm90) tests
 
 VARIANTS = [
-    {"block_n": 64, "stages": 2, "overlap": False, "ws": False},
-    {"block_n": 32, "stages": 4, "overlap": True},
-    {"block_n": 32, "stages": 3, "overlap": False, "ws": False},
-    {"block_n": 64, "stages": 2, "overlap": False, "ws": True},  # the default: warp-specialised (TMA producer warp)
-    {"block_n": 32, "stages": 3, "overlap": False, "ws": True},
-    {"block_n": 64, "stages": 2, "overlap": False, "variant": "seesaw"},
+    {"block_n": 64, "stages": 2},  # the default: warp-specialised (TMA producer warp)
+    {"block_n": 32, "stages": 3},
+    {"block_n": 64, "stages": 2, "variant": "seesaw"},
 ]
 
 
 def _variant_id(i):
     v = VARIANTS[i]
-    return (
-        "n{}s{}o{:d}".format(v["block_n"], v["stages"], v["overlap"])
-        + ("ws" if v.get("ws") else "")
-        + (v.get("variant") or "")
-    )
+    return "n{}s{}".format(v["block_n"], v["stages"]) + (v.get("variant") or "")
 
 
 def _batch(device, heads, qlens, lens, page, bad_tail=False, fp8=False):
@@ -285,28 +268,13 @@ def test_gluon_matches_portable(heads, qlen, device):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4)])
-def test_gluon_ws_matches_default(heads, qlen, device):
-    # the warp-specialised kernel runs the same MMAs in the same order; only the row sum is accumulated
-    # per key column and reduced at the end (rounding differences only)
-    lens = [4096, 77, 2048, 1, 5000, 0]
-    q, cache, bt, sl, qsl = _batch(device, heads, [qlen] * len(lens), lens, 64, bad_tail=True)
-    out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=8, ws=False)
-    out_ws, lse_ws, _ = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=8, ws=True)
-    assert_close("out", out.float(), out_ws.float(), *TOLERANCES[torch.bfloat16])
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ws))
-    fin = torch.isfinite(lse)
-    assert float((lse[fin] - lse_ws[fin]).abs().max()) < 1e-4
-
-
-@pytest.mark.hopper
 @pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4), (32, 2)])
 def test_gluon_seesaw_matches_ws(heads, qlen, device):
     # same products; the seesaw kernel sums its rows per warpgroup (every other tile) and then adds the two
     lens = [4096, 77, 2048, 1, 5000, 0, 129, 192]  # odd and even tile counts (the last tile on either side)
     q, cache, bt, sl, qsl = _batch(device, heads, [qlen] * len(lens), lens, 64, bad_tail=True)
     for num_sms in (8, 132):
-        out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=num_sms, ws=True)
+        out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=num_sms)
         out_s, lse_s, _ = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=num_sms, variant="seesaw")
         assert_close("out", out.float(), out_s.float(), *TOLERANCES[torch.bfloat16])
         assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_s))
@@ -315,7 +283,7 @@ def test_gluon_seesaw_matches_ws(heads, qlen, device):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("kw", [{"ws": False}, {"ws": True}, {"variant": "seesaw"}], ids=["serial", "ws", "seesaw"])
+@pytest.mark.parametrize("kw", [{}, {"variant": "seesaw"}], ids=["ws", "seesaw"])
 def test_gluon_decode_empty_rows(kw, device):
     # causal rows that see no key (seq_len < qlen) give out 0 and lse -inf, never NaN
     lens = [2, 0, 40]
