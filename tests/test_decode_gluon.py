@@ -2,11 +2,7 @@
 fp32 reference and the portable kernel on an sm90 GPU (``hopper`` marker)."""
 
 import itertools
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +10,7 @@ import torch
 import openmla
 from openmla.ops import decode_gluon as dg
 from openmla.reference import mla_decode_ref
+from openmla.utils.sm90_report import run_report_script
 from openmla.utils.testing import TOLERANCES, assert_close
 
 SCALE = 576**-0.5
@@ -37,11 +34,11 @@ COMPILE_VARIANTS = [
 ]
 
 _COMPILE_SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
-os.environ["TRITON_INTERPRET"] = "0"
+import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+from openmla.utils.sm90_report import resource_report
 from openmla.ops import decode_gluon as g
 
 def nvmma(swizzle, bits):
@@ -50,7 +47,6 @@ def nvmma(swizzle, bits):
 ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc": "*i32", "work_req": "*i32",
        "work_split": "*i32", "num_splits": "*i32", "split_len": "*i32", "out": "*bf16", "lse": "*fp32",
        "o_part": "*fp32", "lse_part": "*fp32"}
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 report = []
 for block_n, stages, causal, block_h, fp8, seesaw in json.loads(sys.argv[1]):
     cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
@@ -79,31 +75,13 @@ for block_n, stages, causal, block_h, fp8, seesaw in json.loads(sys.argv[1]):
             sig[name] = "i32"
     k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cons["num_warps"]))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    line = next(l for l in usage.splitlines() if "REG:" in l)
-    fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
-    ptx = k.asm["ptx"]
-    report.append(dict(variant=[block_n, stages, causal, block_h, fp8, seesaw], regs=int(fields["REG"]),
-                       stack=int(fields["STACK"]), local=int(fields["LOCAL"]), static_shared=int(fields["SHARED"]),
-                       shared=k.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
-                       tma=ptx.count("cp.async.bulk.tensor"), num_warps=k.metadata.num_warps,
-                       setmaxnreg=sorted(set(re.findall(r"setmaxnreg[.]inc[.]sync[.]aligned[.]u32\s+(\d+)", ptx)))))
+    report.append(dict(variant=[block_n, stages, causal, block_h, fp8, seesaw], **resource_report(k)))
 print("REPORT" + json.dumps(report))
 """
 
 
 def _compile_report(variants):
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(variants)], check=False, capture_output=True,
-                         text=True, env=env, timeout=900)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-4000:]
-    line = next(l for l in res.stdout.splitlines() if l.startswith("REPORT"))
-    return json.loads(line[len("REPORT") :])
+    return run_report_script(_COMPILE_SCRIPT, variants)
 
 
 @pytest.mark.skipif(not dg.GLUON_AVAILABLE, reason="triton.experimental.gluon is not installed")

@@ -2,10 +2,6 @@
 fp32 reference and the Triton ``flash_attn_varlen`` on an sm90 GPU (``hopper`` marker)."""
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +9,7 @@ import torch
 import openmla
 from openmla.ops import prefill_gluon as pg
 from openmla.reference.prefill import flash_attn_varlen_ref
+from openmla.utils.sm90_report import run_report_script
 from openmla.utils.testing import TOLERANCES, assert_close
 
 SCALE = 192**-0.5
@@ -28,16 +25,15 @@ COMPILE_VARIANTS = [
 ]
 
 _COMPILE_SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
-os.environ["TRITON_INTERPRET"] = "0"
+import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+from openmla.utils.sm90_report import resource_report
 from openmla.ops import prefill_gluon as g
 
 NVMMA = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
          "fp4_padded=False, cga_layout=[])")
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 fn = g._flash_attn_varlen_gluon_kernel
 report = []
 for block_n, stages, causal, pingpong, group, scale_pos in json.loads(sys.argv[1]):
@@ -60,32 +56,13 @@ for block_n, stages, causal, pingpong, group, scale_pos in json.loads(sys.argv[1
             sig[name] = "i32"
     k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    line = next(l for l in usage.splitlines() if "REG:" in l)
-    fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
-    ptx = k.asm["ptx"]
-    report.append(dict(variant=[block_n, stages, causal, pingpong, group, scale_pos], regs=int(fields["REG"]),
-                       stack=int(fields["STACK"]), local=int(fields["LOCAL"]), static_shared=int(fields["SHARED"]),
-                       shared=k.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
-                       tma=ptx.count("cp.async.bulk.tensor"), num_warps=k.metadata.num_warps,
-                       setmaxnreg=sorted(set(re.findall(r"setmaxnreg[.](?:inc|dec)[.]sync[.]aligned[.]u32\s+(\d+)", ptx))),
-                       cta_barrier=len(re.findall(r"\bbar[.]sync\s+0;|\bbarrier[.]sync\s+0;", ptx))))
+    report.append(dict(variant=[block_n, stages, causal, pingpong, group, scale_pos], **resource_report(k)))
 print("REPORT" + json.dumps(report))
 """
 
 
 def _compile_report(variants):
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(variants)], check=False, capture_output=True,
-                         text=True, env=env, timeout=900)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-4000:]
-    line = next(l for l in res.stdout.splitlines() if l.startswith("REPORT"))
-    return json.loads(line[len("REPORT") :])
+    return run_report_script(_COMPILE_SCRIPT, variants)
 
 
 @pytest.mark.skipif(not pg.GLUON_AVAILABLE, reason="triton.experimental.gluon is not installed")
