@@ -17,9 +17,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests_gpu.log" | tail -40
 fi
 if [ "$what" = unverified ]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_decode_gluon.py -k "fp8 or seesaw" 2>&1 \
-    | tee "$OUT/tests_gluon_new.log" | tail -15
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_prefill_gluon.py tests/test_decode.py -k "gluon or pdl" \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -x -n 8 tests/test_decode_gluon.py \
+    -k "tile_counts or empty_rows or split_starts or fp8 or seesaw" 2>&1 | tee "$OUT/tests_gluon_new.log" | tail -15
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -x -n 8 tests/test_prefill_gluon.py tests/test_decode.py -k "gluon or pdl" \
     2>&1 | tee "$OUT/tests_prefill_gluon.log" | tail -15
   timeout 120 python3 benchmarks/bench_decode_gluon.py --check --variants "64,2;seesaw" \
     --shapes "128,128,8192,1;32,128,8192,1;128,1,32768,1" 2>&1 | tee "$OUT/bench_decode_gluon.log"

@@ -540,6 +540,9 @@ if GLUON_AVAILABLE:
                     _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, stage, r0, r1, 2, 2)
             else:  # the other warpgroup's tile: its P and row max
                 mbarrier.wait(pready.index(stage), ph)
+                # the stage's TMA data is read here too: wait on its own barrier (already complete) rather
+                # than rely on visibility carried through the owner's wait and arrive
+                mbarrier.wait(ready.index(stage), ph)
                 m_new = m_smem.index(stage).load(ROW_S)
                 m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
                 b_alpha = gl.exp2(m_prev - m_use)
