@@ -14,6 +14,7 @@ turns), without the turns, and 64-key tiles (3 stages). Under 3 minutes on an H2
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 
@@ -26,6 +27,8 @@ from common import bench_us, env_line  # noqa: E402
 from openmla.ops import prefill_gluon as pg  # noqa: E402
 from openmla.utils.perf import prefill_flops  # noqa: E402
 
+#: seconds the first (compiling) call of a Gluon variant may take before the process is ended as hung
+HANG_S = float(os.environ.get("OPENMLA_BENCH_HANG_S", "60"))
 GLUON_VARIANTS = {
     "gluon": {},
     "gluon-nopp": {"pingpong": False},
@@ -68,12 +71,17 @@ def run_shape(h: int, L: int, b: int, graph: bool) -> None:
         def fn(kw=kw, out=out, lse=lse):
             return pg.flash_attn_varlen_gluon(q, k, v, cu, cu, L, L, SCALE, causal=True, out=out, lse=lse, **kw)
 
+        # an mbarrier bug hangs the GPU (nothing after it can run): end the process with a traceback instead of
+        # spending the caller's whole time limit
+        faulthandler.dump_traceback_later(HANG_S, exit=True)
         try:
             g_out, _ = fn()
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - report and go on with the next variant
             print(f"{name:>14} {variant:>14} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
             continue
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         cos = cosine(g_out, ref)
         diff = float((g_out.float() - t_out.float()).abs().max())
         bad = torch.isnan(g_out).any().item() or cos < 0.999

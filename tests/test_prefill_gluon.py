@@ -1,7 +1,9 @@
 """The Hopper (Gluon) prefill kernel: an offline sm90 compile report on the CPU, and the kernel against the
 fp32 reference and the Triton ``flash_attn_varlen`` on an sm90 GPU (``hopper`` marker)."""
 
+import faulthandler
 import itertools
+import os
 
 import pytest
 import torch
@@ -94,6 +96,36 @@ def test_gluon_prefill_unsupported_on_cpu():
 # GPU (sm90) tests
 
 
+# An mbarrier phase bug hangs the GPU instead of failing, and pytest-timeout is not installed: a watchdog thread
+# dumps every thread's traceback (the hung test's frame included) to the real stderr (not pytest's capture) and
+# ends the process (exit 1) once a test has run this many seconds. 0 disables it.
+GPU_TEST_TIMEOUT_S = float(os.environ.get("OPENMLA_GPU_TEST_TIMEOUT", "120"))
+_REAL_STDERR = []
+
+
+def _real_stderr(config):
+    if not _REAL_STDERR:
+        capman = config.pluginmanager.getplugin("capturemanager")
+        if capman is None:
+            _REAL_STDERR.append(os.fdopen(os.dup(2), "w"))
+        else:
+            with capman.global_and_fixture_disabled():  # fd 2 is the terminal / log again in here
+                _REAL_STDERR.append(os.fdopen(os.dup(2), "w"))
+    return _REAL_STDERR[0]
+
+
+@pytest.fixture(autouse=True)
+def _hang_watchdog(request):
+    if request.node.get_closest_marker("hopper") is None or GPU_TEST_TIMEOUT_S <= 0:
+        yield
+        return
+    faulthandler.dump_traceback_later(GPU_TEST_TIMEOUT_S, exit=True, file=_real_stderr(request.config))
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def _cu(lens, device):
     return torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=device)
 
@@ -117,20 +149,45 @@ def _problem(device, heads, qlens, klens, h_kv=None, pad_rows=0, v_strided=False
     return q, k, v, _cu(qlens, device), _cu(klens, device)
 
 
-def _check(q, k, v, cu_q, cu_k, qlens, klens, causal, against_triton=True, **kw):
+def _check(q, k, v, cu_q, cu_k, qlens, klens, causal, against_triton=True, sm_scale=SCALE, **kw):
     nq = int(cu_q[-1])
-    out, lse = pg.flash_attn_varlen_gluon(q, k, v, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal, **kw)
-    ref_out, ref_lse = flash_attn_varlen_ref(q[:nq], k, v, cu_q, cu_k, SCALE, causal=causal)
+    out, lse = pg.flash_attn_varlen_gluon(q, k, v, cu_q, cu_k, max(qlens), max(klens), sm_scale, causal=causal, **kw)
+    torch.cuda.synchronize()  # a hang shows up here, inside this test (the watchdog names it)
+    ref_out, ref_lse = flash_attn_varlen_ref(q[:nq], k, v, cu_q, cu_k, sm_scale, causal=causal)
     out, lse = out[:nq], lse[:nq]
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
     assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
     if against_triton:
-        t_out, t_lse = openmla.flash_attn_varlen(q[:nq], k, v, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal)
+        t_out, t_lse = openmla.flash_attn_varlen(q[:nq], k, v, cu_q, cu_k, max(qlens), max(klens), sm_scale,
+                                                 causal=causal)  # fmt: skip
         # both round P to bf16 before P V; they differ in tiling and accumulation order
         assert_close("out vs triton", t_out, out, *TOLERANCES[torch.bfloat16])
         assert_close("lse vs triton", t_lse, lse, 1e-3, 1e-3, 1e-6)
     return out, lse
+
+
+# The GPU tests run from the simplest mechanism up (with -x the first failure says the most): no key tile at all,
+# one tile (scores, softmax, last P V: no loop), two and more tiles (the ring's loop), then the batches below.
+@pytest.mark.hopper
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gluon_prefill_no_keys_at_all(causal, device):
+    # Tk = 0 (the launcher's 1-row dummy descriptors; n_tiles = 0 everywhere: no ring, no turns) -> out 0, lse -inf
+    qlens, klens = [5, 130], [0, 0]
+    q, k, v, cu_q, cu_k = _problem(device, 16, qlens, klens)
+    assert k.shape[0] == 0
+    out, lse = _check(q, k, v, cu_q, cu_k, qlens, klens, causal, against_triton=False)
+    assert bool(torch.isneginf(lse).all()) and float(out.abs().max()) == 0.0
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("lens", [(1, 1), (64, 64), (128, 128), (129, 300), (300, 700)], ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gluon_prefill_smoke(lens, causal, device):
+    # one request, 2 heads: n_tiles 1 (tile 0 + last P V only), then 2-6 tiles (ring laps), against the reference only
+    qlens, klens = [lens[0]], [lens[1]]
+    q, k, v, cu_q, cu_k = _problem(device, 2, qlens, klens)
+    _check(q, k, v, cu_q, cu_k, qlens, klens, causal, against_triton=False)
 
 
 # (query lengths, key lengths): ragged, length-1 and empty requests, Lk > Lq (a cached prefix), Lk < Lq
@@ -162,13 +219,26 @@ def test_gluon_prefill_tilings(block_n, stages, pingpong, causal, device):
 
 
 @pytest.mark.hopper
+@pytest.mark.parametrize("block_n", [128, 64])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_gluon_prefill_nan_tails_and_strides(causal, device):
-    # NaN rows past the last request (a TMA box of the last tile reaches them) and v with head stride 256
+def test_gluon_prefill_nan_tails_and_strides(causal, block_n, device):
+    # NaN rows past the last request (a TMA box of the last tile reaches them: the V tail is zeroed by both
+    # warpgroups, the K tail masked) and v with head stride 256
     qlens, klens = [333, 70, 1], [400, 70, 2]
     q, k, v, cu_q, cu_k = _problem(device, 16, qlens, klens, pad_rows=300, v_strided=True)
     assert pg.gluon_prefill_supported(q, k, v)
-    _check(q, k, v, cu_q, cu_k, qlens, klens, causal)
+    _check(q, k, v, cu_q, cu_k, qlens, klens, causal, block_n=block_n)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sm_scale", [-0.05, 0.0])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gluon_prefill_nonpositive_scale(sm_scale, causal, device):
+    # SCALE_POS=False: the scores are scaled before the mask and the row max (-inf * 0 would be NaN); NaN rows past
+    # the last request reach the last tile's TMA boxes
+    qlens, klens = [200, 3, 70], [260, 3, 70]
+    q, k, v, cu_q, cu_k = _problem(device, 16, qlens, klens, pad_rows=64)
+    _check(q, k, v, cu_q, cu_k, qlens, klens, causal, against_triton=False, sm_scale=sm_scale)
 
 
 @pytest.mark.hopper

@@ -275,12 +275,15 @@ if GLUON_AVAILABLE:
         b_o = acc * gl.expand_dims(gl.convert_layout(inv, ROW_O), 1)
         o_r = row0 + gl.arange(0, 64, layout=ROW_O)
         rows = (bos_q + o_r).to(gl.int64)
-        p_o = o + gl.expand_dims(rows * stride_ot + i_h * stride_oh, 1) + gl.expand_dims(gl.arange(0, 128, layout=COL_O), 0)
+        # int64 head offsets: `out` / `lse` may have any strides (a head-major out: i_h * stride_oh >= 2**31)
+        p_o = o + gl.expand_dims(rows * stride_ot + i_h.to(gl.int64) * stride_oh, 1)
+        p_o = p_o + gl.expand_dims(gl.arange(0, 128, layout=COL_O), 0)
         gl.store(p_o, b_o.to(gl.bfloat16), mask=gl.expand_dims(o_r < len_q, 1))
         if STORE_LSE:
             b_lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
             o_rs = row0 + gl.arange(0, 64, layout=ROW_S)
-            gl.store(lse + (bos_q + o_rs).to(gl.int64) * stride_lt + i_h * stride_lh, b_lse, mask=o_rs < len_q)
+            p_l = lse + (bos_q + o_rs).to(gl.int64) * stride_lt + i_h.to(gl.int64) * stride_lh
+            gl.store(p_l, b_lse, mask=o_rs < len_q)
 
     @gluon.jit
     def _flash_attn_varlen_gluon_kernel(
@@ -386,7 +389,7 @@ def _tma_ok(t: torch.Tensor, d: int) -> bool:
     es = t.element_size()
     if s2 != 1 or t.data_ptr() % 16 or (s0 * es) % 16:
         return False
-    if H > 1 and s1 < d:  # heads overlap
+    if H > 1 and (s1 < d or (s1 * es) % 16):  # heads overlap, or a head's first column is not 16-byte aligned
         return False
     width = (H - 1) * s1 + d
     return T < 2**31 and width < 2**31 and (T <= 1 or s0 >= width)
@@ -470,6 +473,10 @@ def flash_attn_varlen_gluon(
     B = cu_seqlens_q.shape[0] - 1
     if cu_seqlens_k.shape[0] != B + 1:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        # the kernel reads them as integers on q's device (a float / host tensor would be read as garbage)
+        if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64) or cu.device != q.device:
+            raise ValueError(f"{name} must be a 1-D int32/int64 tensor on {q.device}; got {cu.dtype} on {cu.device}")
     if out is None:
         out = torch.empty(Tq, H, D_V, dtype=torch.bfloat16, device=q.device)
     elif out.shape != (Tq, H, D_V) or out.dtype != torch.bfloat16 or out.stride(2) != 1:
@@ -484,6 +491,9 @@ def flash_attn_varlen_gluon(
     stages = (STAGES_DEFAULT if block_n == BLOCK_N_DEFAULT else (3 if block_n == 64 else 2)) if stages is None else stages
     if block_n not in (64, 128):
         raise ValueError(f"block_n must be 64 or 128; got {block_n}")
+    if int(stages) != stages or stages < 1:  # stages 0: `j % STAGES` in the kernel
+        raise ValueError(f"stages must be a positive int; got {stages!r}")
+    stages = int(stages)
     if _smem_bytes(block_n, stages) > SMEM_LIMIT:
         raise ValueError(f"block_n={block_n} x stages={stages} needs {_smem_bytes(block_n, stages)} B of shared memory")
     pingpong = PINGPONG if pingpong is None else pingpong
