@@ -76,21 +76,17 @@ if TYPE_CHECKING:
 
 __all__ = ["GLUON_AVAILABLE", "gluon_decode_config", "gluon_decode_supported", "mla_decode_split_gluon"]
 
-try:  # Gluon ships inside triton >= 3.5; keep `import openmla` working without it
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    GLUON_AVAILABLE = True
-except (ImportError, AttributeError):  # pragma: no cover - depends on the installed triton
-    GLUON_AVAILABLE = False
+from openmla.ops._gluon import (  # noqa: F401  (GLUON_AVAILABLE is part of this module's API)
+    GLUON_AVAILABLE,
+    TensorDescriptor,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 D_V = 512
 D_R = 64

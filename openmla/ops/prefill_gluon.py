@@ -69,21 +69,17 @@ import triton
 
 __all__ = ["GLUON_AVAILABLE", "gluon_prefill_supported", "flash_attn_varlen_gluon"]
 
-try:  # Gluon ships inside triton >= 3.5; keep `import openmla` working without it
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    GLUON_AVAILABLE = True
-except (ImportError, AttributeError):  # pragma: no cover - depends on the installed triton
-    GLUON_AVAILABLE = False
+from openmla.ops._gluon import (  # noqa: F401  (GLUON_AVAILABLE is part of this module's API)
+    GLUON_AVAILABLE,
+    TensorDescriptor,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 D_QK = 192
 D_V = 128
