@@ -10,6 +10,7 @@ picks by default, whose time is "us"). KV pages are scattered over a pool of at 
 
     python benchmarks/bench_decode.py            # the issue's target shapes and a reduced sweep
     python benchmarks/bench_decode.py --full     # h {16,32,64,128} x b {1,8,32,64,128} x s {1k..32k} x qlen {1,2}
+    python benchmarks/bench_decode.py --full --kv bf16   # half of it (then --kv fp8)
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import openmla  # noqa: E402
 from openmla.ops import decode as dec  # noqa: E402
-from common import bench_us, env_line, read_bandwidth_gbs  # noqa: E402
+from common import bench_us as _bench_us  # noqa: E402
+from common import env_line, read_bandwidth_gbs  # noqa: E402
 
 PAGE = 64
 SCALE = 192**-0.5
@@ -83,6 +85,11 @@ def run_shape(h, b, s, qlen, fp8, bw, args):
                                           backend=backend, **kw)  # fmt: skip
 
     graph = not args.no_graph
+    rep = args.rep or (20 if args.full else 100)
+
+    def bench_us(fn, graph):
+        return _bench_us(fn, graph, rep)
+
     us = bench_us(call("auto"), graph=graph)
     # both tiers side by side (the Gluon tier only where it applies: sm90, bf16 cache)
     tier_us = {"triton": bench_us(call("triton"), graph=graph), "gluon": float("nan")}
@@ -104,7 +111,7 @@ def run_shape(h, b, s, qlen, fp8, bw, args):
     split_us = bench_us(split, graph=graph)
     reduce_us = bench_us(lambda: dec._mla_decode_reduce(qsl, plan, out, lse, 512), graph=graph)
     plan_us = bench_us(lambda: openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s, out=plan),
-                       graph=False)
+                       False)
     row_bytes = 576 * (1 if fp8 else 2)
     nbytes = b * s * row_bytes + q.numel() * 2 + out.numel() * 2
     flops = 2.0 * b * qlen * h * s * (576 + 512)
@@ -125,6 +132,10 @@ def main(argv=None):
     ap.add_argument("--no-graph", action="store_true", help="time with do_bench instead of CUDA graphs")
     ap.add_argument("--torch-max-tokens", type=int, default=300_000, help="largest b*s for the PyTorch baseline")
     ap.add_argument("--shapes", default=None, help="h,b,s,qlen[,fp8];... explicit shapes")
+    ap.add_argument("--rep", type=int, default=None,
+                    help="ms per timed batch (default 100; 20 with --full, which times 160-320 shapes)")
+    ap.add_argument("--kv", choices=["bf16", "fp8", "both"], default="both",
+                    help="cache dtypes of the --full sweep (run them as two calls where time is short)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA GPU")
@@ -136,7 +147,7 @@ def main(argv=None):
         shapes = parse_shapes(args.shapes)
     elif args.full:
         shapes = [(h, b, s, ql, fp8) for fp8, ql, h, b, s in itertools.product(
-            [False, True], [1, 2], [16, 32, 64, 128], [1, 8, 32, 64, 128], [1024, 4096, 8192, 32768])]
+            {"bf16": [False], "fp8": [True], "both": [False, True]}[args.kv], [1, 2], [16, 32, 64, 128], [1, 8, 32, 64, 128], [1024, 4096, 8192, 32768])]
     else:
         shapes = [
             (16, 128, 8192, 1, False), (16, 128, 8192, 2, False), (32, 128, 8192, 1, False),

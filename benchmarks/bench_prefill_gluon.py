@@ -5,7 +5,8 @@ Shapes (default): H128 with 2 x 8192 tokens and H16 with 4 x 4096 tokens (``--sh
 TFLOPS = 2 * causal pairs * H * (192 + 128) / us / 1e6 (``openmla.utils.perf.prefill_flops``). Every
 result is checked before it is timed: cosine similarity against SDPA's output and the largest absolute
 difference from the Triton kernel. Gluon variants: the default (128-key tiles, 2 stages, ping-pong
-turns), without the turns, and 64-key tiles (3 stages). Under 3 minutes on an H200.
+turns, one head's row blocks after the other), 4 heads' row blocks interleaved, every head's heaviest
+block first, without the turns, and 64-key tiles (3 stages). Under 3 minutes on an H200.
 
     python benchmarks/bench_prefill_gluon.py
     python benchmarks/bench_prefill_gluon.py --shapes 128:8192:2 --no-graph
@@ -31,6 +32,8 @@ from openmla.utils.perf import prefill_flops  # noqa: E402
 HANG_S = float(os.environ.get("OPENMLA_BENCH_HANG_S", "60"))
 GLUON_VARIANTS = {
     "gluon": {},
+    "gluon-hb4": {"head_block": 4},
+    "gluon-hbH": {"head_block": 1 << 16},  # every head's heaviest row block first (the first version's order)
     "gluon-nopp": {"pingpong": False},
     "gluon-n64s3": {"block_n": 64, "stages": 3},
 }

@@ -8,14 +8,15 @@ import torch
 import triton
 
 
-def bench_us(fn, graph: bool = True) -> float:
-    """Median time of ``fn`` in microseconds (CUDA-graph replay when ``graph``, else do_bench)."""
+def bench_us(fn, graph: bool = True, rep: int = 100) -> float:
+    """Median time of ``fn`` in microseconds (CUDA-graph replay when ``graph``, else do_bench); ``rep``: ms
+    of each timed batch (smaller for long sweeps)."""
     if graph:
         try:
-            return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+            return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
         except Exception as exc:  # capture can fail for code that syncs; fall back and say so
             print(f"# cuda graph capture failed ({type(exc).__name__}: {exc}); timing with do_bench")
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    return triton.testing.do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median") * 1e3
 
 
 def read_bandwidth_gbs(gib: float = 4.0) -> float:

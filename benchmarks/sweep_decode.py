@@ -10,7 +10,7 @@ yardstick is measured once. One line per (variant, shape); the best variant per 
 
 A variant is ``key=value[|key=value...]`` with keys item_cost, min_split, max_tiles, tiling (block_n,warps,stages),
 tma (0/1: full KV tiles through TMA descriptors), backend (auto/triton/gluon),
-pdl (0/1: programmatic dependent launch of the reduce).
+pdl (0/1: programmatic dependent launch of the reduce), reduce_programs (reduce programs per SM).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ def _apply(variant: str):
     """Set the knobs of one variant; returns a function that restores them."""
     saved = (plan_mod._ITEM_COST, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES,
              os.environ.get("OPENMLA_DECODE_TILING"), os.environ.get("OPENMLA_DECODE_TMA"),
-             os.environ.get("OPENMLA_DECODE_BACKEND"), decode_mod._PDL)
+             os.environ.get("OPENMLA_DECODE_BACKEND"), decode_mod._PDL, decode_mod._REDUCE_PROGRAMS_PER_SM)
 
     def restore():
-        plan_mod._ITEM_COST, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES, tiling, tma, backend, pdl = saved
-        decode_mod._PDL = pdl
+        plan_mod._ITEM_COST, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES, tiling, tma, backend, pdl, rp = saved
+        decode_mod._PDL, decode_mod._REDUCE_PROGRAMS_PER_SM = pdl, rp
         for name, value in (("OPENMLA_DECODE_TILING", tiling), ("OPENMLA_DECODE_TMA", tma),
                             ("OPENMLA_DECODE_BACKEND", backend)):
             if value is None:
@@ -65,6 +65,8 @@ def _apply(variant: str):
                 os.environ["OPENMLA_DECODE_BACKEND"] = value
             elif key == "pdl":
                 decode_mod._PDL = value == "1"
+            elif key == "reduce_programs":
+                decode_mod._REDUCE_PROGRAMS_PER_SM = int(value)
             else:
                 raise ValueError(f"unknown knob {key!r} in variant {variant!r}")
     return restore

@@ -8,6 +8,9 @@ Tests marked ``gpu`` / ``hopper`` are skipped where no such device is used.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import openmla  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 import pytest
 import torch
@@ -46,6 +49,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "hopper" in item.keywords and not hopper:
             item.add_marker(skip_hopper)
+
+
+@pytest.fixture(autouse=True)
+def _end_process_after_device_fault(request):
+    """A kernel that faults (illegal address, trap) leaves the process's CUDA context unusable: every later
+    test in the process would fail in its setup and hide which test faulted. After a GPU test, synchronise;
+    on a device error name the test on stderr and end the process (pytest-xdist reports the test as crashed
+    and starts a fresh worker; without xdist the run stops here instead of reporting a cascade)."""
+    yield
+    if not (on_gpu() and torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - any error here is a device fault; the message says which
+        sys.__stderr__.write(f"\nDEVICE FAULT after {request.node.nodeid}: {str(exc).splitlines()[0]}\n")
+        sys.__stderr__.flush()
+        os._exit(3)
 
 
 @pytest.fixture(autouse=True)

@@ -279,3 +279,7 @@ def test_plan_covers_every_key_once(lens, qlen, heads, num_sms):
         for i in range(indptr[b], indptr[b + 1]):
             assert req[i] == b and split[i] == i - indptr[b]
     assert all(r == -1 for r in req[indptr[-1] :])
+    # the reduce's list: exactly the requests with more than one split, in order, then -1
+    multi = [b for b in range(B) if n[b] > 1]
+    assert int(plan.num_merge) == len(multi)
+    assert plan.merge_req.cpu().tolist() == multi + [-1] * (B - len(multi))

@@ -40,7 +40,7 @@ fn = g._flash_attn_varlen_gluon_kernel
 report = []
 for block_n, stages, causal, pingpong, group, scale_pos in json.loads(sys.argv[1]):
     cons = dict(GROUP=group, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, SCALE_POS=scale_pos, PINGPONG=pingpong,
-                STORE_LSE=True, PRODUCER_REGS=g.PRODUCER_REGS, CONSUMER_REGS=g.CONSUMER_REGS, num_warps=4)
+                HEAD_BLOCK=1, STORE_LSE=True, PRODUCER_REGS=g.PRODUCER_REGS, CONSUMER_REGS=g.CONSUMER_REGS, num_warps=4)
     blocks = {"q_desc": [64, 64], "k1_desc": [block_n, 128], "k2_desc": [block_n, 64], "v_desc": [block_n, 128]}
     ptr = {"o": "*bf16", "lse": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
     sig, attrs = {}, {}
@@ -216,6 +216,15 @@ def test_gluon_prefill_tilings(block_n, stages, pingpong, causal, device):
     qlens, klens = [1500, 3, 640, 0, 191], [2100, 3, 640, 5, 191]
     q, k, v, cu_q, cu_k = _problem(device, 16, qlens, klens)
     _check(q, k, v, cu_q, cu_k, qlens, klens, causal, block_n=block_n, stages=stages, pingpong=pingpong)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("head_block", [2, 4, 12, 1 << 16])  # 12 -> gcd 4 with 16 heads; 1 << 16 -> every head
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gluon_prefill_launch_orders(head_block, causal, device):
+    qlens, klens = [700, 3, 0, 300], [900, 3, 5, 300]
+    q, k, v, cu_q, cu_k = _problem(device, 16, qlens, klens)
+    _check(q, k, v, cu_q, cu_k, qlens, klens, causal, head_block=head_block)
 
 
 @pytest.mark.hopper

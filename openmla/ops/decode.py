@@ -28,6 +28,8 @@ _LOG2E = 1.4426950408889634
 # "auto" runs the Gluon kernel for tiles of at least this many rows (heads x qlen); measured on the H200
 _GLUON_AUTO_MIN_ROWS = int(os.environ.get("OPENMLA_DECODE_GLUON_MIN_ROWS", "32"))
 _PDL = os.environ.get("OPENMLA_DECODE_PDL", "0") == "1"
+# reduce programs per SM (4 warps each; they loop over the merge tasks)
+_REDUCE_PROGRAMS_PER_SM = 8
 _LN2 = 0.6931471805599453
 
 
@@ -230,6 +232,8 @@ def _mla_decode_reduce_kernel(
     query_start_loc,  # [B + 1]
     num_splits,  # [B]
     work_indptr,  # [B + 1]
+    merge_req,  # [B]: the requests with more than one split, then -1
+    num_merge,  # [1]
     o_part,  # [capacity, MAX_QLEN, H, D_V] fp32
     lse_part,  # [capacity, MAX_QLEN, H] fp32
     out,  # [T, H, D_V]
@@ -243,44 +247,50 @@ def _mla_decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # one program per (request, query row, head, column block); splits merged BLOCK_S at a time
+    # A fixed grid of programs walks the tasks (merged request, query row, head, column block) of the
+    # requests that have more than one split: requests with one split cost nothing here, so a batch that
+    # needed no split costs one short wave instead of a program per (request, row, head, column block).
     if PDL:  # launched early (programmatic dependent launch): wait until the split kernel's writes are visible
         gdc_wait()
-    i_b = tl.program_id(0).to(tl.int64)
-    i_t = tl.program_id(1)
-    i_hd = tl.program_id(2)
-    i_h = i_hd // (D_V // BLOCK_D)
-    i_d = i_hd % (D_V // BLOCK_D)
-    n_split = tl.load(num_splits + i_b)
-    q_start = tl.load(query_start_loc + i_b)
-    if n_split <= 1 or i_t >= tl.load(query_start_loc + i_b + 1) - q_start:
-        return
-    w0 = tl.load(work_indptr + i_b).to(tl.int64)
-    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    b_m = tl.full([], float("-inf"), dtype=tl.float32)
-    b_den = tl.zeros([], dtype=tl.float32)
-    b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, n_split, BLOCK_S):
-        o_s = s0 + tl.arange(0, BLOCK_S)
-        m_s = o_s < n_split
-        part = ((w0 + o_s) * MAX_QLEN + i_t) * H + i_h  # [BLOCK_S]
-        b_l = tl.load(lse_part + part, mask=m_s, other=float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_l, axis=0))
-        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_alpha = tl.exp(b_m - b_m_use)
-        b_w = tl.exp(b_l - b_m_use)
-        b_o = tl.load(o_part + part[:, None] * D_V + o_d[None, :], mask=(m_s & (b_w > 0))[:, None], other=0.0)
-        b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_o, axis=0)
-        b_den = b_den * b_alpha + tl.sum(b_w, axis=0)
-        b_m = b_m_new
-    empty = b_den == 0.0
-    b_out = tl.where(empty, 0.0, b_acc / tl.where(empty, 1.0, b_den))
-    b_m_fin = tl.where(b_m == float("-inf"), 0.0, b_m)
-    b_lse = tl.where(empty, float("-inf"), b_m_fin + tl.log(tl.where(empty, 1.0, b_den)))
-    row = (q_start + i_t).to(tl.int64)
-    tl.store(out + row * stride_o_t + i_h * stride_o_h + o_d, b_out.to(out.dtype.element_ty))
-    if i_d == 0:
-        tl.store(lse + row * H + i_h, b_lse)
+    N_D: tl.constexpr = D_V // BLOCK_D
+    per_req = MAX_QLEN * H * N_D
+    n_tasks = tl.load(num_merge) * per_req
+    for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+        i_b = tl.load(merge_req + task // per_req).to(tl.int64)
+        rest = task % per_req
+        i_t = rest // (H * N_D)
+        i_h = (rest // N_D) % H
+        i_d = rest % N_D
+        q_start = tl.load(query_start_loc + i_b)
+        if i_t < tl.load(query_start_loc + i_b + 1) - q_start:
+            n_split = tl.load(num_splits + i_b)
+            w0 = tl.load(work_indptr + i_b).to(tl.int64)
+            o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+            b_m = tl.full([], float("-inf"), dtype=tl.float32)
+            b_den = tl.zeros([], dtype=tl.float32)
+            b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for s0 in range(0, n_split, BLOCK_S):
+                o_s = s0 + tl.arange(0, BLOCK_S)
+                m_s = o_s < n_split
+                part = ((w0 + o_s) * MAX_QLEN + i_t) * H + i_h  # [BLOCK_S]
+                b_l = tl.load(lse_part + part, mask=m_s, other=float("-inf"))
+                b_m_new = tl.maximum(b_m, tl.max(b_l, axis=0))
+                b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+                b_alpha = tl.exp(b_m - b_m_use)
+                b_w = tl.exp(b_l - b_m_use)
+                b_o = tl.load(o_part + part[:, None] * D_V + o_d[None, :], mask=(m_s & (b_w > 0))[:, None],
+                              other=0.0)  # fmt: skip
+                b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_o, axis=0)
+                b_den = b_den * b_alpha + tl.sum(b_w, axis=0)
+                b_m = b_m_new
+            empty = b_den == 0.0
+            b_out = tl.where(empty, 0.0, b_acc / tl.where(empty, 1.0, b_den))
+            b_m_fin = tl.where(b_m == float("-inf"), 0.0, b_m)
+            b_lse = tl.where(empty, float("-inf"), b_m_fin + tl.log(tl.where(empty, 1.0, b_den)))
+            row = (q_start + i_t).to(tl.int64)
+            tl.store(out + row * stride_o_t + i_h * stride_o_h + o_d, b_out.to(out.dtype.element_ty))
+            if i_d == 0:
+                tl.store(lse + row * H + i_h, b_lse)
 
 
 def _pdl(device: torch.device) -> bool:
@@ -330,8 +340,12 @@ def _mla_decode_reduce(query_start_loc, plan: DecodePlan, out, lse, d_v: int):
     H = out.shape[1]
     block_d = min(128, d_v)
     pdl = _pdl(out.device)
-    _mla_decode_reduce_kernel[(plan.batch_size, plan.max_query_len, H * (d_v // block_d))](
-        query_start_loc, plan.num_splits, plan.work_indptr, plan.o_part, plan.lse_part, out, lse,
+    # at most every task at once, at most _REDUCE_PROGRAMS_PER_SM 4-warp programs per SM (they loop)
+    tasks = plan.batch_size * plan.max_query_len * H * (d_v // block_d)
+    grid = (max(1, min(tasks, _REDUCE_PROGRAMS_PER_SM * plan.num_sms)),)
+    _mla_decode_reduce_kernel[grid](
+        query_start_loc, plan.num_splits, plan.work_indptr, plan.merge_req, plan.num_merge, plan.o_part,
+        plan.lse_part, out, lse,
         out.stride(0), out.stride(1), H, MAX_QLEN=plan.max_query_len, D_V=d_v, BLOCK_S=16, BLOCK_D=block_d,
         PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
@@ -354,8 +368,10 @@ def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtyp
                 f"kv_cache {describe(kv_cache)}, kv_cache_dtype {kv_cache_dtype!r}"
             )
         return True
-    # fp8 caches stay on the portable kernel under "auto" until the Gluon fp8 path is measured on the H200
-    return ok and plan.tiling.block_m >= _GLUON_AUTO_MIN_ROWS and kv_cache_dtype == "auto"
+    # bf16: from 32 rows (16-row tiles are faster on the portable kernel); fp8: always (the portable kernel
+    # widens e4m3 in registers and spills; the Gluon kernel widens in shared memory: 1.9x faster at h128,
+    # 1.05x at h16, RESULTS.md run 15)
+    return ok and (plan.tiling.block_m >= _GLUON_AUTO_MIN_ROWS or kv_cache_dtype == "fp8")
 
 
 def _host_scale(name: str, scale, device) -> float:

@@ -44,6 +44,8 @@ def _plan_decode_fwd_kernel(
     work_indptr,  # [B + 1] out
     work_req,  # [capacity] out
     work_split,  # [capacity] out
+    merge_req,  # [B] out
+    num_merge,  # [1] out
     B,
     capacity,
     slots,  # work items that run at once (programs per SM x SMs / programs per item)
@@ -88,6 +90,12 @@ def _plan_decode_fwd_kernel(
     tl.store(work_indptr + 1 + o_b, ends.to(tl.int32), mask=m_b)
     tl.store(work_indptr + o_b, starts.to(tl.int32), mask=o_b == 0)
     n_items = tl.sum(n, axis=0)
+    # the requests with more than one split, in order: the reduce visits only these
+    multi = (n > 1) & m_b
+    slot = tl.cumsum(multi.to(tl.int32), axis=0) - 1
+    tl.store(merge_req + slot, o_b.to(tl.int32), mask=multi)
+    tl.store(merge_req + o_b, tl.full([BLOCK_B], -1, tl.int32), mask=m_b & (o_b >= tl.sum(multi.to(tl.int32), axis=0)))
+    tl.store(num_merge, tl.sum(multi.to(tl.int32), axis=0))
     for i0 in range(0, capacity, BLOCK_I):
         o_i = i0 + tl.arange(0, BLOCK_I)
         req = tl.sum(((ends[None, :] <= o_i[:, None]) & m_b[None, :]).to(tl.int32), axis=1)  # [BLOCK_I]
@@ -175,6 +183,9 @@ class DecodePlan:
         o_part (torch.Tensor): `[capacity, max_query_len, num_heads, d_v]` fp32 partial outputs
             (normalised) of requests with more than one split.
         lse_part (torch.Tensor): `[capacity, max_query_len, num_heads]` fp32 natural-log partial LSEs.
+        merge_req (torch.Tensor): `[B]` int32, the requests with more than one split, in order (their
+            partials are merged by the reduce), then -1.
+        num_merge (torch.Tensor): `[1]` int32, how many entries of ``merge_req`` are requests.
     """
 
     batch_size: int
@@ -191,6 +202,8 @@ class DecodePlan:
     work_split: torch.Tensor
     o_part: torch.Tensor
     lse_part: torch.Tensor
+    merge_req: torch.Tensor
+    num_merge: torch.Tensor
 
     def check(self, batch_size: int, num_heads: int, d_v: int) -> None:
         """Raise when a call does not match the configuration this plan was built for."""
@@ -294,11 +307,13 @@ def plan_decode(
             work_split=torch.empty(capacity, dtype=torch.int32, device=dev),
             o_part=torch.empty(capacity, max_query_len, num_heads, d_v, dtype=torch.float32, device=dev),
             lse_part=torch.empty(capacity, max_query_len, num_heads, dtype=torch.float32, device=dev),
+            merge_req=torch.empty(B, dtype=torch.int32, device=dev),
+            num_merge=torch.zeros(1, dtype=torch.int32, device=dev),
         )  # fmt: skip
     if B:
         _plan_decode_fwd_kernel[(1,)](
             seq_lens, query_start_loc, plan.split_len, plan.num_splits, plan.work_indptr, plan.work_req,
-            plan.work_split, B, capacity, slots, MIN_SPLIT=min_split, BLOCK_N=tiling.block_n,
+            plan.work_split, plan.merge_req, plan.num_merge, B, capacity, slots, MIN_SPLIT=min_split, BLOCK_N=tiling.block_n,
             MAX_SPLIT=tiling.max_split, ITEM_COST=_ITEM_COST, N_CAND=_MAX_CANDIDATES,
             BLOCK_B=triton.next_power_of_2(B), BLOCK_I=16, num_warps=8,
         )  # fmt: skip
@@ -306,6 +321,7 @@ def plan_decode(
         plan.work_indptr.zero_()
         plan.work_req.fill_(-1)
         plan.work_split.zero_()
+        plan.num_merge.zero_()
     return plan
 
 

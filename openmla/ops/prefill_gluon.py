@@ -46,8 +46,10 @@ Design (one program per 128-query-row block of one request and one query head; F
   not reach ``0 * NaN``); both warpgroups write the same zeros. Rows past the request's queries are
   computed (on finite or zero Q rows) and not stored. Output and LSE are written by masked pointer
   stores from the MMA layout.
-* Schedule: the grid is ``(H, B, row blocks)`` with the last (heaviest, when causal) row blocks
-  launched first. The number of key tiles of a program is that of its 128-row block for both
+* Schedule: the grid is ``(row blocks x HEAD_BLOCK, H / HEAD_BLOCK, B)``: by default one head's row
+  blocks after the other, the last (heaviest, when causal) first. The programs in flight then read the
+  K / V of one or two heads, which stay in L2; with every head's heaviest block first (``HEAD_BLOCK =
+  H``, the first version) each program streamed its head's K / V from HBM. The number of key tiles of a program is that of its 128-row block for both
   warpgroups (so their turns match); warpgroup 0 may run a fully masked tile (p = 0) on the diagonal.
 
 Shared memory (BLOCK_N 128, 2 stages): Q 49,152 + 2 x (K 49,152 + V 32,768) = 212,992 B + barriers
@@ -93,6 +95,8 @@ _TILING = os.environ.get("OPENMLA_PREFILL_GLUON_TILING")
 BLOCK_N_DEFAULT, STAGES_DEFAULT = (int(x) for x in (_TILING or "128,2").split(","))
 #: take turns issuing the wgmmas of the two consumer warpgroups (see the module docstring)
 PINGPONG: bool = os.environ.get("OPENMLA_PREFILL_GLUON_PINGPONG", "1") != "0"
+# launch order (see flash_attn_varlen_gluon's head_block): 1 keeps the programs in flight on few heads
+HEAD_BLOCK: int = int(os.environ.get("OPENMLA_PREFILL_GLUON_HEAD_BLOCK", "1"))
 
 
 def _smem_bytes(block_n: int, stages: int) -> int:
@@ -305,6 +309,7 @@ if GLUON_AVAILABLE:
         CAUSAL: gl.constexpr,
         SCALE_POS: gl.constexpr,  # sm_scale > 0
         PINGPONG: gl.constexpr,
+        HEAD_BLOCK: gl.constexpr,  # heads whose row blocks are interleaved in launch order (divides h_q)
         STORE_LSE: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
@@ -312,11 +317,13 @@ if GLUON_AVAILABLE:
     ):
         gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
         gl.static_assert(BLOCK_N == 64 or BLOCK_N == 128, "BLOCK_N is 64 or 128")
-        i_h = gl.program_id(0)
-        i_b = gl.program_id(1)
-        i_m = gl.program_id(2)
+        # grid (row blocks x HEAD_BLOCK, h_q / HEAD_BLOCK, B): the row blocks of HEAD_BLOCK heads run side by
+        # side, so the programs in flight share the K / V of few heads through L2
+        i_h = gl.program_id(1) * HEAD_BLOCK + gl.program_id(0) % HEAD_BLOCK
+        i_b = gl.program_id(2)
+        i_m = gl.program_id(0) // HEAD_BLOCK
         if CAUSAL:  # the last row blocks see the most keys: launch them first
-            i_m = gl.num_programs(2) - 1 - i_m
+            i_m = gl.num_programs(0) // HEAD_BLOCK - 1 - i_m
         bos_q = gl.load(cu_seqlens_q + i_b).to(gl.int32)  # int32 TMA coordinates (Tq < 2**31)
         len_q = gl.load(cu_seqlens_q + i_b + 1).to(gl.int32) - bos_q
         start_m = i_m * 128
@@ -438,6 +445,7 @@ def flash_attn_varlen_gluon(
     block_n: int | None = None,
     stages: int | None = None,
     pingpong: bool | None = None,
+    head_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""bf16 varlen flash attention on sm90 (Gluon); the semantics of :func:`openmla.flash_attn_varlen`.
 
@@ -452,6 +460,9 @@ def flash_attn_varlen_gluon(
         out: optional `[Tq, h_q, 128]` bf16 buffer (any strides, last dim contiguous).
         lse: optional `[Tq, h_q]` fp32 buffer.
         block_n, stages, pingpong: tuning knobs (keys per tile 64 / 128, ring depth, warpgroup turns).
+        head_block: launch order: the row blocks of this many heads (reduced to a divisor of h_q) are
+            interleaved, heaviest first when causal; 1 = one head's row blocks after the other (the
+            programs in flight share that head's K / V in L2), h_q = every head's heaviest block first.
 
     Returns:
         ``(out, lse)``: out `[Tq, h_q, 128]` bf16 (0 for rows that see no key), lse `[Tq, h_q]` fp32
@@ -500,14 +511,18 @@ def flash_attn_varlen_gluon(
     k1_desc = _desc(k, D_QK, [block_n, 128])
     k2_desc = _desc(k, D_QK, [block_n, 64])
     v_desc = _desc(v, D_V, [block_n, D_V])
-    grid = (H, B, triton.cdiv(max_seqlen_q, BLOCK_M))
-    if B > 65535 or grid[2] > 65535:
+    head_block = HEAD_BLOCK if head_block is None else head_block
+    if not isinstance(head_block, int) or head_block < 1:
+        raise ValueError(f"head_block must be a positive int; got {head_block!r}")
+    head_block = math.gcd(head_block, H)  # a divisor of h_q: every program has a head
+    grid = (triton.cdiv(max_seqlen_q, BLOCK_M) * head_block, H // head_block, B)
+    if B > 65535 or grid[1] > 65535:
         raise ValueError(f"grid {grid} exceeds the CUDA limit of 65535 blocks in y / z")
     _flash_attn_varlen_gluon_kernel[grid](
         q_desc, k1_desc, k2_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k, float(sm_scale) * 1.4426950408889634,
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         GROUP=H // H_KV, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), SCALE_POS=float(sm_scale) > 0,
-        PINGPONG=bool(pingpong), STORE_LSE=True, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
+        PINGPONG=bool(pingpong), HEAD_BLOCK=head_block, STORE_LSE=True, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4,
     )  # fmt: skip
     return out, lse
