@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import openmla  # noqa: E402  (sets TRITON_INTERPRET on a machine without CUDA)
 from openmla.utils.perf import prefill_flops  # noqa: E402
+from openmla.ops.prefill import _use_gluon  # noqa: E402
 
 D_QK, D_V = 192, 128
 SCALE = D_QK**-0.5
@@ -176,7 +177,9 @@ def run_shape(h, L, kind, dtype, args, device, sdpa_cache):
     fn()
     cos = cosine(out.float(), ref.float()) if ref is not None else float("nan")
     us = bench(fn)
-    return dict(
+    descales = (call["q_descale"],) if "q_descale" in call else None
+    impl = "gluon" if _use_gluon(None, call["q"], call["k"], call["v"], descales, out) else "triton"
+    return dict(impl=impl,
         h=h, L=L, batch=kind, B=len(lens), tokens=sum(lens), dtype="fp8" if dtype == FP8 else "bf16",
         us=us, tflops=flops / us / 1e6, sdpa=sdpa_name, sdpa_us=sdpa_us, sdpa_tflops=flops / sdpa_us / 1e6,
         ratio=sdpa_us / us, cos=cos,
@@ -218,7 +221,7 @@ def main(argv=None) -> int:
     print(f"# flash_attn_varlen causal, d_qk {D_QK} / d_v {D_V}; ~{args.tokens} tokens per batch; "
           "TFLOPS = 2 * causal pairs * H * (192 + 128); SDPA always bf16")  # fmt: skip
     hdr = (f"{'H':>4} {'L':>6} {'batch':>6} {'B':>3} {'tokens':>6} {'dtype':>5} {'us':>10} {'TFLOPS':>7} "
-           f"{'sdpa':>14} {'sdpa_us':>10} {'sdpa_TF':>7} {'ratio':>6} {'cos':>8}")  # fmt: skip
+           f"{'sdpa':>14} {'sdpa_us':>10} {'sdpa_TF':>7} {'ratio':>6} {'cos':>8} {'impl':>6}")  # fmt: skip
     print(hdr)
     rows, sdpa_cache = [], {}
     t0 = time.time()
@@ -228,7 +231,7 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"{r['h']:>4} {r['L']:>6} {r['batch']:>6} {r['B']:>3} {r['tokens']:>6} {r['dtype']:>5} "
                   f"{r['us']:>10.1f} {r['tflops']:>7.1f} {r['sdpa']:>14} {r['sdpa_us']:>10.1f} "
-                  f"{r['sdpa_tflops']:>7.1f} {r['ratio']:>5.2f}x {r['cos']:>8.5f}", flush=True)  # fmt: skip
+                  f"{r['sdpa_tflops']:>7.1f} {r['ratio']:>5.2f}x {r['cos']:>8.5f} {r['impl']:>6}", flush=True)  # fmt: skip
         sdpa_cache.clear()
         if device == "cuda":
             torch.cuda.empty_cache()

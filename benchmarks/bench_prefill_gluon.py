@@ -58,7 +58,7 @@ def run_shape(h: int, L: int, b: int, graph: bool) -> None:
         sdpa_us = float("nan")
 
     def triton_fn():
-        return openmla.flash_attn_varlen(q, k, v, cu, cu, L, L, SCALE, causal=True)
+        return openmla.flash_attn_varlen(q, k, v, cu, cu, L, L, SCALE, causal=True, backend="triton")
 
     t_out, _ = triton_fn()  # autotunes on the first call
     if ref is None:

@@ -283,3 +283,24 @@ def test_plan_covers_every_key_once(lens, qlen, heads, num_sms):
     multi = [b for b in range(B) if n[b] > 1]
     assert int(plan.num_merge) == len(multi)
     assert plan.merge_req.cpu().tolist() == multi + [-1] * (B - len(multi))
+
+
+@pytest.mark.parametrize("programs_per_sm,heads", [(1, 12), (1, 3), (8, 12)])
+def test_reduce_task_sizes(programs_per_sm, heads, device, monkeypatch):
+    # few reduce programs: tasks grow to whole rows and several heads (the last head block partly past H),
+    # and each program loops over several tasks; a mix of merged and single-split requests
+    import openmla.ops.decode as decode_mod
+
+    import openmla.ops.plan as plan_mod
+
+    monkeypatch.setattr(decode_mod, "_REDUCE_PROGRAMS_PER_SM", programs_per_sm)
+    monkeypatch.setattr(plan_mod, "_MIN_SPLIT_ENV", pick("64", None))  # tiny CPU requests still split
+    lens = pick([300, 5, 260, 0, 140], [20000, 70, 9000, 0, 33000])
+    q, cache, bt, sl, qsl = _batch(device, heads, [1, 2, 3, 1, 2], lens, 64, torch.bfloat16)
+    plan = openmla.plan_decode(sl, qsl, heads, num_sms=pick(8, 16))
+    n = plan.num_splits.cpu().tolist()
+    assert n[0] > 1 and n[1] == 1 and n[2] > 1, n
+    progs, block_hb, block_d, _ = decode_mod._reduce_tiling(plan, heads, 512)
+    if programs_per_sm == 1:
+        assert block_d == 512 and block_hb > 1 and progs < int(plan.num_merge) * 3 * -(-heads // block_hb)
+    _check(q, cache, bt, sl, qsl, True, torch.bfloat16, plan=plan)

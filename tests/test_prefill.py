@@ -88,11 +88,28 @@ def test_dims_dtypes(dims, dtype, causal, device):
     assert (out[r0 : r0 + lq[4]] == 0).all() and torch.isneginf(lse[r0 : r0 + lq[4]]).all()
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
-def test_layouts(layout, causal, device):
+def test_layouts(layout, causal, backend, monkeypatch, device):
+    # "auto" is the Hopper Gluon kernel for these inputs on an sm90 GPU, the Triton kernel elsewhere
+    monkeypatch.setenv("OPENMLA_PREFILL_BACKEND", backend)
     lq, lk = LAYOUTS[layout]
     _check(lq, lk, H, H, 192, 128, torch.bfloat16, causal, device)
+
+
+def test_backend_argument(device):
+    lq, lk = LAYOUTS["mixed"]
+    q, k, v, cu_q, cu_k, _ = _inputs(lq, lk, 2, 2, 192, 128, torch.bfloat16, device)
+    with pytest.raises(ValueError, match="backend"):
+        flash_attn_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), 0.1, backend="cudnn")
+    f32 = [t.float() for t in (q, k, v)]
+    with pytest.raises(ValueError, match="gluon"):  # fp32 inputs (and any CPU tensor) have no Gluon kernel
+        flash_attn_varlen(*f32, cu_q, cu_k, max(lq), max(lk), 0.1, backend="gluon")
+    out_t, lse_t = flash_attn_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), 0.1, backend="triton")
+    out_a, lse_a = flash_attn_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), 0.1, return_lse=False)
+    assert lse_a is None
+    assert_close("auto vs triton", out_t, out_a, *TOLERANCES[torch.bfloat16])
 
 
 def test_causal_rows_without_keys(device):
@@ -288,6 +305,7 @@ def test_kv_tma(causal, dtype, pipe, monkeypatch, device):
     batches where some requests have no full tile, GQA, keys past the request end in the tensor."""
     monkeypatch.setattr(prefill_ops, "KV_TMA", True)
     monkeypatch.setattr(prefill_ops, "PIPE_QK", pipe)
+    monkeypatch.setenv("OPENMLA_PREFILL_BACKEND", "triton")  # the Triton kernel's TMA path (not the Gluon tier)
     for lq, lk in (LAYOUTS["mixed"], LAYOUTS["lk_gt_lq"]):
         _check(lq, lk, 4, 2, 192, 128, dtype, causal, device)
     _check(*LAYOUTS["equal"], H, H, 128, 128, dtype, causal, device)
@@ -297,6 +315,7 @@ def test_kv_tma(causal, dtype, pipe, monkeypatch, device):
 def test_negative_and_zero_scale(tma, monkeypatch, device):
     """sm_scale <= 0 takes the scale-first softmax (the row max may not be taken before scaling)."""
     monkeypatch.setattr(prefill_ops, "KV_TMA", tma)
+    monkeypatch.setenv("OPENMLA_PREFILL_BACKEND", "triton")
     lq, lk = LAYOUTS["mixed"]
     q, k, v, cu_q, cu_k, _ = _inputs(lq, lk, 2, 2, 192, 128, torch.bfloat16, device)
     for scale in (-0.05, 0.0):

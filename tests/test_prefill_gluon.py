@@ -160,7 +160,7 @@ def _check(q, k, v, cu_q, cu_k, qlens, klens, causal, against_triton=True, sm_sc
     assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
     if against_triton:
         t_out, t_lse = openmla.flash_attn_varlen(q[:nq], k, v, cu_q, cu_k, max(qlens), max(klens), sm_scale,
-                                                 causal=causal)  # fmt: skip
+                                                 causal=causal, backend="triton")  # fmt: skip
         # both round P to bf16 before P V; they differ in tiling and accumulation order
         assert_close("out vs triton", t_out, out, *TOLERANCES[torch.bfloat16])
         assert_close("lse vs triton", t_lse, lse, 1e-3, 1e-3, 1e-6)
@@ -292,7 +292,7 @@ def test_gluon_prefill_long_matches_triton(device):
     qlens = [4096, 1000]
     q, k, v, cu_q, cu_k = _problem(device, 128, qlens, qlens)
     out, lse = pg.flash_attn_varlen_gluon(q, k, v, cu_q, cu_k, 4096, 4096, SCALE, causal=True)
-    t_out, t_lse = openmla.flash_attn_varlen(q, k, v, cu_q, cu_k, 4096, 4096, SCALE, causal=True)
+    t_out, t_lse = openmla.flash_attn_varlen(q, k, v, cu_q, cu_k, 4096, 4096, SCALE, causal=True, backend="triton")
     assert not torch.isnan(out).any()
     assert_close("out vs triton", t_out, out, *TOLERANCES[torch.bfloat16])
     assert_close("lse vs triton", t_lse, lse, 1e-3, 1e-3, 1e-6)

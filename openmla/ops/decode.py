@@ -244,43 +244,49 @@ def _mla_decode_reduce_kernel(
     MAX_QLEN: tl.constexpr,
     D_V: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_HB: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # A fixed grid of programs walks the tasks (merged request, query row, head, column block) of the
-    # requests that have more than one split: requests with one split cost nothing here, so a batch that
-    # needed no split costs one short wave instead of a program per (request, row, head, column block).
+    # A fixed grid of programs walks the tasks of the requests that have more than one split; a task is
+    # one query row of one such request, BLOCK_HB heads x BLOCK_D columns (flattened: every reduction
+    # runs over the splits, per column). Requests with one split cost nothing here.
     if PDL:  # launched early (programmatic dependent launch): wait until the split kernel's writes are visible
         gdc_wait()
+    HBD: tl.constexpr = BLOCK_HB * BLOCK_D
     N_D: tl.constexpr = D_V // BLOCK_D
-    per_req = MAX_QLEN * H * N_D
+    n_hb = tl.cdiv(H, BLOCK_HB)
+    per_row = n_hb * N_D
+    per_req = MAX_QLEN * per_row
     n_tasks = tl.load(num_merge) * per_req
+    o_x = tl.arange(0, HBD)
     for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         i_b = tl.load(merge_req + task // per_req).to(tl.int64)
         rest = task % per_req
-        i_t = rest // (H * N_D)
-        i_h = (rest // N_D) % H
+        i_t = rest // per_row
+        i_hb = (rest % per_row) // N_D
         i_d = rest % N_D
         q_start = tl.load(query_start_loc + i_b)
         if i_t < tl.load(query_start_loc + i_b + 1) - q_start:
             n_split = tl.load(num_splits + i_b)
             w0 = tl.load(work_indptr + i_b).to(tl.int64)
-            o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-            b_m = tl.full([], float("-inf"), dtype=tl.float32)
-            b_den = tl.zeros([], dtype=tl.float32)
-            b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            o_h = i_hb * BLOCK_HB + o_x // BLOCK_D
+            o_d = i_d * BLOCK_D + o_x % BLOCK_D
+            m_x = o_h < H
+            b_m = tl.full([HBD], float("-inf"), dtype=tl.float32)
+            b_den = tl.zeros([HBD], dtype=tl.float32)
+            b_acc = tl.zeros([HBD], dtype=tl.float32)
             for s0 in range(0, n_split, BLOCK_S):
                 o_s = s0 + tl.arange(0, BLOCK_S)
-                m_s = o_s < n_split
-                part = ((w0 + o_s) * MAX_QLEN + i_t) * H + i_h  # [BLOCK_S]
-                b_l = tl.load(lse_part + part, mask=m_s, other=float("-inf"))
+                part = ((w0 + o_s[:, None]) * MAX_QLEN + i_t) * H + o_h[None, :]  # [BLOCK_S, HBD]
+                m_p = (o_s < n_split)[:, None] & m_x[None, :]
+                b_l = tl.load(lse_part + part, mask=m_p, other=float("-inf"))
                 b_m_new = tl.maximum(b_m, tl.max(b_l, axis=0))
                 b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
                 b_alpha = tl.exp(b_m - b_m_use)
-                b_w = tl.exp(b_l - b_m_use)
-                b_o = tl.load(o_part + part[:, None] * D_V + o_d[None, :], mask=(m_s & (b_w > 0))[:, None],
-                              other=0.0)  # fmt: skip
-                b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_o, axis=0)
+                b_w = tl.exp(b_l - b_m_use[None, :])
+                b_o = tl.load(o_part + part * D_V + o_d[None, :], mask=m_p & (b_w > 0), other=0.0)
+                b_acc = b_acc * b_alpha + tl.sum(b_w * b_o, axis=0)
                 b_den = b_den * b_alpha + tl.sum(b_w, axis=0)
                 b_m = b_m_new
             empty = b_den == 0.0
@@ -288,9 +294,28 @@ def _mla_decode_reduce_kernel(
             b_m_fin = tl.where(b_m == float("-inf"), 0.0, b_m)
             b_lse = tl.where(empty, float("-inf"), b_m_fin + tl.log(tl.where(empty, 1.0, b_den)))
             row = (q_start + i_t).to(tl.int64)
-            tl.store(out + row * stride_o_t + i_h * stride_o_h + o_d, b_out.to(out.dtype.element_ty))
-            if i_d == 0:
-                tl.store(lse + row * H + i_h, b_lse)
+            tl.store(out + row * stride_o_t + o_h * stride_o_h + o_d, b_out.to(out.dtype.element_ty), mask=m_x)
+            tl.store(lse + row * H + o_h, b_lse, mask=m_x & (o_d == 0))
+
+
+def _reduce_tiling(plan: DecodePlan, H: int, d_v: int) -> tuple[int, int, int, int]:
+    """``(programs, BLOCK_HB, BLOCK_D, BLOCK_S)`` of the reduce: tasks grow (128 columns -> the whole row
+    -> several heads) until about one wave of programs holds them when every request is merged, so a
+    batch of many merged requests is not a long chain of small dependent tasks per program, and one
+    long request still spreads over many programs."""
+    programs = _REDUCE_PROGRAMS_PER_SM * plan.num_sms
+    block_d = min(128, d_v)
+    units = plan.batch_size * plan.max_query_len * H * (d_v // block_d)
+    grow = 1
+    while grow < 16 and units // (2 * grow) >= programs:
+        grow *= 2
+    widen = min(grow, d_v // block_d)
+    block_d *= widen
+    block_hb = min(grow // widen, triton.next_power_of_2(H))
+    hbd = block_hb * block_d
+    block_s = max(2, min(16, 2048 // hbd))
+    tasks = plan.batch_size * plan.max_query_len * triton.cdiv(H, block_hb) * (d_v // block_d)
+    return max(1, min(tasks, programs)), block_hb, block_d, block_s
 
 
 def _pdl(device: torch.device) -> bool:
@@ -338,16 +363,12 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
 def _mla_decode_reduce(query_start_loc, plan: DecodePlan, out, lse, d_v: int):
     """Launch the LSE merge of the partials of multi-split requests."""
     H = out.shape[1]
-    block_d = min(128, d_v)
     pdl = _pdl(out.device)
-    # at most every task at once, at most _REDUCE_PROGRAMS_PER_SM 4-warp programs per SM (they loop)
-    tasks = plan.batch_size * plan.max_query_len * H * (d_v // block_d)
-    grid = (max(1, min(tasks, _REDUCE_PROGRAMS_PER_SM * plan.num_sms)),)
-    _mla_decode_reduce_kernel[grid](
+    programs, block_hb, block_d, block_s = _reduce_tiling(plan, H, d_v)
+    _mla_decode_reduce_kernel[(programs,)](
         query_start_loc, plan.num_splits, plan.work_indptr, plan.merge_req, plan.num_merge, plan.o_part,
-        plan.lse_part, out, lse,
-        out.stride(0), out.stride(1), H, MAX_QLEN=plan.max_query_len, D_V=d_v, BLOCK_S=16, BLOCK_D=block_d,
-        PDL=pdl, num_warps=4, launch_pdl=pdl,
+        plan.lse_part, out, lse, out.stride(0), out.stride(1), H, MAX_QLEN=plan.max_query_len, D_V=d_v,
+        BLOCK_S=block_s, BLOCK_HB=block_hb, BLOCK_D=block_d, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
 

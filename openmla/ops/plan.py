@@ -136,8 +136,11 @@ class DecodeTiling:
         return self.block_h * self.q_per
 
 
-def choose_tiling(num_heads: int, max_query_len: int, kv_cache_dtype: str = "auto") -> DecodeTiling:
-    """Rows per program: 16 (memory-bound, mma.sync), 32, or 64 (wgmma-sized) by heads x qlen."""
+def choose_tiling(num_heads: int, max_query_len: int, kv_cache_dtype: str = "auto",
+                  hopper: bool = False) -> DecodeTiling:  # fmt: skip
+    """Rows per program: 16 (memory-bound, mma.sync), 32, or 64 (wgmma-sized) by heads x qlen. ``hopper``:
+    the plan is for an sm90 GPU with the Gluon tier, which ``mla_decode`` runs for every fp8 cache (one
+    8-warp program per SM over 64-key tiles: the plan's work items must fill those slots)."""
     rows = num_heads * max_query_len
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     block_h = min(triton_next_pow2(num_heads), block_m)
@@ -154,6 +157,8 @@ def choose_tiling(num_heads: int, max_query_len: int, kv_cache_dtype: str = "aut
     # 64-token tiles, one 8-warp program per SM for 64 rows (the Gluon tier takes those on sm90)
     if block_m == 64:
         return DecodeTiling(block_h, q_per, 64, 8, 2, tma)
+    if kv_cache_dtype == "fp8" and hopper:  # the Gluon kernel's slots (h16 b128 s8k: 426 vs 469 us, run 16)
+        return DecodeTiling(block_h, q_per, 64, 8, 2, True)
     if kv_cache_dtype == "fp8":  # widening e4m3 in registers: 32-token tiles through TMA, two programs per SM
         return DecodeTiling(block_h, q_per, 32, 4, 2, True)
     return DecodeTiling(block_h, q_per, 64, 4, 3, tma)
@@ -212,6 +217,15 @@ class DecodePlan:
                 f"plan was built for batch {self.batch_size}, {self.num_heads} heads, d_v {self.d_v}; "
                 f"the call has batch {batch_size}, {num_heads} heads, d_v {d_v}"
             )
+
+
+def _gluon_tier(device: torch.device) -> bool:
+    """Whether ``mla_decode`` can run the Hopper Gluon kernel on this device."""
+    if INTERPRET or device.type != "cuda":
+        return False
+    from openmla.ops._gluon import GLUON_AVAILABLE
+
+    return GLUON_AVAILABLE and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _default_num_sms(device: torch.device) -> int:
@@ -282,7 +296,7 @@ def plan_decode(
         num_sms = out.num_sms if out is not None else _default_num_sms(dev)
     if kv_cache_dtype not in ("auto", "fp8"):
         raise ValueError(f'kv_cache_dtype must be "auto" or "fp8"; got {kv_cache_dtype!r}')
-    tiling = choose_tiling(num_heads, max_query_len, kv_cache_dtype)
+    tiling = choose_tiling(num_heads, max_query_len, kv_cache_dtype, hopper=_gluon_tier(dev))
     programs_per_split = triton_cdiv(num_heads, tiling.block_h) * triton_cdiv(max_query_len, tiling.q_per)
     slots = max(1, (tiling.programs_per_sm * num_sms) // programs_per_split)
     min_split = int(_MIN_SPLIT_ENV) if _MIN_SPLIT_ENV else (512 if tiling.block_m == 64 else 256)

@@ -41,6 +41,11 @@ run time):
     ``OPENMLA_PREFILL_KV_TMA``: "1" reads full key tiles through TMA descriptors (``KV_TMA``; off by default
         until measured, see benchmarks/sweep_prefill.py).
     ``OPENMLA_PREFILL_PIPE_QK``: "1" (with KV_TMA) software-pipelines q @ k^T one tile ahead (``PIPE_QK``).
+    ``OPENMLA_PREFILL_BACKEND``: "auto" (default), "triton" or "gluon": ``flash_attn_varlen``'s ``backend``.
+
+On sm90, bf16 inputs with d_qk 192 / d_v 128 go to the Hopper Gluon kernel (``openmla.ops.prefill_gluon``:
+warp-specialised TMA producer, ping-pong consumer warpgroups), which is faster than this kernel and than
+cuDNN there (benchmarks/RESULTS.md); everything else runs the Triton kernel of this module.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ import triton.language as tl
 
 from openmla.device import INTERPRET, compute_dtype
 from openmla.ops._validate import check_index, check_tensor, describe
+from openmla.ops.prefill_gluon import flash_attn_varlen_gluon, gluon_prefill_supported
 
 __all__ = ["flash_attn_varlen"]
 
@@ -511,6 +517,7 @@ def flash_attn_varlen(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Flash attention over a ragged batch; q/k and v head dims may differ (MLA prefill: 192 / 128).
 
@@ -535,6 +542,10 @@ def flash_attn_varlen(
         q_descale, k_descale, v_descale (torch.Tensor | None): `[1]` fp32 per-tensor dequantisation
             scales of fp8 inputs (value ~= stored * descale); default 1. Only allowed with fp8 inputs.
         out (torch.Tensor | None): `[Tq, h_q, d_v]` buffer of the output dtype to write into.
+        backend (str | None): "auto" (default; env ``OPENMLA_PREFILL_BACKEND``): the Hopper Gluon kernel
+            (``openmla.ops.prefill_gluon``) where it applies (sm90, bf16, d_qk 192 / d_v 128, TMA-compatible
+            strides, no descales), the portable Triton kernel elsewhere; "triton" or "gluon" force one
+            ("gluon" raises where it does not apply).
 
     Returns:
         out: `[Tq, h_q, d_v]`, q.dtype (bf16 for fp8 inputs); rows that see no key are 0.
@@ -598,5 +609,27 @@ def flash_attn_varlen(
         if B and int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) > max_seqlen_q:
             raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is below the longest query length")
 
+    if _use_gluon(backend, q, k, v, descales, out):
+        o, lse = flash_attn_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         float(sm_scale), causal=causal, out=out)  # fmt: skip
+        return o, (lse if return_lse else None)
     return _flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, max_seqlen_q, sm_scale, causal,
                                   return_lse, out)  # fmt: skip
+
+
+def _use_gluon(backend, q, k, v, descales, out) -> bool:
+    """Whether ``flash_attn_varlen`` runs the Hopper Gluon kernel (see its ``backend`` argument). Measured on
+    the H200 (benchmarks/RESULTS.md run 16): H128 2 x 8k causal 605 TFLOPS (the Triton kernel 418, cuDNN 570)."""
+    backend = backend or os.environ.get("OPENMLA_PREFILL_BACKEND", "auto")
+    if backend not in ("auto", "triton", "gluon"):
+        raise ValueError(f'backend must be "auto", "triton" or "gluon"; got {backend!r}')
+    if backend == "triton":
+        return False
+    ok = descales is None and (out is None or out.stride(2) == 1) and gluon_prefill_supported(q, k, v)
+    if backend == "gluon" and not ok:
+        raise ValueError(
+            "backend='gluon' needs an sm90 GPU with triton.experimental.gluon, bf16 q/k/v without descales, "
+            f"d_qk 192, d_v 128 and 16-byte aligned token strides; got q {describe(q)}, k {describe(k)}, "
+            f"v {describe(v)}"
+        )
+    return ok
