@@ -249,17 +249,15 @@ def _mla_decode_reduce_kernel(
     PDL: tl.constexpr,
 ):
     # A fixed grid of programs walks the tasks of the requests that have more than one split; a task is
-    # one query row of one such request, BLOCK_HB heads x BLOCK_D columns (flattened: every reduction
-    # runs over the splits, per column). Requests with one split cost nothing here.
+    # one query row of one such request, BLOCK_HB heads x BLOCK_D columns. Requests with one split cost
+    # nothing here.
     if PDL:  # launched early (programmatic dependent launch): wait until the split kernel's writes are visible
         gdc_wait()
-    HBD: tl.constexpr = BLOCK_HB * BLOCK_D
     N_D: tl.constexpr = D_V // BLOCK_D
     n_hb = tl.cdiv(H, BLOCK_HB)
     per_row = n_hb * N_D
     per_req = MAX_QLEN * per_row
     n_tasks = tl.load(num_merge) * per_req
-    o_x = tl.arange(0, HBD)
     for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         i_b = tl.load(merge_req + task // per_req).to(tl.int64)
         rest = task % per_req
@@ -270,32 +268,78 @@ def _mla_decode_reduce_kernel(
         if i_t < tl.load(query_start_loc + i_b + 1) - q_start:
             n_split = tl.load(num_splits + i_b)
             w0 = tl.load(work_indptr + i_b).to(tl.int64)
-            o_h = i_hb * BLOCK_HB + o_x // BLOCK_D
-            o_d = i_d * BLOCK_D + o_x % BLOCK_D
-            m_x = o_h < H
-            b_m = tl.full([HBD], float("-inf"), dtype=tl.float32)
-            b_den = tl.zeros([HBD], dtype=tl.float32)
-            b_acc = tl.zeros([HBD], dtype=tl.float32)
-            for s0 in range(0, n_split, BLOCK_S):
-                o_s = s0 + tl.arange(0, BLOCK_S)
-                part = ((w0 + o_s[:, None]) * MAX_QLEN + i_t) * H + o_h[None, :]  # [BLOCK_S, HBD]
-                m_p = (o_s < n_split)[:, None] & m_x[None, :]
-                b_l = tl.load(lse_part + part, mask=m_p, other=float("-inf"))
-                b_m_new = tl.maximum(b_m, tl.max(b_l, axis=0))
-                b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-                b_alpha = tl.exp(b_m - b_m_use)
-                b_w = tl.exp(b_l - b_m_use[None, :])
-                b_o = tl.load(o_part + part * D_V + o_d[None, :], mask=m_p & (b_w > 0), other=0.0)
-                b_acc = b_acc * b_alpha + tl.sum(b_w * b_o, axis=0)
-                b_den = b_den * b_alpha + tl.sum(b_w, axis=0)
-                b_m = b_m_new
-            empty = b_den == 0.0
-            b_out = tl.where(empty, 0.0, b_acc / tl.where(empty, 1.0, b_den))
-            b_m_fin = tl.where(b_m == float("-inf"), 0.0, b_m)
-            b_lse = tl.where(empty, float("-inf"), b_m_fin + tl.log(tl.where(empty, 1.0, b_den)))
             row = (q_start + i_t).to(tl.int64)
-            tl.store(out + row * stride_o_t + o_h * stride_o_h + o_d, b_out.to(out.dtype.element_ty), mask=m_x)
-            tl.store(lse + row * H + o_h, b_lse, mask=m_x & (o_d == 0))
+            if BLOCK_HB == 1:  # one head: its LSEs as a vector over the splits (no per-column copies)
+                _merge_one_head(o_part, lse_part, out, lse, row, w0, n_split, i_t, i_hb, i_d, H, stride_o_t,
+                                stride_o_h, MAX_QLEN, D_V, BLOCK_S, BLOCK_D)  # fmt: skip
+            else:
+                _merge_head_block(o_part, lse_part, out, lse, row, w0, n_split, i_t, i_hb, i_d, H, stride_o_t,
+                                  stride_o_h, MAX_QLEN, D_V, BLOCK_S, BLOCK_HB, BLOCK_D)  # fmt: skip
+
+
+@triton.jit
+def _merge_one_head(o_part, lse_part, out, lse, row, w0, n_split, i_t, i_h, i_d, H, stride_o_t, stride_o_h,
+                    MAX_QLEN: tl.constexpr, D_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """LSE merge of one (query row, head, BLOCK_D columns) over the request's splits."""
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    b_m = tl.full([], float("-inf"), dtype=tl.float32)
+    b_den = tl.zeros([], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_split, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        m_s = o_s < n_split
+        part = ((w0 + o_s) * MAX_QLEN + i_t) * H + i_h  # [BLOCK_S]
+        b_l = tl.load(lse_part + part, mask=m_s, other=float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_l, axis=0))
+        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = tl.exp(b_m - b_m_use)
+        b_w = tl.exp(b_l - b_m_use)
+        b_o = tl.load(o_part + part[:, None] * D_V + o_d[None, :], mask=(m_s & (b_w > 0))[:, None], other=0.0)
+        b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_o, axis=0)
+        b_den = b_den * b_alpha + tl.sum(b_w, axis=0)
+        b_m = b_m_new
+    empty = b_den == 0.0
+    b_out = tl.where(empty, 0.0, b_acc / tl.where(empty, 1.0, b_den))
+    b_m_fin = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_lse = tl.where(empty, float("-inf"), b_m_fin + tl.log(tl.where(empty, 1.0, b_den)))
+    tl.store(out + row * stride_o_t + i_h * stride_o_h + o_d, b_out.to(out.dtype.element_ty))
+    if i_d == 0:
+        tl.store(lse + row * H + i_h, b_lse)
+
+
+@triton.jit
+def _merge_head_block(o_part, lse_part, out, lse, row, w0, n_split, i_t, i_hb, i_d, H, stride_o_t, stride_o_h,
+                      MAX_QLEN: tl.constexpr, D_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HB: tl.constexpr,
+                      BLOCK_D: tl.constexpr):  # fmt: skip
+    """LSE merge of one (query row, BLOCK_HB heads x BLOCK_D columns) over the request's splits; the tile
+    is flattened and every reduction runs over the splits, per column (heads past H are masked)."""
+    HBD: tl.constexpr = BLOCK_HB * BLOCK_D
+    o_x = tl.arange(0, HBD)
+    o_h = i_hb * BLOCK_HB + o_x // BLOCK_D
+    o_d = i_d * BLOCK_D + o_x % BLOCK_D
+    m_x = o_h < H
+    b_m = tl.full([HBD], float("-inf"), dtype=tl.float32)
+    b_den = tl.zeros([HBD], dtype=tl.float32)
+    b_acc = tl.zeros([HBD], dtype=tl.float32)
+    for s0 in range(0, n_split, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        part = ((w0 + o_s[:, None]) * MAX_QLEN + i_t) * H + o_h[None, :]  # [BLOCK_S, HBD]
+        m_p = (o_s < n_split)[:, None] & m_x[None, :]
+        b_l = tl.load(lse_part + part, mask=m_p, other=float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_l, axis=0))
+        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = tl.exp(b_m - b_m_use)
+        b_w = tl.exp(b_l - b_m_use[None, :])
+        b_o = tl.load(o_part + part * D_V + o_d[None, :], mask=m_p & (b_w > 0), other=0.0)
+        b_acc = b_acc * b_alpha + tl.sum(b_w * b_o, axis=0)
+        b_den = b_den * b_alpha + tl.sum(b_w, axis=0)
+        b_m = b_m_new
+    empty = b_den == 0.0
+    b_out = tl.where(empty, 0.0, b_acc / tl.where(empty, 1.0, b_den))
+    b_m_fin = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_lse = tl.where(empty, float("-inf"), b_m_fin + tl.log(tl.where(empty, 1.0, b_den)))
+    tl.store(out + row * stride_o_t + o_h * stride_o_h + o_d, b_out.to(out.dtype.element_ty), mask=m_x)
+    tl.store(lse + row * H + o_h, b_lse, mask=m_x & (o_d == 0))
 
 
 def _reduce_tiling(plan: DecodePlan, H: int, d_v: int) -> tuple[int, int, int, int]:
