@@ -1,15 +1,14 @@
 """Time the Hopper (Gluon) split-KV decode kernel against the portable one (sm90 GPU only).
 
 For each shape: the split kernel alone (CUDA-graph replay median, us) for every Gluon variant
-("BLOCK_N,STAGES": the warp-specialised kernel; "seesaw": the seesaw kernel, each warpgroup the scores
-of every other tile) and for the portable kernel with the same plan, the reduce alone, and
-TFLOPS = 2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64 tokens
-scattered over a pool larger than L2; causal; the plan is built once outside the timed region.
+("BLOCK_N,STAGES" of the warp-specialised kernel) and for the portable kernel with the same plan, the
+reduce alone, and TFLOPS = 2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64
+tokens scattered over a pool larger than L2; causal; the plan is built once outside the timed region.
 
     python benchmarks/bench_decode_gluon.py
-    python benchmarks/bench_decode_gluon.py --shapes "128,128,8192,1;32,128,8192,1" --variants "64,2;seesaw"
+    python benchmarks/bench_decode_gluon.py --shapes "128,128,8192,1;32,128,8192,1" --variants "64,2;32,3"
     python benchmarks/bench_decode_gluon.py --check   # also compare each variant with the portable output
-    python benchmarks/bench_decode_gluon.py --fp8 --variants "64,2"   # e4m3 cache (ws kernel only)
+    python benchmarks/bench_decode_gluon.py --fp8 --variants "64,2"   # e4m3 cache (64-key tiles only)
 
 With ``--fp8`` the cache is float8_e4m3fn (per-tensor scale 0.05); the portable kernel runs its fp8 path
 (fp16 products) and the Gluon ws kernel its widening path; GB/s counts the fp8 bytes read.
@@ -34,7 +33,7 @@ PAGE = 64
 SCALE = 192**-0.5
 LOG2E = 1.4426950408889634
 SHAPES = "128,128,8192,1;32,128,8192,1;128,1,32768,1;64,128,8192,1;16,128,8192,4;128,128,8192,2"
-VARIANTS = "64,2;32,3;seesaw"  # "block_n,stages" (the warp-specialised kernel) or "seesaw"
+VARIANTS = "64,2;32,3"  # "block_n,stages" of the warp-specialised kernel
 KV_SCALE = 0.05
 
 
@@ -90,13 +89,9 @@ def run_shape(h, b, s, qlen, variants, args):
         print(f"{head} gluon: not supported here")
         return
     for v in variants:
-        if v == ("seesaw",):
-            kw = {"variant": "seesaw"}
-            name = "gluon seesaw"
-        else:
-            block_n, stages = (int(x) for x in v)
-            kw = {"block_n": block_n, "stages": stages}
-            name = f"gluon {block_n},{stages}"
+        block_n, stages = (int(x) for x in v)
+        kw = {"block_n": block_n, "stages": stages}
+        name = f"gluon {block_n},{stages}"
 
         def gluon(kw=kw):
             dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * kv_s * LOG2E, kv_s, True, 512,
@@ -123,7 +118,7 @@ def run_shape(h, b, s, qlen, variants, args):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=SHAPES, help='"h,b,s,qlen;..."')
-    ap.add_argument("--variants", default=VARIANTS, help='"block_n,stages" or "seesaw"; ...')
+    ap.add_argument("--variants", default=VARIANTS, help='"block_n,stages;..."')
     ap.add_argument("--pool-gib", type=float, default=2.0)
     ap.add_argument("--check", action="store_true", help="compare every variant's output with the portable kernel")
     ap.add_argument("--fp8", action="store_true", help="float8_e4m3fn cache (only the ws 64,2 Gluon variant applies)")

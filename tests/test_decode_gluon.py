@@ -18,20 +18,16 @@ SCALE = 576**-0.5
 LOG2E = 1.4426950408889634
 KV_SCALE = 0.05  # fp8 caches: value = stored e4m3 * KV_SCALE
 
-# (BLOCK_N, STAGES, CAUSAL, BLOCK_H, FP8, SEESAW): the default warp-specialised kernel (1-warp TMA
-# producer + two consumer warpgroups) with 64- and 32-key tiles, both causal flags and a few row
-# foldings (BLOCK_H 64 = h128/h64, 16 = h16 x 4 query rows, 32), its fp8-cache path, and the seesaw
-# kernel (two 4-warp warpgroup partitions, each the scores of every other tile)
+# (BLOCK_N, STAGES, CAUSAL, BLOCK_H, FP8): the warp-specialised kernel (1-warp TMA producer + two
+# consumer warpgroups) with 64- and 32-key tiles, both causal flags and a few row foldings (BLOCK_H 64 =
+# h128/h64, 16 = h16 x 4 query rows, 32), and its fp8-cache path
 COMPILE_VARIANTS = [
-    (64, 2, True, 64, False, False),
-    (64, 2, False, 16, False, False),
-    (32, 3, True, 32, False, False),
-    (64, 2, True, 64, True, False),
-    (64, 2, False, 16, True, False),
-    (64, 2, True, 32, True, False),
-    (64, 2, True, 64, False, True),
-    (64, 2, False, 16, False, True),
-    (64, 2, True, 32, False, True),
+    (64, 2, True, 64, False),
+    (64, 2, False, 16, False),
+    (32, 3, True, 32, False),
+    (64, 2, True, 64, True),
+    (64, 2, False, 16, True),
+    (64, 2, True, 32, True),
 ]
 
 _COMPILE_SCRIPT = r"""
@@ -49,16 +45,10 @@ ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc
        "work_split": "*i32", "num_splits": "*i32", "split_len": "*i32", "out": "*bf16", "lse": "*fp32",
        "o_part": "*fp32", "lse_part": "*fp32"}
 report = []
-for block_n, stages, causal, block_h, fp8, seesaw in json.loads(sys.argv[1]):
+fn = g._mla_decode_gluon_ws_kernel
+for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
-                CAUSAL=causal, num_warps=4 if seesaw else 8)
-    if seesaw:
-        fn = g._mla_decode_gluon_seesaw_kernel
-        cons["WG_REGS"] = g.SEESAW_WG_REGS
-    else:
-        fn = g._mla_decode_gluon_ws_kernel
-        cons["PRODUCER_REGS"] = g.WS_PRODUCER_REGS
-        cons["FP8"] = fp8
+                CAUSAL=causal, PRODUCER_REGS=g.WS_PRODUCER_REGS, FP8=fp8, num_warps=8)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in cons:
@@ -76,7 +66,7 @@ for block_n, stages, causal, block_h, fp8, seesaw in json.loads(sys.argv[1]):
             sig[name] = "i32"
     k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cons["num_warps"]))
-    report.append(dict(variant=[block_n, stages, causal, block_h, fp8, seesaw], **resource_report(k)))
+    report.append(dict(variant=[block_n, stages, causal, block_h, fp8], **resource_report(k)))
 print("REPORT" + json.dumps(report))
 """
 
@@ -89,14 +79,12 @@ def _compile_report(variants):
 def test_gluon_decode_compiles_for_sm90():
     # offline sm90 compile (no GPU needed): wgmma + TMA in the PTX, no spill, fits the shared memory
     for r in _compile_report(COMPILE_VARIANTS):
-        name = "BLOCK_N={} STAGES={} CAUSAL={} BLOCK_H={} FP8={} SEESAW={}".format(*r["variant"])
+        name = "BLOCK_N={} STAGES={} CAUSAL={} BLOCK_H={} FP8={}".format(*r["variant"])
         assert r["wgmma"] > 0 and r["tma"] > 0, f"{name}: {r}"
         assert r["regs"] <= 255 and r["stack"] == 0 and r["local"] == 0, f"{name}: spills or too many registers {r}"
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, f"{name}: shared memory {r}"
-        if r["variant"][5]:  # two 4-warp warpgroup partitions, no producer partition
-            assert r["num_warps"] == 8, f"{name}: {r}"
-        else:  # 8 consumer warps + the producer warp's warpgroup, registers moved by setmaxnreg
-            assert r["num_warps"] == 12 and r["setmaxnreg"], f"{name}: {r}"
+        # 8 consumer warps + the producer warp's warpgroup, registers moved by setmaxnreg
+        assert r["num_warps"] == 12 and r["setmaxnreg"], f"{name}: {r}"
 
 
 def test_gluon_decode_unsupported_on_cpu():
@@ -112,13 +100,6 @@ def test_gluon_decode_unsupported_on_cpu():
     # the fp8 path takes 64-key tiles only (refused before any launch)
     with pytest.raises(ValueError, match="fp8 cache"):
         dg.mla_decode_split_gluon(q, cache8, None, None, None, None, None, None, 1.0, 1.0, True, 512, block_n=32)
-    # the seesaw kernel: bf16 cache, 64-key tiles, 2 stages only
-    for c, kw in ((cache8, {}), (cache, {"block_n": 32}), (cache, {"stages": 3})):
-        with pytest.raises(ValueError, match="seesaw"):
-            dg.mla_decode_split_gluon(q, c, None, None, None, None, None, None, 1.0, 1.0, True, 512, variant="seesaw",
-                                      **kw)  # fmt: skip
-    with pytest.raises(ValueError, match="variant"):
-        dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512, variant="x")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -141,13 +122,12 @@ def _gpu_test(fn):
 VARIANTS = [
     {"block_n": 64, "stages": 2},  # the default: warp-specialised (TMA producer warp)
     {"block_n": 32, "stages": 3},
-    {"block_n": 64, "stages": 2, "variant": "seesaw"},
 ]
 
 
 def _variant_id(i):
     v = VARIANTS[i]
-    return "n{}s{}".format(v["block_n"], v["stages"]) + (v.get("variant") or "")
+    return "n{}s{}".format(v["block_n"], v["stages"])
 
 
 def _batch(device, heads, qlens, lens, page, bad_tail=False, fp8=False):
@@ -232,7 +212,7 @@ def test_gluon_decode_splits(num_sms, variant, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "ws-n32", "seesaw", "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", "ws-n32", "fp8"])
 def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
     # splits of 32-token granularity start at multiples of 32 that are not multiples of the 64-token page:
     # a 64-key tile is then two boxes on two pages, and a split's last tile can be half empty. The GPU
@@ -249,23 +229,22 @@ def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
             break
     else:
         pytest.fail("no planner setting gave split starts inside pages")
-    kw = {"ws-n32": {"block_n": 32, "stages": 3}, "seesaw": {"variant": "seesaw"}}.get(kernel, {})
+    kw = {"ws-n32": {"block_n": 32, "stages": 3}}.get(kernel, {})
     _check(q, cache, bt, sl, qsl, True, num_sms=num_sms, **kw)
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "seesaw", "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", "fp8"])
 @pytest.mark.parametrize("page", [32, 64])
 @pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4)])
 def test_gluon_decode_tile_counts(heads, qlen, page, kernel, device):
-    # 0 to 5 tiles per work item (short requests are not split): seesaw's last tile on either warpgroup,
-    # a single tile (the other warpgroup only adds P V), none; page 32: the two boxes of a 64-key tile on
-    # two pages, block ids past the sequence invalid; the sequence end at every offset of a tile
+    # 0 to 5 tiles per work item (short requests are not split): a single tile, none; page 32: the two
+    # boxes of a 64-key tile on two pages, block ids past the sequence invalid; the sequence end at every
+    # offset of a tile
     lens = [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 192, 193, 256, 257, 320]
     q, cache, bt, sl, qsl = _batch(device, heads, [qlen] * len(lens), lens, page, bad_tail=True, fp8=kernel == "fp8")
-    kw = {"variant": "seesaw"} if kernel == "seesaw" else {}
     for causal in (True, False):
-        _, _, plan = _check(q, cache, bt, sl, qsl, causal, **kw)
+        _, _, plan = _check(q, cache, bt, sl, qsl, causal)
     assert int(plan.num_splits.max()) == 1, "the planner split a short request: tile counts not as listed"
 
 
@@ -282,28 +261,13 @@ def test_gluon_matches_portable(heads, qlen, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4), (32, 2)])
-def test_gluon_seesaw_matches_ws(heads, qlen, device):
-    # same products; the seesaw kernel sums its rows per warpgroup (every other tile) and then adds the two
-    lens = [4096, 77, 2048, 1, 5000, 0, 129, 192]  # odd and even tile counts (the last tile on either side)
-    q, cache, bt, sl, qsl = _batch(device, heads, [qlen] * len(lens), lens, 64, bad_tail=True)
-    for num_sms in (8, 132):
-        out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=num_sms)
-        out_s, lse_s, _ = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=num_sms, variant="seesaw")
-        assert_close("out", out.float(), out_s.float(), *TOLERANCES[torch.bfloat16])
-        assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_s))
-        fin = torch.isfinite(lse)
-        assert float((lse[fin] - lse_s[fin]).abs().max()) < 1e-4
-
-
-@_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "seesaw", "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", "fp8"])
 def test_gluon_decode_empty_rows(kernel, device):
     # causal rows that see no key (seq_len < qlen) give out 0 and lse -inf, never NaN
     lens = [2, 0, 40]
     fp8 = kernel == "fp8"
     q, cache, bt, sl, qsl = _batch(device, 32, [4, 3, 1], lens, 64, fp8=fp8)
-    out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True, **({"variant": "seesaw"} if kernel == "seesaw" else {}))
+    out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True)
     ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True, kv_scale=KV_SCALE if fp8 else None)
     assert bool(torch.isneginf(lse[:2]).all()) and float(out[:2].abs().max()) == 0.0
     assert math.isinf(float(lse[4, 0])) and not torch.isnan(out).any()

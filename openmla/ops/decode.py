@@ -363,9 +363,9 @@ def _reduce_tiling(plan: DecodePlan, H: int, d_v: int) -> tuple[int, int, int, i
 
 
 def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch between the split kernel and the reduce (sm90+, opt-in while it is
-    unmeasured: ``OPENMLA_DECODE_PDL=1``): the reduce grid is launched while the split kernel runs and
-    waits on ``griddepcontrol.wait``, hiding its launch latency."""
+    """Programmatic dependent launch between the split kernel and the reduce (sm90+, opt-in:
+    ``OPENMLA_DECODE_PDL=1``): the reduce grid is launched while the split kernel runs and waits on
+    ``griddepcontrol.wait``. It measured no gain on the H200 (RESULTS.md run 16), so it stays off."""
     return _PDL and not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 

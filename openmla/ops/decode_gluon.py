@@ -9,7 +9,7 @@ final rows in ``out``/``lse``; the others get a normalised fp32 partial and its 
 
 Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/RESULTS.md``):
 
-* ``variant="ws"`` (``_mla_decode_gluon_ws_kernel``, the default), 12 warps in two partitions. A 1-warp
+* ``_mla_decode_gluon_ws_kernel`` (warp-specialised), 12 warps in two partitions. A 1-warp
   producer (32 registers) does the page lookups and issues every TMA load into a ring of ``STAGES``
   buffers, waiting on per-stage "empty" mbarriers; the two consumer warpgroups (232 registers after
   ``setmaxnreg``) wait on per-stage "ready" mbarriers, compute, and release a stage with one
@@ -34,14 +34,7 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
   the ``[64, 512]`` fp32 accumulator split by columns over the warpgroups (128 registers a thread).
 * Measured and dropped (RESULTS.md run 8): the same loop without warp specialisation (4-8% slower), a
   variant issuing the next tile's scores MMA before this tile's softmax, and 32-key tiles as default.
-* ``variant="seesaw"`` (``_mla_decode_gluon_seesaw_kernel``, bf16 cache, 64-key tiles, 2 stages): the two
-  warpgroups are separate 4-warp partitions with 256 registers each (no producer partition: each issues
-  the TMA loads of its own tiles). Tile j belongs to warpgroup j % 2, which computes its full scores
-  (m64n64 wgmmas: Q and K read once per key, instead of Q twice when the warpgroups split the keys) and
-  softmax and writes P_j over the tile's rope columns plus its row max to shared memory ("pready"
-  mbarrier); both warpgroups rescale their 256 output columns and add P_j V_j. Shared memory 223,812 B,
-  255 registers, no spill (sm90 offline compile).
-* fp8 cache (``kv_cache_dtype="fp8"``, float8_e4m3fn, selected by the cache dtype; ws kernel, 64-key tiles,
+* fp8 cache (``kv_cache_dtype="fp8"``, float8_e4m3fn, selected by the cache dtype; 64-key tiles,
   ``FP8=True``): the producer TMAs e4m3 tiles (half the bytes: latent boxes ``[32, 128]`` with the
   128-byte swizzle, four per 32 keys, and a ``[32, 64]`` rope box with the 64-byte swizzle) into a ring of
   2 fp8 stages; after the "ready" wait the consumers widen the stage (``cvt.rn.f16x2.e4m3x2``, exact)
@@ -95,12 +88,9 @@ BLOCK_M = 64  # rows per program: one wgmma M of 64 per warpgroup
 SUB_N = 32  # keys per TMA box: the plan's split granularity, so a box never crosses a page
 NUM_WARPS = 8
 SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm90
-# registers of the 1-warp producer partition of the default ``variant="ws"`` kernel: 24 spills a few bytes (its
+# registers of the 1-warp producer partition of the warp-specialised kernel: 24 spills a few bytes (its
 # arguments arrive through shared memory); 32 leaves the two consumer warpgroups 232 (no spill)
 WS_PRODUCER_REGS = 32
-# registers of the second warpgroup (the worker partition) of ``variant="seesaw"``; the default partition
-# (warpgroup 0) gets what remains: 65536 / 256 threads = 256 each
-SEESAW_WG_REGS = 256
 
 
 if GLUON_AVAILABLE:
@@ -402,264 +392,6 @@ if GLUON_AVAILABLE:
             mbarrier.invalidate(ready.index(st))
             mbarrier.invalidate(empty.index(st))
 
-    # ---------------------------------------------------------------------------------------------
-    # "Seesaw" variant (``variant="seesaw"``): the two warpgroups are separate 4-warp partitions (warpgroup
-    # 0 the default one, warpgroup 1 a worker), 256 registers each: there is no producer partition.
-    # 64-key tiles, 2 stages; tile j lives in stage j % 2 and belongs to warpgroup j % 2, which
-    # * issues its TMA loads (tiles 0/1 at the start, tile j + 2 once the other warpgroup released stage j),
-    # * computes its scores alone (the full 64 keys: m64n64 wgmmas, so Q and K are read once per key
-    #   instead of Q twice as when the two warpgroups split the keys) and its online softmax, with the row
-    #   max M_{j-1} it already holds,
-    # * writes P_j over the rope columns of the stage (no longer needed once the scores are done: no
-    #   separate P buffer, which would not fit next to two stages) and M_j, and arrives on "pready".
-    # Both warpgroups then rescale their half of the output (columns 256 * wg ...) by exp2(M_{j-1} - M_j)
-    # and add P_j V_j; the other warpgroup waits on "pready" for P_j / M_j and releases the stage ("empty",
-    # count 1) after its P V. Row sums are per warpgroup (its own tiles) and added at the end.
-
-    @gluon.jit
-    def _seesaw_consumer(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready, empty, pready,
-                         qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
-                         split_len, out, lse,
-                         o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
-                         stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
-                         BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, WG: gl.constexpr):  # fmt: skip
-        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
-        BLOCK_N: gl.constexpr = 64
-        HALF: gl.constexpr = 256  # output columns of this warpgroup
-        NW: gl.constexpr = 4
-        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HALF, 16])  # fmt: skip
-        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-        COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
-        LD_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-        ROW_LD: gl.constexpr = gl.SliceLayout(1, LD_LAYOUT)
-        COL_LD: gl.constexpr = gl.SliceLayout(0, LD_LAYOUT)
-
-        # the work item's scalars are read here (not passed in registers from the parent, which made the
-        # default partition spill) and again in the epilogue rather than kept across the loop
-        i_h = gl.program_id(1)
-        i_q = gl.program_id(2)
-        i_b = gl.load(work_req + gl.program_id(0)).to(gl.int64)
-        q_start = gl.load(query_start_loc + i_b)
-        qlen = gl.load(query_start_loc + i_b + 1) - q_start
-        L = gl.load(seq_lens + i_b)
-        chunk = gl.load(split_len + i_b)
-        kv_lo = gl.load(work_split + gl.program_id(0)) * chunk
-        kv_hi = gl.minimum(L, kv_lo + chunk)
-        if CAUSAL:
-            kv_hi = gl.minimum(kv_hi, L - qlen + gl.minimum(i_q * Q_PER + Q_PER, qlen))
-        n_tiles = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
-        p_bt = block_table + i_b * stride_bt_b
-        gl.static_assert(STAGES == 2, "tile j lives in stage j % 2 and belongs to warpgroup j % 2")
-
-        # ---- this warpgroup's first tile (tile WG, stage WG) in flight while Q loads
-        if WG < n_tiles:
-            n0 = kv_lo + WG * BLOCK_N
-            r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
-            r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
-            _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, WG, r0, r1, 2, 2)
-
-        # ---- Q rows -> shared memory: each warpgroup stores every other 64-column chunk, then both wait
-        o_m = gl.arange(0, BLOCK_M, layout=ROW_LD)
-        o_t = i_q * Q_PER + o_m // BLOCK_H
-        o_h = i_h * BLOCK_H + o_m % BLOCK_H
-        m_ld = gl.expand_dims((o_t < qlen) & (o_h < H), 1)
-        p_q = q + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_q_t + o_h * stride_q_h, 1)
-        o_c = gl.expand_dims(gl.arange(0, 64, layout=COL_LD), 0)
-        for c in gl.static_range(9):
-            if c % 2 == WG:
-                b_q = gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0)
-                q_smem.index(c).store(b_q.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(qbar, count=1)
-        mbarrier.wait(qbar, 0)
-
-        o_ms = gl.arange(0, BLOCK_M, layout=ROW_S)
-        o_ts = i_q * Q_PER + o_ms // BLOCK_H
-        if CAUSAL:
-            limit = L - qlen + o_ts + 1
-        else:
-            limit = gl.full([BLOCK_M], 0, gl.int32, ROW_S) + L
-        limit = gl.expand_dims(gl.minimum(limit, kv_hi), 1)
-        m_prev = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)  # M_{j-1}, the same in both warpgroups
-        b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)  # row sum of this warpgroup's tiles
-        acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_LAYOUT)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
-
-        for j in range(n_tiles):
-            stage = j % STAGES
-            ph = (j // STAGES) & 1
-            lat = lat_smem.index(stage)
-            pv = rope_smem.index(stage)  # the tile's rope columns, then its P (same [64, 64] 128B-swizzled shape)
-            if j % 2 == WG:  # this warpgroup's tile: scores, softmax, P
-                n0 = kv_lo + j * BLOCK_N
-                ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
-                ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
-                mbarrier.wait(ready.index(stage), ph)
-                if n0 + BLOCK_N > L:
-                    _zero_tail(lat, n0, L, BLOCK_N, NW)
-                b_s = _qk(q_smem, lat, pv, s_zero)
-                b_s = warpgroup_mma_wait(0, deps=(b_s,))
-                # the key mask after the MMAs, as a key range [lo, hi) per row (a box with an invalid block id
-                # can only be the first or the second half); the key index is built here from n0 so that no
-                # per-column constants stay live across the loop
-                lo = gl.where(ok0, n0, n0 + 32)
-                hi = gl.minimum(limit, gl.where(ok1, n0 + BLOCK_N, n0 + 32))
-                key = gl.expand_dims(gl.arange(0, BLOCK_N, layout=COL_S) + n0, 0)
-                b_s = gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
-                m_new = gl.maximum(m_prev, gl.max(b_s, axis=1))
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                b_alpha = gl.exp2(m_prev - m_use)
-                b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
-                b_l = b_l * b_alpha + gl.sum(b_p, axis=1)
-                pv.store(b_p.to(gl.bfloat16))  # the scores MMAs are done with the rope columns
-                m_smem.index(stage).store(m_new)
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(pready.index(stage), count=1)
-                m_prev = m_new
-                # page rows of tile j + 2 (this warpgroup's next tile, same stage): loads in flight during P V
-                r0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
-                r1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
-                acc = acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1)
-                acc = warpgroup_mma(pv, lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                gl.thread_barrier()  # this warpgroup is done with the stage
-                if j + 2 < n_tiles:  # refill the stage once the other warpgroup's P V is done too
-                    mbarrier.wait(empty.index(stage), ph)
-                    _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, stage, r0, r1, 2, 2)
-            else:  # the other warpgroup's tile: its P and row max
-                mbarrier.wait(pready.index(stage), ph)
-                # the stage's TMA data is read here too: wait on its own barrier (already complete) rather
-                # than rely on visibility carried through the owner's wait and arrive
-                mbarrier.wait(ready.index(stage), ph)
-                m_new = m_smem.index(stage).load(ROW_S)
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                b_alpha = gl.exp2(m_prev - m_use)
-                b_l = b_l * b_alpha
-                m_prev = m_new
-                acc = acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1)
-                acc = warpgroup_mma(pv, lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                gl.thread_barrier()  # this warpgroup is done with the stage
-                mbarrier.arrive(empty.index(stage), count=1)  # the owner may refill it
-
-        # ---- row sums of both warpgroups (exchanged in a plain 1-D layout: its addresses are not those of
-        # the loop's row-max exchange, which the register allocator otherwise keeps alive across the loop)
-        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        l_smem.index(WG).store(gl.convert_layout(b_l, VEC))
-        gl.thread_barrier()
-        mbarrier.arrive(lbar, count=1)
-        mbarrier.wait(lbar, 0)
-        b_l = b_l + gl.convert_layout(l_smem.index(1 - WG).load(VEC), ROW_S)
-
-        # volatile: re-read rather than merged with the loads before the loop (kept live, they spill)
-        i_w = gl.program_id(0)
-        i_h = gl.program_id(1)
-        i_q = gl.program_id(2)
-        i_b = gl.load(work_req + i_w, volatile=True).to(gl.int64)
-        q_start = gl.load(query_start_loc + i_b, volatile=True)
-        qlen = gl.load(query_start_loc + i_b + 1, volatile=True) - q_start
-        o_ms = gl.arange(0, BLOCK_M, layout=ROW_S)
-        o_ts = i_q * Q_PER + o_ms // BLOCK_H
-        n_split = gl.load(num_splits + i_b, volatile=True)
-        empty_r = b_l == 0.0
-        b_lse = gl.where(empty_r, float("-inf"),
-                         (m_prev + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)  # fmt: skip
-        b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_l))
-        b_o = acc * gl.expand_dims(gl.convert_layout(b_inv, ROW_O), 1)
-        o_mo = gl.arange(0, BLOCK_M, layout=ROW_O)
-        o_to = i_q * Q_PER + o_mo // BLOCK_H
-        o_ho = i_h * BLOCK_H + o_mo % BLOCK_H
-        m_o = gl.expand_dims((o_to < qlen) & (o_ho < H), 1)
-        o_v = gl.expand_dims(WG * HALF + gl.arange(0, HALF, layout=COL_O), 0)
-        o_hs = i_h * BLOCK_H + o_ms % BLOCK_H
-        m_s = (o_ts < qlen) & (o_hs < H)  # both warpgroups write the (same) LSE: no extra registers for a mask
-        if n_split == 1:
-            row = (q_start + o_to).to(gl.int64)
-            p_o = out + gl.expand_dims(row * stride_o_t + o_ho * stride_o_h, 1) + o_v
-            gl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
-            gl.store(lse + (q_start + o_ts).to(gl.int64) * H + o_hs, b_lse, mask=m_s)
-        else:
-            part = (i_w.to(gl.int64) * MAX_QLEN + o_to) * H + o_ho
-            gl.store(o_part + gl.expand_dims(part * 512, 1) + o_v, b_o, mask=m_o)
-            gl.store(lse_part + (i_w.to(gl.int64) * MAX_QLEN + o_ts) * H + o_hs, b_lse, mask=m_s)
-
-    @gluon.jit
-    def _mla_decode_gluon_seesaw_kernel(
-        q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
-        split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-        stride_o_t, stride_o_h, H, num_blocks, max_blocks,
-        PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
-    ):  # fmt: skip
-        """Same arguments and results as ``_mla_decode_gluon_ws_kernel``: warpgroup 0 is the default
-        partition (``num_warps = 4``), warpgroup 1 a 4-warp worker with ``WG_REGS`` registers; no producer
-        partition (each warpgroup issues the TMA loads of its own tiles), so each gets 256 registers."""
-        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
-        gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
-        gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
-        gl.static_assert(BLOCK_N == 64, "64-key tiles (P is written over the tile's 64 rope columns)")
-        Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        VEC_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-
-        i_w = gl.program_id(0)
-        i_q = gl.program_id(2)
-        i_b = gl.load(work_req + i_w)
-        if i_b < 0:
-            return
-        i_b = i_b.to(gl.int64)
-        q_start = gl.load(query_start_loc + i_b)
-        qlen = gl.load(query_start_loc + i_b + 1) - q_start
-        if i_q * Q_PER >= qlen:
-            return
-        # (the consumers read the work item's scalars themselves: nothing is carried in registers into the
-        # default partition)
-
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, BLOCK_M, 64], Q_SMEM)
-        lat_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], lat_desc.layout)
-        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], rope_desc.layout)
-        m_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], VEC_SMEM)
-        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        pready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        sync = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(STAGES):
-            mbarrier.init(ready.index(st), count=1)
-            mbarrier.init(empty.index(st), count=1)  # the warpgroup that does not own the stage's tiles
-            mbarrier.init(pready.index(st), count=1)
-        mbarrier.init(sync.index(0), count=2)  # Q stored (both halves)
-        mbarrier.init(sync.index(1), count=2)  # row sums stored
-        fence_async_shared()
-
-        gl.warp_specialize([
-            (_seesaw_consumer, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready, empty,
-                                pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
-                                work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
-                                v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                                max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, STAGES, CAUSAL, 0)),
-            (_seesaw_consumer, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready, empty,
-                                pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
-                                work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
-                                v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                                max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, STAGES, CAUSAL, 1)),
-        ], [4], [WG_REGS])  # fmt: skip
-
-        for st in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(st))
-            mbarrier.invalidate(empty.index(st))
-            mbarrier.invalidate(pready.index(st))
-        mbarrier.invalidate(sync.index(0))
-        mbarrier.invalidate(sync.index(1))
-
 
 def gluon_decode_config(num_heads: int, max_query_len: int) -> tuple[int, int]:
     """``(BLOCK_H, Q_PER)`` of the Gluon kernel: 64 rows = heads x query tokens, heads first."""
@@ -716,7 +448,7 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
 
 def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                            scale_log2: float, v_scale: float, causal: bool, d_v: int, *, block_n: int = 64,
-                           stages: int | None = None, variant: str = "ws") -> None:  # fmt: skip
+                           stages: int | None = None) -> None:  # fmt: skip
     r"""Launch the Gluon split-KV kernel (same meaning as ``_mla_decode_split`` in ``ops/decode.py``).
 
     Writes the final rows of single-split requests into ``out``/``lse`` and the normalised fp32
@@ -725,7 +457,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     Args:
         q (torch.Tensor): `[T, H, 576]` bf16.
         kv_cache (torch.Tensor): `[num_blocks, page, 576]` bf16, or float8_e4m3fn (page a multiple of 32):
-            the fp8 path (``variant="ws"``, 64-key tiles) loads e4m3 tiles by TMA, widens each to an fp16
+            the fp8 path (64-key tiles) loads e4m3 tiles by TMA, widens each to an fp16
             tile in shared memory (exact) and runs the same MMAs in fp16 (q rounded to fp16, like the
             portable kernel); the caller folds ``kv_scale`` into ``scale_log2`` and passes it as ``v_scale``.
         block_table (torch.Tensor): `[B, W]` int32. seq_lens: `[B]` int32. query_start_loc: `[B + 1]` int32.
@@ -738,21 +470,8 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         block_n (int): keys per KV tile, 64 or 32 (keyword-only tuning knob; 64 measured faster).
         stages (int | None): KV ring depth (default: 2 for 64-key tiles, 3 for 32). The fp8 path needs
             64-key tiles and fits 2 fp8 stages next to its fp16 tile.
-        variant (str): ``"ws"`` (``_mla_decode_gluon_ws_kernel``, the default: a 1-warp producer
-            partition issues the TMA loads on per-stage empty/ready mbarriers, two consumer warpgroups
-            split each tile's keys for QK^T and the output columns for P V) or ``"seesaw"``
-            (``_mla_decode_gluon_seesaw_kernel``, bf16 cache, 64-key tiles, 2 stages: each warpgroup
-            computes the full scores and softmax of every other tile, both accumulate P V into their half
-            of the output columns).
     """
-    if variant not in ("ws", "seesaw"):
-        raise ValueError(f'variant must be "ws" or "seesaw"; got {variant!r}')
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    if variant == "seesaw" and (fp8 or block_n != 64 or stages not in (None, 2)):
-        raise ValueError(
-            "variant='seesaw' takes a bf16 cache, block_n=64 and stages=2; got "
-            f"{kv_cache.dtype}, block_n={block_n}, stages={stages}"
-        )
     if fp8 and block_n != 64:
         # 32-key fp8 tiles compile with a few spilled scalars in the consumers (sm90, 240 registers)
         raise ValueError(f"an fp8 cache runs with 64-key tiles only; got block_n={block_n}")
@@ -777,13 +496,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
             q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
             H, num_blocks, block_table.shape[1])  # fmt: skip
-    if variant == "seesaw":
-        _mla_decode_gluon_seesaw_kernel[grid](
-            *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=64, STAGES=2,
-            CAUSAL=causal, WG_REGS=SEESAW_WG_REGS, num_warps=4,
-        )  # fmt: skip
-    else:
-        _mla_decode_gluon_ws_kernel[grid](
-            *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,
-            STAGES=stages, CAUSAL=causal, PRODUCER_REGS=WS_PRODUCER_REGS, FP8=fp8, num_warps=NUM_WARPS,
-        )  # fmt: skip
+    _mla_decode_gluon_ws_kernel[grid](
+        *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,
+        STAGES=stages, CAUSAL=causal, PRODUCER_REGS=WS_PRODUCER_REGS, FP8=fp8, num_warps=NUM_WARPS,
+    )  # fmt: skip
