@@ -311,7 +311,8 @@ def test_gluon_decode_fp8_splits(num_sms, device):
 @pytest.mark.parametrize("backend", ["gluon", "auto"])
 @pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4), (16, 1)])
 def test_mla_decode_fp8_backend(heads, qlen, backend, device):
-    # the public entry point with an fp8 cache ("auto" keeps fp8 caches on the portable kernel for now)
+    # the public entry point with an fp8 cache ("auto" runs it on the Gluon tier on sm90), and the portable
+    # kernel forced on the same plan (on sm90 its tiles are the ones sized for the Gluon tier)
     lens = [3000, 0, 64, 8191, 77]
     q, cache, bt, sl, qsl = _batch(device, heads, [qlen] * len(lens), lens, 64, fp8=True)
     kv = {"kv_cache_dtype": "fp8", "kv_scale": KV_SCALE}

@@ -91,11 +91,11 @@ def _plan_decode_fwd_kernel(
     tl.store(work_indptr + o_b, starts.to(tl.int32), mask=o_b == 0)
     n_items = tl.sum(n, axis=0)
     # the requests with more than one split, in order: the reduce visits only these
-    multi = (n > 1) & m_b
-    slot = tl.cumsum(multi.to(tl.int32), axis=0) - 1
-    tl.store(merge_req + slot, o_b.to(tl.int32), mask=multi)
-    tl.store(merge_req + o_b, tl.full([BLOCK_B], -1, tl.int32), mask=m_b & (o_b >= tl.sum(multi.to(tl.int32), axis=0)))
-    tl.store(num_merge, tl.sum(multi.to(tl.int32), axis=0))
+    multi = ((n > 1) & m_b).to(tl.int32)
+    n_multi = tl.sum(multi, axis=0)
+    tl.store(merge_req + tl.cumsum(multi, axis=0) - 1, o_b.to(tl.int32), mask=multi > 0)
+    tl.store(merge_req + o_b, tl.full([BLOCK_B], -1, tl.int32), mask=m_b & (o_b >= n_multi))
+    tl.store(num_merge, n_multi)
     for i0 in range(0, capacity, BLOCK_I):
         o_i = i0 + tl.arange(0, BLOCK_I)
         req = tl.sum(((ends[None, :] <= o_i[:, None]) & m_b[None, :]).to(tl.int32), axis=1)  # [BLOCK_I]
@@ -327,8 +327,8 @@ def plan_decode(
     if B:
         _plan_decode_fwd_kernel[(1,)](
             seq_lens, query_start_loc, plan.split_len, plan.num_splits, plan.work_indptr, plan.work_req,
-            plan.work_split, plan.merge_req, plan.num_merge, B, capacity, slots, MIN_SPLIT=min_split, BLOCK_N=tiling.block_n,
-            MAX_SPLIT=tiling.max_split, ITEM_COST=_ITEM_COST, N_CAND=_MAX_CANDIDATES,
+            plan.work_split, plan.merge_req, plan.num_merge, B, capacity, slots, MIN_SPLIT=min_split,
+            BLOCK_N=tiling.block_n, MAX_SPLIT=tiling.max_split, ITEM_COST=_ITEM_COST, N_CAND=_MAX_CANDIDATES,
             BLOCK_B=triton.next_power_of_2(B), BLOCK_I=16, num_warps=8,
         )  # fmt: skip
     else:
