@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -54,6 +55,15 @@ def check_index(name: str, t, *, ndim: int, device: torch.device | None = None, 
     if length is not None and t.shape[0] != length:
         raise ValueError(f"{name} must have {length} entries along dim 0; got {describe(t)}")
     return t
+
+
+def kernel_backend(backend: str | None, env: str) -> str:
+    """A kernel tier: ``backend``, else the environment variable ``env``, else "auto"; checked to be
+    "auto", "triton" or "gluon"."""
+    backend = backend or os.environ.get(env, "auto")
+    if backend not in ("auto", "triton", "gluon"):
+        raise ValueError(f'backend must be "auto", "triton" or "gluon"; got {backend!r}')
+    return backend
 
 
 def capturing() -> bool:

@@ -18,7 +18,15 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from openmla.device import INTERPRET, compute_dtype
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe, scalar_scale
+from openmla.ops._validate import (
+    FLOAT16_DTYPES,
+    capturing,
+    check_index,
+    check_tensor,
+    describe,
+    kernel_backend,
+    scalar_scale,
+)
 from openmla.ops.decode_gluon import gluon_decode_supported, mla_decode_split_gluon
 from openmla.ops.plan import DecodePlan, plan_decode
 
@@ -418,9 +426,7 @@ def _mla_decode_reduce(query_start_loc, plan: DecodePlan, out, lse, d_v: int):
 
 def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtype: str) -> bool:
     """Whether this call runs the Hopper (Gluon) split kernel."""
-    backend = backend or os.environ.get("OPENMLA_DECODE_BACKEND", "auto")
-    if backend not in ("auto", "triton", "gluon"):
-        raise ValueError(f'backend must be "auto", "triton" or "gluon"; got {backend!r}')
+    backend = kernel_backend(backend, "OPENMLA_DECODE_BACKEND")
     if backend == "triton":
         return False
     ok = gluon_decode_supported(q, kv_cache, plan, kv_cache_dtype)

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from openmla.device import INTERPRET, compute_dtype
-from openmla.ops._validate import check_index, check_tensor, describe
+from openmla.ops._validate import check_index, check_tensor, describe, kernel_backend
 from openmla.ops.prefill_gluon import flash_attn_varlen_gluon, gluon_prefill_supported
 
 __all__ = ["flash_attn_varlen"]
@@ -620,9 +620,7 @@ def flash_attn_varlen(
 def _use_gluon(backend, q, k, v, descales, out) -> bool:
     """Whether ``flash_attn_varlen`` runs the Hopper Gluon kernel (see its ``backend`` argument). Measured on
     the H200 (benchmarks/RESULTS.md run 16): H128 2 x 8k causal 605 TFLOPS (the Triton kernel 418, cuDNN 570)."""
-    backend = backend or os.environ.get("OPENMLA_PREFILL_BACKEND", "auto")
-    if backend not in ("auto", "triton", "gluon"):
-        raise ValueError(f'backend must be "auto", "triton" or "gluon"; got {backend!r}')
+    backend = kernel_backend(backend, "OPENMLA_PREFILL_BACKEND")
     if backend == "triton":
         return False
     ok = descales is None and (out is None or out.stride(2) == 1) and gluon_prefill_supported(q, k, v)
