@@ -99,6 +99,9 @@ class Knobs:
     regs: int = SEESAW_WG_REGS
     maxnreg: int | None = None  # Triton's ``maxnreg`` option (PTX ``.maxnreg``); None: Triton's 256, ignored by ptxas
     ws: bool = False  # the package's ws kernel (control row: validates the harness)
+    owner_shift: int = 0  # probe: tile j belongs to warpgroup (j + owner_shift) % 2 (1 swaps the roles)
+    lse_wg: int = -1  # probe: only this warpgroup writes the LSE (-1: both, as in 9469e91)
+    const_stage: bool = False  # run 21: each branch indexes its stage with a constexpr (owner WG, reader 1 - WG)
 
     def label(self) -> str:
         if self.ws:
@@ -106,6 +109,9 @@ class Knobs:
         on = [n for n, v in (("sep_p", self.separate_p), ("arrive_all", self.arrive_all),
                              ("reader_fence", self.reader_fence)) if v]  # fmt: skip
         mx = f" maxnreg={self.maxnreg}" if self.maxnreg else ""
+        mx += " swap" if self.owner_shift else ""
+        mx += " const_stage" if self.const_stage else ""
+        mx += f" lse_wg={self.lse_wg}" if self.lse_wg >= 0 else ""
         return f"{self.name}: {'+'.join(on) or 'none'} regs={self.regs}{mx}"
 
 
@@ -135,6 +141,12 @@ def parse_knobs(spec: str) -> Knobs:
             kw["reader_fence"] = True
         elif tok.startswith("regs="):
             kw["regs"] = int(tok[5:])
+        elif tok in ("const", "const_stage"):
+            kw["const_stage"] = True
+        elif tok == "swap":
+            kw["owner_shift"] = 1
+        elif tok.startswith("lse_wg="):
+            kw["lse_wg"] = int(tok[7:])
         elif tok.startswith("maxnreg="):
             kw["maxnreg"] = int(tok[8:])
         else:
@@ -187,7 +199,8 @@ if GLUON_AVAILABLE:
                          PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr, SEPARATE_P: gl.constexpr,
                          ARRIVE_ALL: gl.constexpr, READER_FENCE: gl.constexpr, EMPTY_OFF: gl.constexpr,
-                         PREADY_OFF: gl.constexpr, PFREE_OFF: gl.constexpr, SYNC_OFF: gl.constexpr):  # fmt: skip
+                         PREADY_OFF: gl.constexpr, PFREE_OFF: gl.constexpr, SYNC_OFF: gl.constexpr,
+                         OWNER_SHIFT: gl.constexpr, LSE_WG: gl.constexpr, CONST_STAGE: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
         HALF: gl.constexpr = 256  # output columns of this warpgroup
@@ -222,11 +235,13 @@ if GLUON_AVAILABLE:
         gl.static_assert(STAGES == 2, "tile j lives in stage j % 2 and belongs to warpgroup j % 2")
 
         # ---- this warpgroup's first tile (tile WG, stage WG) in flight while Q loads
-        if WG < n_tiles:
-            n0 = kv_lo + WG * BLOCK_N
+        T0: gl.constexpr = (WG + OWNER_SHIFT) % 2  # this warpgroup's first tile (and its stage)
+        OWN_STAGE: gl.constexpr = T0  # the stage of every tile this warpgroup owns
+        if T0 < n_tiles:
+            n0 = kv_lo + T0 * BLOCK_N
             r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
             r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
-            _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, WG, r0, r1, 2, 2)
+            _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, T0, r0, r1, 2, 2)
 
         # ---- Q rows -> shared memory: each warpgroup stores every other 64-column chunk, then both wait
         o_m = gl.arange(0, BLOCK_M, layout=ROW_LD)
@@ -270,11 +285,21 @@ if GLUON_AVAILABLE:
                 pv = p_smem  # one [64, 64] buffer for every tile (two do not fit)
             else:
                 pv = rope  # the tile's rope columns, then its P (same [64, 64] 128B-swizzled shape)
-            if j % 2 == WG:  # this warpgroup's tile: scores, softmax, P
+            if (j + OWNER_SHIFT) % 2 == WG:  # this warpgroup's tile: scores, softmax, P
+                if CONST_STAGE:  # the stage as a compile-time constant (tile j of this branch is always in it)
+                    st = OWN_STAGE
+                else:
+                    st = stage
+                lat = lat_smem.index(st)
+                rope = rope_smem.index(st)
+                if SEPARATE_P:
+                    pv = p_smem
+                else:
+                    pv = rope
                 n0 = kv_lo + j * BLOCK_N
                 ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
                 ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
-                mbarrier.wait(ready.index(stage), ph)
+                mbarrier.wait(ready.index(st), ph)
                 if n0 + BLOCK_N > L:
                     _zero_tail(lat, n0, L, BLOCK_N, NW)
                 b_s = _qk(q_smem, lat, rope, s_zero)
@@ -292,40 +317,50 @@ if GLUON_AVAILABLE:
                 b_l = b_l * b_alpha + gl.sum(b_p, axis=1)
                 if SEPARATE_P:  # noqa: SIM102 - a compile-time branch around a runtime one
                     if j >= 1:  # the owner of tile j-1 (the other warpgroup) is done reading P_{j-1}
-                        mbarrier.wait(pfree.index(1 - stage), ((j - 1) // STAGES) & 1)
+                        mbarrier.wait(pfree.index(1 - st), ((j - 1) // STAGES) & 1)
                 pv.store(b_p.to(gl.bfloat16))  # (not SEPARATE_P: the scores MMAs are done with the rope columns)
-                m_smem.index(stage).store(m_new)
+                m_smem.index(st).store(m_new)
                 fence_async_shared()
                 if ARRIVE_ALL:
-                    _arrive_all(PREADY_OFF + stage * 8)
+                    _arrive_all(PREADY_OFF + st * 8)
                     gl.thread_barrier()  # this warpgroup's own P V reads all of P
                 else:
                     gl.thread_barrier()
-                    mbarrier.arrive(pready.index(stage), count=1)
+                    mbarrier.arrive(pready.index(st), count=1)
                 m_prev = m_new
-                # page rows of tile j + 2 (this warpgroup's next tile, same stage): loads in flight during P V
+                # page rows of tile j + 2 (this warpgroup's next tile, same st): loads in flight during P V
                 r0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
                 r1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
                 acc = acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1)
                 acc = warpgroup_mma(pv, lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                gl.thread_barrier()  # this warpgroup is done with the stage
+                gl.thread_barrier()  # this warpgroup is done with the st
                 if SEPARATE_P:  # ... and with P_j: the other warpgroup may write P_{j+1}
                     if ARRIVE_ALL:
-                        _arrive_all(PFREE_OFF + stage * 8)
+                        _arrive_all(PFREE_OFF + st * 8)
                     else:
-                        mbarrier.arrive(pfree.index(stage), count=1)
-                if j + 2 < n_tiles:  # refill the stage once the other warpgroup's P V is done too
-                    mbarrier.wait(empty.index(stage), ph)
-                    _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, stage, r0, r1, 2, 2)
+                        mbarrier.arrive(pfree.index(st), count=1)
+                if j + 2 < n_tiles:  # refill the st once the other warpgroup's P V is done too
+                    mbarrier.wait(empty.index(st), ph)
+                    _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, st, r0, r1, 2, 2)
             else:  # the other warpgroup's tile: its P and row max
-                mbarrier.wait(pready.index(stage), ph)
-                # the stage's TMA data is read here too: wait on its own barrier (already complete) rather
+                if CONST_STAGE:  # the stage as a compile-time constant (tile j of this branch is always in it)
+                    st = 1 - OWN_STAGE
+                else:
+                    st = stage
+                lat = lat_smem.index(st)
+                rope = rope_smem.index(st)
+                if SEPARATE_P:
+                    pv = p_smem
+                else:
+                    pv = rope
+                mbarrier.wait(pready.index(st), ph)
+                # the st's TMA data is read here too: wait on its own barrier (already complete) rather
                 # than rely on visibility carried through the owner's wait and arrive
-                mbarrier.wait(ready.index(stage), ph)
+                mbarrier.wait(ready.index(st), ph)
                 if READER_FENCE:  # P_j (and zeroed tail rows of V_j) were written by the other warpgroup
                     fence_async_shared()
-                m_new = m_smem.index(stage).load(ROW_S)
+                m_new = m_smem.index(st).load(ROW_S)
                 m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
                 b_alpha = gl.exp2(m_prev - m_use)
                 b_l = b_l * b_alpha
@@ -333,11 +368,11 @@ if GLUON_AVAILABLE:
                 acc = acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1)
                 acc = warpgroup_mma(pv, lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                gl.thread_barrier()  # this warpgroup is done with the stage
+                gl.thread_barrier()  # this warpgroup is done with the st
                 if ARRIVE_ALL:
-                    _arrive_all(EMPTY_OFF + stage * 8)
+                    _arrive_all(EMPTY_OFF + st * 8)
                 else:
-                    mbarrier.arrive(empty.index(stage), count=1)  # the owner may refill it
+                    mbarrier.arrive(empty.index(st), count=1)  # the owner may refill it
 
         # ---- row sums of both warpgroups (exchanged in a plain 1-D layout: its addresses are not those of
         # the loop's row-max exchange, which the register allocator otherwise keeps alive across the loop)
@@ -373,6 +408,8 @@ if GLUON_AVAILABLE:
         o_v = gl.expand_dims(WG * HALF + gl.arange(0, HALF, layout=COL_O), 0)
         o_hs = i_h * BLOCK_H + o_ms % BLOCK_H
         m_s = (o_ts < qlen) & (o_hs < H)  # both warpgroups write the (same) LSE
+        if LSE_WG >= 0:  # probe: only warpgroup LSE_WG writes it
+            m_s = m_s & (WG == LSE_WG)
         if n_split == 1:
             row = (q_start + o_to).to(gl.int64)
             p_o = out + gl.expand_dims(row * stride_o_t + o_ho * stride_o_h, 1) + o_v
@@ -392,6 +429,7 @@ if GLUON_AVAILABLE:
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG_REGS: gl.constexpr,
         SEPARATE_P: gl.constexpr, ARRIVE_ALL: gl.constexpr, READER_FENCE: gl.constexpr,
         EMPTY_OFF: gl.constexpr, PREADY_OFF: gl.constexpr, PFREE_OFF: gl.constexpr, SYNC_OFF: gl.constexpr,
+        OWNER_SHIFT: gl.constexpr, LSE_WG: gl.constexpr, CONST_STAGE: gl.constexpr,
         num_warps: gl.constexpr,
     ):  # fmt: skip
         """9469e91's ``_mla_decode_gluon_seesaw_kernel`` (same arguments and results as the ws kernel) plus the
@@ -450,14 +488,14 @@ if GLUON_AVAILABLE:
                                 lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
                                 stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, STAGES,
                                 CAUSAL, 0, SEPARATE_P, ARRIVE_ALL, READER_FENCE, EMPTY_OFF, PREADY_OFF, PFREE_OFF,
-                                SYNC_OFF)),
+                                SYNC_OFF, OWNER_SHIFT, LSE_WG, CONST_STAGE)),
             (_seesaw_consumer, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, p_smem, m_smem, l_smem, ready,
                                 empty, pready, pfree, sync.index(0), sync.index(1), block_table, seq_lens,
                                 query_start_loc, work_req, work_split, num_splits, split_len, out, lse, o_part,
                                 lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
                                 stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, STAGES,
                                 CAUSAL, 1, SEPARATE_P, ARRIVE_ALL, READER_FENCE, EMPTY_OFF, PREADY_OFF, PFREE_OFF,
-                                SYNC_OFF)),
+                                SYNC_OFF, OWNER_SHIFT, LSE_WG, CONST_STAGE)),
         ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(STAGES):
@@ -524,7 +562,7 @@ def _constexprs(k: Knobs, block_h: int, q_per: int, causal: bool, max_qlen: int,
     cons = {
         "PAGE": page, "MAX_QLEN": max_qlen, "BLOCK_H": block_h, "Q_PER": q_per, "BLOCK_N": 64, "STAGES": 2,
         "CAUSAL": causal, "WG_REGS": k.regs, "SEPARATE_P": k.separate_p, "ARRIVE_ALL": k.arrive_all,
-        "READER_FENCE": k.reader_fence, "EMPTY_OFF": 0, "PREADY_OFF": 0, "PFREE_OFF": 0, "SYNC_OFF": 0, "num_warps": 4,
+        "READER_FENCE": k.reader_fence, "OWNER_SHIFT": k.owner_shift, "LSE_WG": k.lse_wg, "CONST_STAGE": k.const_stage, "EMPTY_OFF": 0, "PREADY_OFF": 0, "PFREE_OFF": 0, "SYNC_OFF": 0, "num_warps": 4,
     }  # fmt: skip
     cons.update(offs or {})
     return cons
