@@ -33,7 +33,7 @@ PAGE = 64
 SCALE = 192**-0.5
 LOG2E = 1.4426950408889634
 SHAPES = "128,128,8192,1;32,128,8192,1;128,1,32768,1;64,128,8192,1;16,128,8192,4;128,128,8192,2"
-VARIANTS = "64,2;32,3"  # "block_n,stages" of the warp-specialised kernel
+VARIANTS = "64,2;32,3;seesaw"  # "block_n,stages" of the warp-specialised kernel, or "seesaw"
 KV_SCALE = 0.05
 
 
@@ -89,9 +89,13 @@ def run_shape(h, b, s, qlen, variants, args):
         print(f"{head} gluon: not supported here")
         return
     for v in variants:
-        block_n, stages = (int(x) for x in v)
-        kw = {"block_n": block_n, "stages": stages}
-        name = f"gluon {block_n},{stages}"
+        if v == ("seesaw",):
+            kw = {"variant": "seesaw"}
+            name = "gluon seesaw"
+        else:
+            block_n, stages = (int(x) for x in v)
+            kw = {"block_n": block_n, "stages": stages}
+            name = f"gluon {block_n},{stages}"
 
         def gluon(kw=kw):
             dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * kv_s * LOG2E, kv_s, True, 512,

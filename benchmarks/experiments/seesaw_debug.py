@@ -1120,6 +1120,8 @@ def compile_only(combos: list[tuple[int, Knobs]]) -> int:
                         "CAUSAL": causal,
                         "PRODUCER_REGS": dg.WS_PRODUCER_REGS,
                         "FP8": False,
+                        "N_HB": 1,
+                        "N_QB": 1,
                         "num_warps": 8,
                     }
                     kern = compile_sm90(dg._mla_decode_gluon_ws_kernel, cons)  # fmt: skip

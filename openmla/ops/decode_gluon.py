@@ -91,6 +91,8 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm90
 # registers of the 1-warp producer partition of the warp-specialised kernel: 24 spills a few bytes (its
 # arguments arrive through shared memory); 32 leaves the two consumer warpgroups 232 (no spill)
 WS_PRODUCER_REGS = 32
+# registers of the second warpgroup (the worker partition) of ``variant="seesaw"``
+SEESAW_WG_REGS = 240
 
 
 if GLUON_AVAILABLE:
@@ -319,9 +321,14 @@ if GLUON_AVAILABLE:
         stride_o_t, stride_o_h, H, num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        FP8: gl.constexpr, num_warps: gl.constexpr,
+        FP8: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The default kernel (see the module docstring): one program per work item and 64-row block.
+
+        Grid: one axis of ``capacity * N_HB * N_QB`` programs, the ``N_HB`` head blocks x ``N_QB`` query blocks
+        of one work item next to each other, so the programs that read the same KV tiles run at the same
+        time and all but the first find them in L2 (h128: 2 head blocks; in work-item-major order each
+        tile came from HBM twice).
 
         ``FP8``: the descriptors are over an e4m3 cache; the ring holds fp8 tiles, the consumers widen each
         to fp16 (one fp16 tile) and run the MMAs in fp16 (q rounded to fp16, P in fp16)."""
@@ -332,9 +339,10 @@ if GLUON_AVAILABLE:
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
 
-        i_w = gl.program_id(0)
-        i_h = gl.program_id(1)
-        i_q = gl.program_id(2)
+        pid = gl.program_id(0)
+        i_w = pid // (N_HB * N_QB)
+        i_h = pid % N_HB
+        i_q = (pid // N_HB) % N_QB
         i_b = gl.load(work_req + i_w)
         if i_b < 0:
             return
@@ -393,6 +401,264 @@ if GLUON_AVAILABLE:
             mbarrier.invalidate(empty.index(st))
 
 
+    # ---- "seesaw" kernel: two 4-warp partitions (warpgroup 0 = the default partition, warpgroup 1 a worker),
+    # no producer warp. Tile j of a work item lives in stage j % 2 and belongs to warpgroup j % 2, which loads
+    # it (TMA), computes its full 64-key scores S_j = Q K_j^T (m64n64 wgmmas: Q is read from shared memory once
+    # per 64 keys, not once per 32 as in the ws kernel), its softmax with the running row max M_{j-1} of the
+    # other warpgroup's tile, and writes P_j over the tile's rope columns (the scores are done with them) and
+    # M_j. Both warpgroups then add P_j V_j to their half of the output columns. Per own tile t a warpgroup
+    #   a. refills its stage with tile t (once both P_{t-2} V_{t-2} are done) and computes S_t = Q K_t^T,
+    #   b. waits for P_{t-1} / M_{t-1} of the other warpgroup's tile, rescales and adds P_{t-1} V_{t-1},
+    #   c. runs the softmax of S_t, writes P_t / M_t and adds its own P_t V_t.
+    # Each MMA is waited for where it is issued; the overlap is between the warpgroups: one computes S_t
+    # on the tensor cores while the other is in the softmax of tile t - 1.
+    # Every shared-memory buffer is indexed with a compile-time stage (own = WG, other = 1 - WG): a stage
+    # indexed with a runtime value inside these branches gave wrong wgmma operands past the first k-step on
+    # the H200 (Triton 3.6; benchmarks/experiments/seesaw_probe.py, RESULTS.md runs 19-21).
+
+    @gluon.jit
+    def _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O: gl.constexpr):
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        b_alpha = gl.exp2(m_prev - m_use)
+        return acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1), b_l * b_alpha
+
+    @gluon.jit
+    def _seesaw_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready, empty, pready,
+                   qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits, split_len,
+                   out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
+                   stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
+                   MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
+                   N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        BLOCK_N: gl.constexpr = 64
+        HALF: gl.constexpr = 256  # output columns of this warpgroup
+        NW: gl.constexpr = 4
+        OWN: gl.constexpr = WG  # stage of this warpgroup's tiles
+        OTH: gl.constexpr = 1 - WG  # stage of the other warpgroup's tiles
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])  # fmt: skip
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
+        LD_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        ROW_LD: gl.constexpr = gl.SliceLayout(1, LD_LAYOUT)
+        COL_LD: gl.constexpr = gl.SliceLayout(0, LD_LAYOUT)
+
+        pid = gl.program_id(0)
+        i_w = pid // (N_HB * N_QB)
+        i_h = pid % N_HB
+        i_q = (pid // N_HB) % N_QB
+        i_b = gl.load(work_req + i_w).to(gl.int64)  # >= 0: the parent returned for empty slots
+        q_start = gl.load(query_start_loc + i_b)
+        qlen = gl.load(query_start_loc + i_b + 1) - q_start
+        L = gl.load(seq_lens + i_b)
+        chunk = gl.load(split_len + i_b)
+        kv_lo = gl.load(work_split + i_w) * chunk
+        kv_hi = gl.minimum(L, kv_lo + chunk)
+        if CAUSAL:
+            kv_hi = gl.minimum(kv_hi, L - qlen + gl.minimum(i_q * Q_PER + Q_PER, qlen))
+        n_tiles = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
+        n_own = gl.maximum(n_tiles - WG + 1, 0) // 2  # tiles WG, WG + 2, ...
+        p_bt = block_table + i_b * stride_bt_b
+        own_lat = lat_smem.index(OWN)
+        own_rope = rope_smem.index(OWN)
+        oth_lat = lat_smem.index(OTH)
+        oth_rope = rope_smem.index(OTH)
+
+        # ---- the first own tile in flight while Q loads
+        if n_own > 0:
+            n0 = kv_lo + WG * BLOCK_N
+            r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
+            r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
+            _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, OWN, r0, r1, 2, 2)
+
+        # ---- Q rows -> shared memory: each warpgroup stores every other 64-column chunk, then both wait
+        o_m = gl.arange(0, BLOCK_M, layout=ROW_LD)
+        o_t = i_q * Q_PER + o_m // BLOCK_H
+        o_h = i_h * BLOCK_H + o_m % BLOCK_H
+        m_ld = gl.expand_dims((o_t < qlen) & (o_h < H), 1)
+        p_q = q + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_q_t + o_h * stride_q_h, 1)
+        o_c = gl.expand_dims(gl.arange(0, 64, layout=COL_LD), 0)
+        for c in gl.static_range(9):
+            if c % 2 == WG:
+                b_q = gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0)
+                q_smem.index(c).store(b_q.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(qbar, count=1)
+        mbarrier.wait(qbar, 0)
+
+        o_ms = gl.arange(0, BLOCK_M, layout=ROW_S)
+        o_ts = i_q * Q_PER + o_ms // BLOCK_H
+        if CAUSAL:
+            limit = L - qlen + o_ts + 1
+        else:
+            limit = gl.full([BLOCK_M], 0, gl.int32, ROW_S) + L
+        limit = gl.expand_dims(gl.minimum(limit, kv_hi), 1)
+        m_prev = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)  # row max of the tiles added so far
+        b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)  # row sum of this warpgroup's tiles (same max)
+        acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_LAYOUT)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
+        key0 = gl.expand_dims(gl.arange(0, BLOCK_N, layout=COL_S), 0)
+
+        for k in range(n_own):
+            t = WG + 2 * k  # this warpgroup's tile; t - 1 is the other's (none for t = 0)
+            n0 = kv_lo + t * BLOCK_N
+            if k > 0:  # a. refill the own stage with tile t once the other warpgroup's P_{t-2} V_{t-2} is done
+                mbarrier.wait(empty.index(OWN), (k - 1) & 1)
+                r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
+                r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
+                _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, OWN, r0, r1, 2, 2)
+            ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
+            ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
+            # b. the scores S_t (the other warpgroup is in its softmax of tile t - 1 meanwhile)
+            mbarrier.wait(ready.index(OWN), k & 1)
+            if n0 + BLOCK_N > L:
+                _zero_tail(own_lat, n0, L, BLOCK_N, NW)
+            b_s = _qk(q_smem, own_lat, own_rope, s_zero)
+            b_s = warpgroup_mma_wait(0, deps=(b_s,))
+            if t >= 1:  # c. P_{t-1} V_{t-1} of the other warpgroup's tile (its stage, its row max M_{t-1})
+                ph_oth = (k - 1 + WG) & 1  # tile t - 1 is the other warpgroup's (k - 1 + WG)-th
+                mbarrier.wait(pready.index(OTH), ph_oth)
+                mbarrier.wait(ready.index(OTH), ph_oth)
+                m_new = m_smem.index(OTH).load(ROW_S)
+                acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
+                m_prev = m_new
+                acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(OTH), count=1)  # this warpgroup is done with tile t - 1
+            # d. softmax of S_t (keys masked as a range [lo, hi) per row: an invalid box is the first or second half)
+            lo = gl.where(ok0, n0, n0 + 32)
+            hi = gl.minimum(limit, gl.where(ok1, n0 + BLOCK_N, n0 + 32))
+            key = key0 + n0
+            b_s = gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
+            m_new = gl.maximum(m_prev, gl.max(b_s, axis=1))
+            acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
+            b_l = b_l + gl.sum(b_p, axis=1)
+            m_prev = m_new
+            own_rope.store(b_p.to(gl.bfloat16))  # P_t over the rope columns (S_t is done with them)
+            m_smem.index(OWN).store(m_new)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(pready.index(OWN), count=1)
+            # e. this warpgroup's P_t V_t
+            acc = warpgroup_mma(own_rope, own_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+
+        # ---- the other warpgroup's tile after this warpgroup's last one (at most one)
+        t = WG + 2 * n_own - 1
+        if (t >= 0) & (t < n_tiles):
+            ph_oth = (n_own - 1 + WG) & 1
+            mbarrier.wait(pready.index(OTH), ph_oth)
+            mbarrier.wait(ready.index(OTH), ph_oth)
+            m_new = m_smem.index(OTH).load(ROW_S)
+            acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
+            m_prev = m_new
+            acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+
+        # ---- row sums of both warpgroups (both end with the same row max: every tile passed through both)
+        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        l_smem.index(WG).store(gl.convert_layout(b_l, VEC))
+        gl.thread_barrier()
+        mbarrier.arrive(lbar, count=1)
+        mbarrier.wait(lbar, 0)
+        b_l = b_l + gl.convert_layout(l_smem.index(OTH).load(VEC), ROW_S)
+
+        n_split = gl.load(num_splits + i_b)
+        empty_r = b_l == 0.0
+        b_lse = gl.where(empty_r, float("-inf"),
+                         (m_prev + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)  # fmt: skip
+        b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_l))
+        b_o = acc * gl.expand_dims(gl.convert_layout(b_inv, ROW_O), 1)
+        o_mo = gl.arange(0, BLOCK_M, layout=ROW_O)
+        o_to = i_q * Q_PER + o_mo // BLOCK_H
+        o_ho = i_h * BLOCK_H + o_mo % BLOCK_H
+        m_o = gl.expand_dims((o_to < qlen) & (o_ho < H), 1)
+        o_v = gl.expand_dims(WG * HALF + gl.arange(0, HALF, layout=COL_O), 0)
+        o_hs = i_h * BLOCK_H + o_ms % BLOCK_H
+        m_s = (o_ts < qlen) & (o_hs < H) & (WG == 0)  # warpgroup 0 writes the LSE
+        if n_split == 1:
+            row = (q_start + o_to).to(gl.int64)
+            p_o = out + gl.expand_dims(row * stride_o_t + o_ho * stride_o_h, 1) + o_v
+            gl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
+            gl.store(lse + (q_start + o_ts).to(gl.int64) * H + o_hs, b_lse, mask=m_s)
+        else:
+            part = (i_w.to(gl.int64) * MAX_QLEN + o_to) * H + o_ho
+            gl.store(o_part + gl.expand_dims(part * 512, 1) + o_v, b_o, mask=m_o)
+            gl.store(lse_part + (i_w.to(gl.int64) * MAX_QLEN + o_ts) * H + o_hs, b_lse, mask=m_s)
+
+    @gluon.jit
+    def _mla_decode_gluon_seesaw_kernel(
+        q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
+        split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks,
+        PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
+        CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """``variant="seesaw"`` (bf16 cache, 64-key tiles, 2 stages); same arguments, grid and results as the ws
+        kernel (see the comment above ``_seesaw_wg``)."""
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
+        gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
+        Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        VEC_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+        pid = gl.program_id(0)
+        i_w = pid // (N_HB * N_QB)
+        i_q = (pid // N_HB) % N_QB
+        i_b = gl.load(work_req + i_w)
+        if i_b < 0:
+            return
+        i_b = i_b.to(gl.int64)
+        q_start = gl.load(query_start_loc + i_b)
+        qlen = gl.load(query_start_loc + i_b + 1) - q_start
+        if i_q * Q_PER >= qlen:
+            return
+
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, BLOCK_M, 64], Q_SMEM)
+        lat_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], lat_desc.layout)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_desc.layout)
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        sync = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(2):
+            mbarrier.init(ready.index(st), count=1)  # the owner's TMA (expect-tx)
+            mbarrier.init(empty.index(st), count=1)  # the other warpgroup is done with the stage's tile
+            mbarrier.init(pready.index(st), count=1)  # the owner stored P and M of the stage's tile
+            mbarrier.init(sync.index(st), count=2)  # 0: Q stored (both halves); 1: row sums stored
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready, empty, pready,
+                          sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
+                          num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t,
+                          stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN,
+                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0)),
+            (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready, empty, pready,
+                          sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
+                          num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t,
+                          stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN,
+                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1)),
+        ], [4], [WG_REGS])  # fmt: skip
+
+        for st in gl.static_range(2):
+            mbarrier.invalidate(ready.index(st))
+            mbarrier.invalidate(empty.index(st))
+            mbarrier.invalidate(pready.index(st))
+            mbarrier.invalidate(sync.index(st))
+
+
 def gluon_decode_config(num_heads: int, max_query_len: int) -> tuple[int, int]:
     """``(BLOCK_H, Q_PER)`` of the Gluon kernel: 64 rows = heads x query tokens, heads first."""
     block_h = min(triton.next_power_of_2(max(1, num_heads)), BLOCK_M)
@@ -448,7 +714,7 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
 
 def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                            scale_log2: float, v_scale: float, causal: bool, d_v: int, *, block_n: int = 64,
-                           stages: int | None = None) -> None:  # fmt: skip
+                           stages: int | None = None, variant: str = "ws") -> None:  # fmt: skip
     r"""Launch the Gluon split-KV kernel (same meaning as ``_mla_decode_split`` in ``ops/decode.py``).
 
     Writes the final rows of single-split requests into ``out``/``lse`` and the normalised fp32
@@ -470,8 +736,16 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         block_n (int): keys per KV tile, 64 or 32 (keyword-only tuning knob; 64 measured faster).
         stages (int | None): KV ring depth (default: 2 for 64-key tiles, 3 for 32). The fp8 path needs
             64-key tiles and fits 2 fp8 stages next to its fp16 tile.
+        variant (str): ``"ws"`` (``_mla_decode_gluon_ws_kernel``) or ``"seesaw"``
+            (``_mla_decode_gluon_seesaw_kernel``: bf16 cache, 64-key tiles, 2 stages; ``block_n``/``stages``
+            must keep their defaults).
     """
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if variant not in ("ws", "seesaw"):
+        raise ValueError(f"variant must be 'ws' or 'seesaw'; got {variant!r}")
+    if variant == "seesaw" and (fp8 or block_n != 64 or stages not in (None, 2)):
+        raise ValueError("variant='seesaw' takes a bf16 cache, 64-key tiles and 2 stages; got "
+                         f"{kv_cache.dtype}, block_n={block_n}, stages={stages}")  # fmt: skip
     if fp8 and block_n != 64:
         # 32-key fp8 tiles compile with a few spilled scalars in the consumers (sm90, 240 registers)
         raise ValueError(f"an fp8 cache runs with 64-key tiles only; got block_n={block_n}")
@@ -491,12 +765,20 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     shape, strides = [num_blocks * page, D_QK], [kv_cache.stride(1), 1]
     lat_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, D_V], _kv_layout(fp8, D_V))
     rope_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, D_R], _kv_layout(fp8, D_R))
-    grid = (plan.capacity, triton.cdiv(H, block_h), triton.cdiv(plan.max_query_len, q_per))
+    n_hb, n_qb = triton.cdiv(H, block_h), triton.cdiv(plan.max_query_len, q_per)
+    grid = (plan.capacity * n_hb * n_qb,)
     args = (q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split,
             plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
             q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
             H, num_blocks, block_table.shape[1])  # fmt: skip
+    if variant == "seesaw":
+        _mla_decode_gluon_seesaw_kernel[grid](
+            *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
+            WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, num_warps=4,
+        )  # fmt: skip
+        return
     _mla_decode_gluon_ws_kernel[grid](
         *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,
-        STAGES=stages, CAUSAL=causal, PRODUCER_REGS=WS_PRODUCER_REGS, FP8=fp8, num_warps=NUM_WARPS,
+        STAGES=stages, CAUSAL=causal, PRODUCER_REGS=WS_PRODUCER_REGS, FP8=fp8, N_HB=n_hb, N_QB=n_qb,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
