@@ -89,9 +89,9 @@ def run_shape(h, b, s, qlen, variants, args):
         print(f"{head} gluon: not supported here")
         return
     for v in variants:
-        if v == ("seesaw",):
-            kw = {"variant": "seesaw"}
-            name = "gluon seesaw"
+        if v[0].startswith("seesaw"):
+            kw = {"variant": v[0]}
+            name = f"gluon {v[0]}"
         else:
             block_n, stages = (int(x) for x in v)
             kw = {"block_n": block_n, "stages": stages}

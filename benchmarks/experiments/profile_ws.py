@@ -1,6 +1,6 @@
 """Launch the Gluon (warp-specialised) decode split kernel once per shape, for a profiler (H200; not part of openmla).
 
-    ncu --clock-control none -k regex:_mla_decode_gluon_ws --launch-count 2 --section SpeedOfLight \\
+    ncu --clock-control none -k regex:_mla_decode_gluon --launch-count 2 --section SpeedOfLight \\
         --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \\
         python3 benchmarks/experiments/profile_ws.py
 
@@ -26,7 +26,7 @@ from openmla.ops import decode_gluon as dg
 SHAPES = {"h128b128": (128, 128, 8192), "h128b1": (128, 1, 32768)}
 
 
-def launch(H: int, B: int, S: int, times: int) -> None:
+def launch(H: int, B: int, S: int, times: int, variant: str = "ws") -> None:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     page = 64
@@ -41,9 +41,9 @@ def launch(H: int, B: int, S: int, times: int) -> None:
     lse = torch.empty(B, H, device=dev, dtype=torch.float32)
     scale = 576**-0.5 * 1.4426950408889634
     items = int((plan.work_req >= 0).sum())
-    print(f"H {H} B {B} S {S}: {items} work items, grid {plan.capacity} x {math.ceil(H / 64)}", flush=True)
+    print(f"{variant} H {H} B {B} S {S}: {items} work items, {plan.capacity * math.ceil(H / 64)} programs", flush=True)
     for _ in range(times):
-        dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, scale, 1.0, True, 512)
+        dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, scale, 1.0, True, 512, variant=variant)
     torch.cuda.synchronize()
 
 
@@ -51,9 +51,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="h128b128,h128b1")
     ap.add_argument("--times", type=int, default=1)
+    ap.add_argument("--variant", default="ws", help="ws, seesaw, or both (ws then seesaw per shape)")
     args = ap.parse_args()
     for name in args.shape.split(","):
-        launch(*SHAPES[name], args.times)
+        for v in ("ws", "seesaw") if args.variant == "both" else (args.variant,):
+            launch(*SHAPES[name], args.times, v)
     return 0
 
 

@@ -126,13 +126,14 @@ if GLUON_AVAILABLE:
             tma.async_copy_global_to_shared(rope_desc, [row, 512], bar, rope_smem.index(stage).slice(h * 32, 32, dim=0))
 
     @gluon.jit
-    def _qk(q_smem, lat, rope, s_init):
-        """Start ``S = Q K^T`` for one tile: 8 latent chunks + the rope chunk, chained async wgmmas."""
-        s = warpgroup_mma(q_smem.index(0), lat.slice(0, 64, dim=1).permute((1, 0)), s_init, use_acc=False,
+    def _qk(q_smem, lat, rope, s_init, zq=0):
+        """Start ``S = Q K^T`` for one tile: 8 latent chunks + the rope chunk, chained async wgmmas.
+        ``zq``: 0, or a runtime 0 that makes the Q chunk descriptors be rebuilt where they are used."""
+        s = warpgroup_mma(q_smem.index(zq), lat.slice(0, 64, dim=1).permute((1, 0)), s_init, use_acc=False,
                           is_async=True)  # fmt: skip
         for c in gl.static_range(1, 8):
-            s = warpgroup_mma(q_smem.index(c), lat.slice(c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(q_smem.index(8), rope.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q_smem.index(c + zq), lat.slice(c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_smem.index(8 + zq), rope.permute((1, 0)), s, is_async=True)
         return s
 
     @gluon.jit
@@ -428,7 +429,7 @@ if GLUON_AVAILABLE:
                    out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
                    stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
                    MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
-                   N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+                   N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
         HALF: gl.constexpr = 256  # output columns of this warpgroup
@@ -463,10 +464,6 @@ if GLUON_AVAILABLE:
         n_tiles = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
         n_own = gl.maximum(n_tiles - WG + 1, 0) // 2  # tiles WG, WG + 2, ...
         p_bt = block_table + i_b * stride_bt_b
-        own_lat = lat_smem.index(OWN)
-        own_rope = rope_smem.index(OWN)
-        oth_lat = lat_smem.index(OTH)
-        oth_rope = rope_smem.index(OTH)
 
         # ---- the first own tile in flight while Q loads
         if n_own > 0:
@@ -507,6 +504,17 @@ if GLUON_AVAILABLE:
         for k in range(n_own):
             t = WG + 2 * k  # this warpgroup's tile; t - 1 is the other's (none for t = 0)
             n0 = kv_lo + t * BLOCK_N
+            if OPAQUE:
+                # a runtime 0 that changes with k and that the compiler cannot fold (seq_lens are >= 0): the
+                # operand descriptors of the stages and Q chunks are rebuilt in each iteration rather than
+                # computed once before the loop and kept live across it (350 B of spill a thread)
+                z = (L >> 31) & k
+            else:
+                z = 0
+            own_lat = lat_smem.index(OWN + z)
+            own_rope = rope_smem.index(OWN + z)
+            oth_lat = lat_smem.index(OTH + z)
+            oth_rope = rope_smem.index(OTH + z)
             if k > 0:  # a. refill the own stage with tile t once the other warpgroup's P_{t-2} V_{t-2} is done
                 mbarrier.wait(empty.index(OWN), (k - 1) & 1)
                 r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
@@ -518,7 +526,7 @@ if GLUON_AVAILABLE:
             mbarrier.wait(ready.index(OWN), k & 1)
             if n0 + BLOCK_N > L:
                 _zero_tail(own_lat, n0, L, BLOCK_N, NW)
-            b_s = _qk(q_smem, own_lat, own_rope, s_zero)
+            b_s = _qk(q_smem, own_lat, own_rope, s_zero, z)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
             if t >= 1:  # c. P_{t-1} V_{t-1} of the other warpgroup's tile (its stage, its row max M_{t-1})
                 ph_oth = (k - 1 + WG) & 1  # tile t - 1 is the other warpgroup's (k - 1 + WG)-th
@@ -560,6 +568,8 @@ if GLUON_AVAILABLE:
             m_new = m_smem.index(OTH).load(ROW_S)
             acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
             m_prev = m_new
+            oth_lat = lat_smem.index(OTH)
+            oth_rope = rope_smem.index(OTH)
             acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
 
@@ -601,7 +611,7 @@ if GLUON_AVAILABLE:
         stride_o_t, stride_o_h, H, num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        num_warps: gl.constexpr,
+        OPAQUE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """``variant="seesaw"`` (bf16 cache, 64-key tiles, 2 stages); same arguments, grid and results as the ws
         kernel (see the comment above ``_seesaw_wg``)."""
@@ -644,12 +654,12 @@ if GLUON_AVAILABLE:
                           sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
                           num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t,
                           stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN,
-                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0)),
+                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE)),
             (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready, empty, pready,
                           sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
                           num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t,
                           stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN,
-                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1)),
+                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE)),
         ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):
@@ -741,9 +751,9 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             must keep their defaults).
     """
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    if variant not in ("ws", "seesaw"):
-        raise ValueError(f"variant must be 'ws' or 'seesaw'; got {variant!r}")
-    if variant == "seesaw" and (fp8 or block_n != 64 or stages not in (None, 2)):
+    if variant not in ("ws", "seesaw", "seesaw-const"):
+        raise ValueError(f"variant must be 'ws', 'seesaw' or 'seesaw-const'; got {variant!r}")
+    if variant.startswith("seesaw") and (fp8 or block_n != 64 or stages not in (None, 2)):
         raise ValueError("variant='seesaw' takes a bf16 cache, 64-key tiles and 2 stages; got "
                          f"{kv_cache.dtype}, block_n={block_n}, stages={stages}")  # fmt: skip
     if fp8 and block_n != 64:
@@ -771,10 +781,10 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
             q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
             H, num_blocks, block_table.shape[1])  # fmt: skip
-    if variant == "seesaw":
+    if variant.startswith("seesaw"):
         _mla_decode_gluon_seesaw_kernel[grid](
             *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
-            WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, num_warps=4,
+            WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant == "seesaw", num_warps=4,
         )  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
