@@ -120,6 +120,13 @@ def test_gluon_decode_unsupported_on_cpu():
     # the fp8 path takes 64-key tiles only (refused before any launch)
     with pytest.raises(ValueError, match="fp8 cache"):
         dg.mla_decode_split_gluon(q, cache8, None, None, None, None, None, None, 1.0, 1.0, True, 512, block_n=32)
+    with pytest.raises(ValueError, match="variant must be"):
+        dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512, variant="x")
+    with pytest.raises(ValueError, match="seesaw"):  # bf16 caches and 64-key tiles only
+        dg.mla_decode_split_gluon(q, cache8, None, None, None, None, None, None, 1.0, 1.0, True, 512, variant="seesaw")
+    with pytest.raises(ValueError, match="seesaw"):
+        dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512, block_n=32,
+                                  variant="seesaw")
 
 
 # ---------------------------------------------------------------------------------------------------
