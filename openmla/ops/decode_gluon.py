@@ -32,6 +32,13 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
   at the end.
 * ``P`` (bf16) to shared memory, then ``O += P V`` with ``V`` = the latent buffer of the same stage,
   the ``[64, 512]`` fp32 accumulator split by columns over the warpgroups (128 registers a thread).
+* Launch order: one grid axis of ``work items x head blocks x query blocks`` with the head blocks (then
+  query blocks) of a work item adjacent, so the programs that read the same KV tiles run together and all
+  but the first read them from L2 (h128: 800 -> 720 us; RESULTS.md run 24). Both kernels use it.
+* ``variant="seesaw"`` (``_mla_decode_gluon_seesaw_kernel``, opt-in, bf16 cache): two 4-warp partitions
+  that own alternate 64-key tiles (full-width scores, P over the tile's rope columns, both add every tile's
+  P V to their output half); see the comment above ``_seesaw_wg``. As fast as ws at qlen 1, 6% faster at
+  h128 qlen 2 (RESULTS.md run 26).
 * Measured and dropped (RESULTS.md run 8): the same loop without warp specialisation (4-8% slower), a
   variant issuing the next tile's scores MMA before this tile's softmax, and 32-key tiles as default.
 * fp8 cache (``kv_cache_dtype="fp8"``, float8_e4m3fn, selected by the cache dtype; 64-key tiles,
