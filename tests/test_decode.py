@@ -304,3 +304,35 @@ def test_reduce_task_sizes(programs_per_sm, heads, device, monkeypatch):
     if programs_per_sm == 1:
         assert block_d == 512 and block_hb > 1 and progs < int(plan.num_merge) * 3 * -(-heads // block_hb)
     _check(q, cache, bt, sl, qsl, True, torch.bfloat16, plan=plan)
+
+
+def test_reduce_wide_steps(device, monkeypatch):
+    # the sweep knob "reduce_tile": up to 64 splits per step of the reduce's split loop (one step for all the
+    # splits of a request), masked past each request's split count
+    import openmla.ops.decode as decode_mod
+
+    import openmla.ops.plan as plan_mod
+
+    monkeypatch.setattr(decode_mod, "_REDUCE_TILE", 8192)
+    monkeypatch.setattr(decode_mod, "_REDUCE_MAX_BLOCK_S", 64)
+    monkeypatch.setattr(plan_mod, "_MIN_SPLIT_ENV", pick("64", None))
+    lens = pick([700, 5, 260], [30000, 70, 9000])
+    q, cache, bt, sl, qsl = _batch(device, 4, [1, 2, 1], lens, 64, torch.bfloat16)
+    plan = openmla.plan_decode(sl, qsl, 4, num_sms=pick(16, 132))
+    assert int(plan.num_splits.max()) > 2
+    _, _, _, block_s = decode_mod._reduce_tiling(plan, 4, 512)
+    assert block_s > 16
+    _check(q, cache, bt, sl, qsl, True, torch.bfloat16, plan=plan)
+
+
+def test_gluon_variant_env(monkeypatch):
+    from openmla.ops.decode import _gluon_variant
+
+    monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "seesaw")
+    assert _gluon_variant("auto") == "seesaw" and _gluon_variant("fp8") == "ws"
+    monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "fast")
+    q = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    one = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="OPENMLA_DECODE_GLUON_VARIANT"):
+        openmla.mla_decode(q, cache, one.view(1, 1) * 0, one, torch.tensor([0, 1], dtype=torch.int32), 0.1)

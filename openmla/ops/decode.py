@@ -38,6 +38,11 @@ _GLUON_AUTO_MIN_ROWS = int(os.environ.get("OPENMLA_DECODE_GLUON_MIN_ROWS", "32")
 _PDL = os.environ.get("OPENMLA_DECODE_PDL", "0") == "1"
 # reduce programs per SM (4 warps each; they loop over the merge tasks)
 _REDUCE_PROGRAMS_PER_SM = 8
+# partial elements (splits x columns) a reduce program loads per step of its split loop (tuning knob of
+# benchmarks/sweep_decode.py: "reduce_tile"); the o loads of a step wait on its lse loads, so a request
+# with many splits costs two dependent memory round trips per step
+_REDUCE_TILE = 2048
+_REDUCE_MAX_BLOCK_S = 16  # splits per step at most
 _LN2 = 0.6931471805599453
 
 
@@ -365,7 +370,7 @@ def _reduce_tiling(plan: DecodePlan, H: int, d_v: int) -> tuple[int, int, int, i
     block_d *= widen
     block_hb = min(grow // widen, triton.next_power_of_2(H))
     hbd = block_hb * block_d
-    block_s = max(2, min(16, 2048 // hbd))
+    block_s = max(2, min(_REDUCE_MAX_BLOCK_S, _REDUCE_TILE // hbd))
     tasks = plan.batch_size * plan.max_query_len * triton.cdiv(H, block_hb) * (d_v // block_d)
     return max(1, min(tasks, programs)), block_hb, block_d, block_s
 
@@ -443,6 +448,15 @@ def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtyp
     # widens e4m3 in registers and spills; the Gluon kernel widens in shared memory: 1.9x faster at h128,
     # 1.05x at h16, RESULTS.md run 15)
     return ok and (plan.tiling.block_m >= _GLUON_AUTO_MIN_ROWS or kv_cache_dtype == "fp8")
+
+
+def _gluon_variant(kv_cache_dtype: str) -> str:
+    """The Gluon kernel variant (``OPENMLA_DECODE_GLUON_VARIANT``: ``ws``, the default, or ``seesaw``; read per
+    call). fp8 caches always run ``ws`` (the seesaw kernel takes bf16 caches only)."""
+    variant = os.environ.get("OPENMLA_DECODE_GLUON_VARIANT", "ws")
+    if variant not in ("ws", "seesaw"):
+        raise ValueError(f"OPENMLA_DECODE_GLUON_VARIANT must be 'ws' or 'seesaw'; got {variant!r}")
+    return "ws" if kv_cache_dtype == "fp8" else variant
 
 
 def _host_scale(name: str, scale, device) -> float:
@@ -569,9 +583,10 @@ def mla_decode(
             raise ValueError("lse must be contiguous")
     if T and B:
         scale_log2 = sm_scale * q_s * kv_s * _LOG2E
+        variant = _gluon_variant(kv_cache_dtype)
         if _use_gluon(backend, q, kv_cache, plan, kv_cache_dtype):
             mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse,
-                                   scale_log2, kv_s, causal, d_v)  # fmt: skip
+                                   scale_log2, kv_s, causal, d_v, variant=variant)  # fmt: skip
         else:
             _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse,
                               scale_log2, kv_s, causal, d_v, compute)  # fmt: skip
