@@ -101,7 +101,7 @@ class Knobs:
     ws: bool = False  # the package's ws kernel (control row: validates the harness)
     owner_shift: int = 0  # probe: tile j belongs to warpgroup (j + owner_shift) % 2 (1 swaps the roles)
     lse_wg: int = -1  # probe: only this warpgroup writes the LSE (-1: both, as in 9469e91)
-    const_stage: bool = False  # run 21: each branch indexes its stage with a constexpr (owner WG, reader 1 - WG)
+    const_stage: bool = False  # run 22: each branch indexes its stage with a constexpr (owner WG, reader 1 - WG)
 
     def label(self) -> str:
         if self.ws:

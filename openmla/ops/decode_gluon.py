@@ -422,7 +422,7 @@ if GLUON_AVAILABLE:
     # on the tensor cores while the other is in the softmax of tile t - 1.
     # Every shared-memory buffer is indexed with a compile-time stage (own = WG, other = 1 - WG): a stage
     # indexed with a runtime value inside these branches gave wrong wgmma operands past the first k-step on
-    # the H200 (Triton 3.6; benchmarks/experiments/seesaw_probe.py, RESULTS.md runs 19-21).
+    # the H200 (Triton 3.6; benchmarks/experiments/seesaw_probe.py, RESULTS.md runs 19-22).
 
     @gluon.jit
     def _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O: gl.constexpr):
