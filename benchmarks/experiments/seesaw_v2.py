@@ -6,7 +6,8 @@ the other warpgroup does that P V after its own scores, so the TMA latency of ev
 (per tile: latency + scores + P V). This version changes two things:
 
 * order per own tile t: (1) the other warpgroup's tile t - 1 first (P_{t-1} V_{t-1}, releasing it at once),
-  (2) the scores S_t, (3) softmax, P_t, (4) own P_t V_t, (5) the refill with tile t + 2;
+  (2) the scores S_t, (3) softmax, P_t, (4) own P_t V_t, (5) the refill with tile t + 2; ``PV_FIRST=False`` swaps
+  (1) and (2) (the package kernel's order) to measure the split refill alone;
 * split refill: a stage is two TMA groups with their own barriers. X = the owner's half of the latent columns (read
   only by the owner's P V: refilled right after it), Y = the other half + the rope columns (P lives there: refilled
   after the other warpgroup's P V). The scores chain the 4 X chunks first, then waits for Y.
@@ -66,12 +67,28 @@ if GLUON_AVAILABLE:
                 tma.async_copy_global_to_shared(desc, [row, 512], bar, rope_smem.index(stage).slice(h * 32, 32, dim=0))
 
     @gluon.jit
+    def _v2_other_tile(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y, empty_y, ph, WG: gl.constexpr,
+                       ROW_S: gl.constexpr, ROW_O: gl.constexpr):  # fmt: skip
+        """P V of the other warpgroup's tile (its P over its rope columns, this warpgroup's half of its V: both in
+        the other stage's Y group); releases that group to its owner."""
+        OTH: gl.constexpr = 1 - WG
+        mbarrier.wait(pready.index(OTH), ph)
+        mbarrier.wait(ready_y.index(OTH), ph)
+        m_new = m_smem.index(OTH).load(ROW_S)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
+        acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * 256, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(empty_y.index(OTH), count=1)
+        return acc, b_l, m_new
+
+    @gluon.jit
     def _v2_wg(q, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready, qbar, lbar,
                block_table, seq_lens, query_start_loc, work_req, work_split, num_splits, split_len, out, lse, o_part,
                lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H,
                num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr,
                Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-               WG: gl.constexpr):  # fmt: skip
+               PV_FIRST: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
         HALF: gl.constexpr = 256
@@ -150,19 +167,12 @@ if GLUON_AVAILABLE:
             own_rope = rope_smem.index(OWN + z)
             oth_lat = lat_smem.index(OTH + z)
             oth_rope = rope_smem.index(OTH + z)
-            # 1. the other warpgroup's tile t - 1: its P (over its rope columns) x this warpgroup's half of its V
-            #    (both in the other stage's Y group), released at once
-            if t >= 1:
-                ph_oth = (k - 1 + WG) & 1
-                mbarrier.wait(pready.index(OTH), ph_oth)
-                mbarrier.wait(ready_y.index(OTH), ph_oth)
-                m_new = m_smem.index(OTH).load(ROW_S)
-                acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
-                m_prev = m_new
-                acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                gl.thread_barrier()
-                mbarrier.arrive(empty_y.index(OTH), count=1)
+            # 1. (PV_FIRST) the other warpgroup's tile t - 1: its P (over its rope columns) x this warpgroup's half
+            #    of its V (both in the other stage's Y group), released at once
+            if PV_FIRST:
+                if t >= 1:
+                    acc, b_l, m_prev = _v2_other_tile(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y,
+                                                      empty_y, (k - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
             # 2. S_t: the X chunks (this warpgroup's half), then the Y chunks (the other half and the rope)
             ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
             ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
@@ -179,6 +189,10 @@ if GLUON_AVAILABLE:
                                     is_async=True)  # fmt: skip
             b_s = warpgroup_mma(q_smem.index(8 + z), own_rope.permute((1, 0)), b_s, is_async=True)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
+            if not PV_FIRST:  # 1. after the scores: they run while the other warpgroup is in its softmax
+                if t >= 1:
+                    acc, b_l, m_prev = _v2_other_tile(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y,
+                                                      empty_y, (k - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
             if n0 + BLOCK_N > L:  # rows past the sequence: zeros before any P V reads them (S masks them)
                 _zero_tail(own_lat, n0, L, BLOCK_N, NW)
             # 3. softmax of S_t, P_t over the rope columns, M_t
@@ -258,7 +272,7 @@ if GLUON_AVAILABLE:
         num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS_: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        num_warps: gl.constexpr,
+        PV_FIRST: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program")
@@ -301,12 +315,12 @@ if GLUON_AVAILABLE:
                       sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
                       num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h,
                       stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER,
-                      CAUSAL, N_HB, N_QB, 0)),
+                      CAUSAL, N_HB, N_QB, PV_FIRST, 0)),
             (_v2_wg, (q, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready,
                       sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
                       num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h,
                       stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER,
-                      CAUSAL, N_HB, N_QB, 1)),
+                      CAUSAL, N_HB, N_QB, PV_FIRST, 1)),
         ], [4], [WG_REGS_])  # fmt: skip
 
         for st in gl.static_range(2):
@@ -317,8 +331,10 @@ if GLUON_AVAILABLE:
             mbarrier.invalidate(sync.index(st))
 
 
-def seesaw_v2_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse, scale_log2, v_scale, causal):
-    """Launch the v2 split kernel (bf16 cache, page a multiple of 32); same contract as ``mla_decode_split_gluon``."""
+def seesaw_v2_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse, scale_log2, v_scale, causal,
+                    pv_first=True):  # fmt: skip
+    """Launch the v2 split kernel (bf16 cache, page a multiple of 32); same contract as ``mla_decode_split_gluon``.
+    ``pv_first``: the other warpgroup's P V before this warpgroup's scores (False: after them)."""
     if kv_cache.dtype != torch.bfloat16:
         raise ValueError("seesaw v2 takes a bf16 cache")
     H = q.shape[1]
@@ -332,7 +348,7 @@ def seesaw_v2_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan, o
         plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale, q.stride(0), q.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1), H, num_blocks, block_table.shape[1],
         PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal, WG_REGS_=WG_REGS,
-        N_HB=n_hb, N_QB=n_qb, num_warps=4,
+        N_HB=n_hb, N_QB=n_qb, PV_FIRST=pv_first, num_warps=4,
     )  # fmt: skip
 
 
@@ -346,9 +362,9 @@ def compile_only() -> int:
 
     fn = _seesaw_v2_kernel
     ok = True
-    for block_h, causal in ((64, False), (16, True)):
+    for block_h, causal, pv_first in ((64, False, True), (16, True, True), (64, False, False), (16, True, False)):
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal, WG_REGS_=WG_REGS,
-                    N_HB=2, N_QB=1, num_warps=4)  # fmt: skip
+                    N_HB=2, N_QB=1, PV_FIRST=pv_first, num_warps=4)  # fmt: skip
         sig, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name in cons:
@@ -369,7 +385,7 @@ def compile_only() -> int:
         smem = r["shared"] + r["static_shared"]
         line_ok = r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255 and smem <= dg.SMEM_LIMIT
         ok &= line_ok
-        print(f"BLOCK_H {block_h} CAUSAL {int(causal)} | regs {r['regs']} | spill {px['spill']} | stack {r['stack']} "
+        print(f"BLOCK_H {block_h} CAUSAL {int(causal)} PV_FIRST {int(pv_first)} | regs {r['regs']} | spill {px['spill']} | stack {r['stack']} "
               f"| shared {smem} | wgmma {r['wgmma']} tma {r['tma']} | setmaxnreg {r['setmaxnreg']} "
               f"| {'ok' if line_ok else 'FAIL'}")  # fmt: skip
     return 0 if ok else 1
@@ -407,7 +423,7 @@ def run_gpu() -> int:
         q = torch.randn(int(qsl[-1]), heads, 576, device=dev).to(torch.bfloat16)
         return q, cache, bt, sl, qsl
 
-    fails = 0
+    fails = {True: 0, False: 0}  # per order (pv_first)
     lens_sets = {"ragged": [4096, 0, 3, 8191, 1000, 33, 2048, 17],
                  "tiles": [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 192, 193, 256, 257, 320]}  # fmt: skip
     for heads, qlen, causal, lset, page, num_sms in [
@@ -418,26 +434,29 @@ def run_gpu() -> int:
         lens = lens_sets[lset]
         q, cache, bt, sl, qsl = batch(heads, [qlen] * len(lens), lens, page)
         plan = openmla.plan_decode(sl, qsl, heads, num_sms=num_sms)
-        out = torch.full((q.shape[0], heads, 512), float("nan"), dtype=q.dtype, device=dev)
-        lse = torch.full((q.shape[0], heads), float("nan"), dtype=torch.float32, device=dev)
-        plan.o_part.fill_(float("nan"))
-        plan.lse_part.fill_(float("nan"))
-        tag = f"h{heads} q{qlen} {'causal' if causal else 'full'} {lset} page {page} sms {num_sms}"
-        try:
-            seesaw_v2_split(q, cache, bt, sl, qsl, plan, out, lse, scale * l2e, 1.0, causal)
-            _mla_decode_reduce(qsl, plan, out, lse, 512)
-            ref_o, ref_l = mla_decode_ref(q, cache, bt, sl, qsl, scale, causal=causal)
-            assert not torch.isnan(out).any(), "NaN in out"
-            assert_close("out", ref_o, out, *TOLERANCES[torch.bfloat16])
-            assert_close("lse", ref_l, lse, 1e-3, 1e-3, 1e-6)
-            print(f"PASS {tag}", flush=True)
-        except Exception as exc:  # noqa: BLE001
-            fails += 1
-            print(f"FAIL {tag}: {str(exc).splitlines()[0][:200]}", flush=True)
-            if "illegal" in str(exc).lower():
-                return 1
-    if fails:
-        print(f"# {fails} failures: no benchmark")
+        ref_o, ref_l = mla_decode_ref(q, cache, bt, sl, qsl, scale, causal=causal)
+        for pv_first in (True, False):
+            out = torch.full((q.shape[0], heads, 512), float("nan"), dtype=q.dtype, device=dev)
+            lse = torch.full((q.shape[0], heads), float("nan"), dtype=torch.float32, device=dev)
+            plan.o_part.fill_(float("nan"))
+            plan.lse_part.fill_(float("nan"))
+            tag = (f"{'pv-first' if pv_first else 'qk-first'} h{heads} q{qlen} {'causal' if causal else 'full'} "
+                   f"{lset} page {page} sms {num_sms}")  # fmt: skip
+            try:
+                seesaw_v2_split(q, cache, bt, sl, qsl, plan, out, lse, scale * l2e, 1.0, causal, pv_first)
+                _mla_decode_reduce(qsl, plan, out, lse, 512)
+                assert not torch.isnan(out).any(), "NaN in out"
+                assert_close("out", ref_o, out, *TOLERANCES[torch.bfloat16])
+                assert_close("lse", ref_l, lse, 1e-3, 1e-3, 1e-6)
+                print(f"PASS {tag}", flush=True)
+            except Exception as exc:  # noqa: BLE001
+                fails[pv_first] += 1
+                print(f"FAIL {tag}: {str(exc).splitlines()[0][:200]}", flush=True)
+                if "illegal" in str(exc).lower():
+                    return 1
+    orders = [o for o in (True, False) if not fails[o]]
+    print(f"# failures: pv-first {fails[True]}, qk-first {fails[False]}; timing the orders that passed")
+    if not orders:
         return 1
     print("# split kernel alone, CUDA-graph median (us) and TFLOPS; same plan for every kernel")
     for h, b, s, qlen in [(128, 128, 8192, 1), (128, 128, 8192, 2), (32, 128, 8192, 1), (128, 1, 32768, 1)]:
@@ -448,11 +467,11 @@ def run_gpu() -> int:
         lse = torch.empty(q.shape[0], h, dtype=torch.float32, device=dev)
         flops = 2.0 * q.shape[0] * h * s * (576 + 512)
         row = []
-        for name in ("ws", "seesaw", "v2"):
-            if name == "v2":
+        for name in ["ws", "seesaw"] + [("v2-pv-first" if o else "v2-qk-first") for o in orders]:
+            if name.startswith("v2"):
 
-                def fn():
-                    seesaw_v2_split(q, cache, bt, sl, qsl, plan, out, lse, scale * l2e, 1.0, True)
+                def fn(pv_first=name == "v2-pv-first"):
+                    seesaw_v2_split(q, cache, bt, sl, qsl, plan, out, lse, scale * l2e, 1.0, True, pv_first)
             else:
 
                 def fn(name=name):
