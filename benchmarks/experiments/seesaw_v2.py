@@ -379,7 +379,7 @@ def compile_only() -> int:
             else:
                 sig[name] = "i32"
         k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs),
-                           target=triton.backends.compiler.GPUTarget("cuda", 90, 32), options={"num_warps": 4})  # fmt: skip
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})  # fmt: skip
         r = resource_report(k)
         px = ptxas_info(k.asm["ptx"])
         smem = r["shared"] + r["static_shared"]
