@@ -11,7 +11,7 @@ yardstick is measured once. One line per (variant, shape); the best variant per 
 A variant is ``key=value[|key=value...]`` with keys item_cost, min_split, max_tiles, tiling (block_n,warps,stages),
 tma (0/1: full KV tiles through TMA descriptors), backend (auto/triton/gluon),
 pdl (0/1: programmatic dependent launch of the reduce), reduce_programs (reduce programs per SM),
-reduce_tile (partial elements a reduce program loads per step; also lifts the 16-split cap per step to 64),
+reduce_tile (partial elements a one-head reduce program loads per step, at most 64 splits; default 8192),
 gluon_variant (ws/seesaw: the Gluon kernel for bf16 caches).
 """
 
@@ -39,13 +39,14 @@ def _apply(variant: str):
     saved = (plan_mod._ITEM_COST, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES,
              os.environ.get("OPENMLA_DECODE_TILING"), os.environ.get("OPENMLA_DECODE_TMA"),
              os.environ.get("OPENMLA_DECODE_BACKEND"), decode_mod._PDL, decode_mod._REDUCE_PROGRAMS_PER_SM,
-             decode_mod._REDUCE_TILE, decode_mod._REDUCE_MAX_BLOCK_S, os.environ.get("OPENMLA_DECODE_GLUON_VARIANT"))
+             decode_mod._REDUCE_TILE_ONE_HEAD, decode_mod._REDUCE_MAX_BLOCK_S,
+             os.environ.get("OPENMLA_DECODE_GLUON_VARIANT"))
 
     def restore():
         (plan_mod._ITEM_COST, plan_mod._MIN_SPLIT_ENV, plan_mod._MAX_SPLIT_TILES, tiling, tma, backend, pdl, rp,
          tile, max_s, gvar) = saved  # fmt: skip
         decode_mod._PDL, decode_mod._REDUCE_PROGRAMS_PER_SM = pdl, rp
-        decode_mod._REDUCE_TILE, decode_mod._REDUCE_MAX_BLOCK_S = tile, max_s
+        decode_mod._REDUCE_TILE_ONE_HEAD, decode_mod._REDUCE_MAX_BLOCK_S = tile, max_s
         for name, value in (("OPENMLA_DECODE_TILING", tiling), ("OPENMLA_DECODE_TMA", tma),
                             ("OPENMLA_DECODE_BACKEND", backend), ("OPENMLA_DECODE_GLUON_VARIANT", gvar)):
             if value is None:
@@ -73,7 +74,7 @@ def _apply(variant: str):
             elif key == "reduce_programs":
                 decode_mod._REDUCE_PROGRAMS_PER_SM = int(value)
             elif key == "reduce_tile":
-                decode_mod._REDUCE_TILE, decode_mod._REDUCE_MAX_BLOCK_S = int(value), 64
+                decode_mod._REDUCE_TILE_ONE_HEAD = int(value)
             elif key == "gluon_variant":
                 os.environ["OPENMLA_DECODE_GLUON_VARIANT"] = value
             else:

@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 
 import pytest
+import triton
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -307,27 +308,34 @@ def test_reduce_task_sizes(programs_per_sm, heads, device, monkeypatch):
 
 
 def test_reduce_wide_steps(device, monkeypatch):
-    # the sweep knob "reduce_tile": up to 64 splits per step of the reduce's split loop (one step for all the
-    # splits of a request), masked past each request's split count
+    # one-head reduce tasks take up to 64 splits per step of the split loop (one step for all the splits of a
+    # request), masked past each request's split count; head-block tasks stay at 2048 elements per step
     import openmla.ops.decode as decode_mod
 
     import openmla.ops.plan as plan_mod
 
-    monkeypatch.setattr(decode_mod, "_REDUCE_TILE", 8192)
-    monkeypatch.setattr(decode_mod, "_REDUCE_MAX_BLOCK_S", 64)
     monkeypatch.setattr(plan_mod, "_MIN_SPLIT_ENV", pick("64", None))
     lens = pick([700, 5, 260], [30000, 70, 9000])
     q, cache, bt, sl, qsl = _batch(device, 4, [1, 2, 1], lens, 64, torch.bfloat16)
     plan = openmla.plan_decode(sl, qsl, 4, num_sms=pick(16, 132))
-    assert int(plan.num_splits.max()) > 2
-    _, _, _, block_s = decode_mod._reduce_tiling(plan, 4, 512)
-    assert block_s > 16
+    n_max = int(plan.num_splits.max())
+    assert n_max > 2
+    _, block_hb, block_d, block_s = decode_mod._reduce_tiling(plan, 4, 512)
+    assert block_hb == 1 and block_d == 128 and block_s >= n_max, (block_hb, block_d, block_s, n_max)
+    assert block_s == min(64, triton.next_power_of_2(plan.capacity))
     _check(q, cache, bt, sl, qsl, True, torch.bfloat16, plan=plan)
+    monkeypatch.setattr(decode_mod, "_REDUCE_PROGRAMS_PER_SM", 1)  # few programs, many heads: head-block tasks
+    _, block_hb, block_d, block_s = decode_mod._reduce_tiling(plan, 64, 512)
+    assert block_hb > 1 and block_s == max(2, 2048 // (block_hb * block_d)), (block_hb, block_d, block_s)
 
 
 def test_gluon_variant_env(monkeypatch):
     from openmla.ops.decode import _gluon_variant
 
+    monkeypatch.delenv("OPENMLA_DECODE_GLUON_VARIANT", raising=False)
+    assert _gluon_variant("auto") == "seesaw" and _gluon_variant("fp8") == "ws"
+    monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "ws")
+    assert _gluon_variant("auto") == "ws" and _gluon_variant("fp8") == "ws"
     monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "seesaw")
     assert _gluon_variant("auto") == "seesaw" and _gluon_variant("fp8") == "ws"
     monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "fast")

@@ -38,11 +38,14 @@ _GLUON_AUTO_MIN_ROWS = int(os.environ.get("OPENMLA_DECODE_GLUON_MIN_ROWS", "32")
 _PDL = os.environ.get("OPENMLA_DECODE_PDL", "0") == "1"
 # reduce programs per SM (4 warps each; they loop over the merge tasks)
 _REDUCE_PROGRAMS_PER_SM = 8
-# partial elements (splits x columns) a reduce program loads per step of its split loop (tuning knob of
-# benchmarks/sweep_decode.py: "reduce_tile"); the o loads of a step wait on its lse loads, so a request
-# with many splits costs two dependent memory round trips per step
+# partial elements (splits x columns) a reduce program loads per step of its split loop; the o loads of a
+# step wait on its lse loads, so a request with many splits costs two dependent memory round trips per step.
+# The one-head path keeps one [splits, columns] tensor per step, the head-block path three (lse, weights, o).
+# One-head 8192 (64 splits of 128 columns: one step at batch 1): h128 b1 s32k 44.1 -> 40.6 us; the head-block
+# path at 8192 spilled (h128 b32 s4096 117.9 -> 222.3 us): RESULTS.md run 27 (sweep knob "reduce_tile").
+_REDUCE_TILE_ONE_HEAD = 8192
 _REDUCE_TILE = 2048
-_REDUCE_MAX_BLOCK_S = 16  # splits per step at most
+_REDUCE_MAX_BLOCK_S = 64  # splits per step at most
 _LN2 = 0.6931471805599453
 
 
@@ -370,7 +373,9 @@ def _reduce_tiling(plan: DecodePlan, H: int, d_v: int) -> tuple[int, int, int, i
     block_d *= widen
     block_hb = min(grow // widen, triton.next_power_of_2(H))
     hbd = block_hb * block_d
-    block_s = max(2, min(_REDUCE_MAX_BLOCK_S, _REDUCE_TILE // hbd))
+    tile = _REDUCE_TILE_ONE_HEAD if block_hb == 1 else _REDUCE_TILE
+    # no wider than the most splits a request can have (the plan's work items)
+    block_s = max(2, min(_REDUCE_MAX_BLOCK_S, tile // hbd, triton.next_power_of_2(plan.capacity)))
     tasks = plan.batch_size * plan.max_query_len * triton.cdiv(H, block_hb) * (d_v // block_d)
     return max(1, min(tasks, programs)), block_hb, block_d, block_s
 
@@ -451,9 +456,10 @@ def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtyp
 
 
 def _gluon_variant(kv_cache_dtype: str) -> str:
-    """The Gluon kernel variant (``OPENMLA_DECODE_GLUON_VARIANT``: ``ws``, the default, or ``seesaw``; read per
-    call). fp8 caches always run ``ws`` (the seesaw kernel takes bf16 caches only)."""
-    variant = os.environ.get("OPENMLA_DECODE_GLUON_VARIANT", "ws")
+    """The Gluon kernel variant (``OPENMLA_DECODE_GLUON_VARIANT``: ``seesaw``, the default, or ``ws``; read per
+    call). fp8 caches always run ``ws`` (the seesaw kernel takes bf16 caches only). seesaw measured 8-14%
+    faster than ws on the H200 at h32-h128 (RESULTS.md run 27)."""
+    variant = os.environ.get("OPENMLA_DECODE_GLUON_VARIANT", "seesaw")
     if variant not in ("ws", "seesaw"):
         raise ValueError(f"OPENMLA_DECODE_GLUON_VARIANT must be 'ws' or 'seesaw'; got {variant!r}")
     return "ws" if kv_cache_dtype == "fp8" else variant

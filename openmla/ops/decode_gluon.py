@@ -410,19 +410,26 @@ if GLUON_AVAILABLE:
 
 
     # ---- "seesaw" kernel: two 4-warp partitions (warpgroup 0 = the default partition, warpgroup 1 a worker),
-    # no producer warp. Tile j of a work item lives in stage j % 2 and belongs to warpgroup j % 2, which loads
-    # it (TMA), computes its full 64-key scores S_j = Q K_j^T (m64n64 wgmmas: Q is read from shared memory once
-    # per 64 keys, not once per 32 as in the ws kernel), its softmax with the running row max M_{j-1} of the
-    # other warpgroup's tile, and writes P_j over the tile's rope columns (the scores are done with them) and
-    # M_j. Both warpgroups then add P_j V_j to their half of the output columns. Per own tile t a warpgroup
-    #   a. refills its stage with tile t (once both P_{t-2} V_{t-2} are done) and computes S_t = Q K_t^T,
-    #   b. waits for P_{t-1} / M_{t-1} of the other warpgroup's tile, rescales and adds P_{t-1} V_{t-1},
-    #   c. runs the softmax of S_t, writes P_t / M_t and adds its own P_t V_t.
-    # Each MMA is waited for where it is issued; the overlap is between the warpgroups: one computes S_t
-    # on the tensor cores while the other is in the softmax of tile t - 1.
-    # Every shared-memory buffer is indexed with a compile-time stage (own = WG, other = 1 - WG): a stage
-    # indexed with a runtime value inside these branches gave wrong wgmma operands past the first k-step on
-    # the H200 (Triton 3.6; benchmarks/experiments/seesaw_probe.py, RESULTS.md runs 19-22).
+    # no producer warp. Tile t of a work item lives in stage t % 2 and belongs to warpgroup t % 2, which loads it
+    # (TMA), computes its full 64-key scores S_t = Q K_t^T (m64n64 wgmmas: Q is read from shared memory once per
+    # 64 keys, not once per 32 as in the ws kernel), its softmax with the running row max M_{t-1} of the other
+    # warpgroup's tile, and writes P_t over the tile's rope columns (the scores are done with them) and M_t.
+    # Both warpgroups add P_t V_t to their half of the output columns. Per own tile t a warpgroup
+    #   1. waits for P_{t-1} / M_{t-1} of the other warpgroup's tile, rescales, adds P_{t-1} V_{t-1} and releases
+    #      that tile's "Y" half at once (see 5),
+    #   2. computes S_t (it overlaps the other warpgroup's softmax of tile t - 1 or t + 1),
+    #   3. runs the softmax of S_t, writes P_t / M_t,
+    #   4. adds its own P_t V_t,
+    #   5. refills its stage with tile t + 2 in two TMA groups with their own barriers: X = its own half of the
+    #      latent columns (only its own P V reads it: refilled at once), Y = the other half + the rope columns (P
+    #      lives there; refilled once the other warpgroup's P_t V_t released it). S_{t+2} chains the X chunks
+    #      first, so most of the load latency is hidden behind step 1 of the next tile.
+    # Each MMA is waited for where it is issued. The order 1-before-2 and the split refill: 13% faster than the
+    # first seesaw schedule at h128 (RESULTS.md run 27; S before the other tile's P V was 3% slower).
+    # Every shared-memory buffer is indexed with a compile-time stage (own = WG, other = 1 - WG) plus a runtime
+    # zero (``OPAQUE``): a stage indexed with a runtime value inside these branches gave wrong wgmma operands past
+    # the first k-step on the H200 (Triton 3.6 / ptxas 12.8; RESULTS.md runs 19-22), and purely compile-time
+    # indices let the compiler hoist every operand descriptor out of the loop and spill (~350 B a thread).
 
     @gluon.jit
     def _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O: gl.constexpr):
@@ -431,18 +438,49 @@ if GLUON_AVAILABLE:
         return acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1), b_l * b_alpha
 
     @gluon.jit
-    def _seesaw_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready, empty, pready,
-                   qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits, split_len,
-                   out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-                   stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
-                   MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
-                   N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr):  # fmt: skip
+    def _seesaw_issue(desc, lat_smem, rope_smem, bar, stage, r0, r1, LAT_HALF: gl.constexpr, ROPE: gl.constexpr):
+        """TMA of one refill group of a stage: the 4 latent chunks ``[32, 64]`` of half ``LAT_HALF`` (+ the rope
+        chunk when ``ROPE``) for both 32-key boxes (rows ``r0``, ``r1``) of a 64-key tile, on barrier ``bar``."""
+        n_chunks: gl.constexpr = 5 if ROPE else 4
+        mbarrier.expect(bar, 2 * n_chunks * 32 * 64 * 2)
+        for h in gl.static_range(2):
+            row = r0 if h == 0 else r1
+            lat = lat_smem.index(stage).slice(h * 32, 32, dim=0)
+            for c in gl.static_range(4):
+                tma.async_copy_global_to_shared(desc, [row, (LAT_HALF * 4 + c) * 64], bar,
+                                                lat.slice((LAT_HALF * 4 + c) * 64, 64, dim=1))  # fmt: skip
+            if ROPE:
+                tma.async_copy_global_to_shared(desc, [row, 512], bar, rope_smem.index(stage).slice(h * 32, 32, dim=0))
+
+    @gluon.jit
+    def _seesaw_other_tile(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y, empty_y, ph,
+                           WG: gl.constexpr, ROW_S: gl.constexpr, ROW_O: gl.constexpr):  # fmt: skip
+        """P V of the other warpgroup's tile (its P over its rope columns x this warpgroup's half of its V, both
+        in the other stage's Y group); releases that group to its owner."""
+        OTH: gl.constexpr = 1 - WG
+        mbarrier.wait(pready.index(OTH), ph)
+        mbarrier.wait(ready_y.index(OTH), ph)
+        m_new = m_smem.index(OTH).load(ROW_S)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
+        acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * 256, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(empty_y.index(OTH), count=1)
+        return acc, b_l, m_new
+
+    @gluon.jit
+    def _seesaw_wg(q, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready, qbar,
+                   lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits, split_len, out,
+                   lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
+                   stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
+                   BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
+                   N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
-        HALF: gl.constexpr = 256  # output columns of this warpgroup
+        HALF: gl.constexpr = 256
         NW: gl.constexpr = 4
-        OWN: gl.constexpr = WG  # stage of this warpgroup's tiles
-        OTH: gl.constexpr = 1 - WG  # stage of the other warpgroup's tiles
+        OWN: gl.constexpr = WG
+        OTH: gl.constexpr = 1 - WG
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -459,27 +497,27 @@ if GLUON_AVAILABLE:
         i_w = pid // (N_HB * N_QB)
         i_h = pid % N_HB
         i_q = (pid // N_HB) % N_QB
-        i_b = gl.load(work_req + i_w).to(gl.int64)  # >= 0: the parent returned for empty slots
+        i_b = gl.load(work_req + i_w).to(gl.int64)
         q_start = gl.load(query_start_loc + i_b)
         qlen = gl.load(query_start_loc + i_b + 1) - q_start
         L = gl.load(seq_lens + i_b)
         chunk = gl.load(split_len + i_b)
         kv_lo = gl.load(work_split + i_w) * chunk
         kv_hi = gl.minimum(L, kv_lo + chunk)
-        if CAUSAL:
+        if CAUSAL:  # the block's last query token sees keys < L - qlen + (its index + 1)
             kv_hi = gl.minimum(kv_hi, L - qlen + gl.minimum(i_q * Q_PER + Q_PER, qlen))
         n_tiles = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
         n_own = gl.maximum(n_tiles - WG + 1, 0) // 2  # tiles WG, WG + 2, ...
         p_bt = block_table + i_b * stride_bt_b
 
-        # ---- the first own tile in flight while Q loads
-        if n_own > 0:
+        if n_own > 0:  # the first own tile, both groups
             n0 = kv_lo + WG * BLOCK_N
             r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
             r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
-            _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, OWN, r0, r1, 2, 2)
+            _seesaw_issue(desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
+            _seesaw_issue(desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
 
-        # ---- Q rows -> shared memory: each warpgroup stores every other 64-column chunk, then both wait
+        # Q [64, 576] -> 9 swizzled chunks; each warpgroup stores alternate chunks, then both wait for all
         o_m = gl.arange(0, BLOCK_M, layout=ROW_LD)
         o_t = i_q * Q_PER + o_m // BLOCK_H
         o_h = i_h * BLOCK_H + o_m % BLOCK_H
@@ -502,51 +540,46 @@ if GLUON_AVAILABLE:
         else:
             limit = gl.full([BLOCK_M], 0, gl.int32, ROW_S) + L
         limit = gl.expand_dims(gl.minimum(limit, kv_hi), 1)
-        m_prev = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)  # row max of the tiles added so far
-        b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)  # row sum of this warpgroup's tiles (same max)
+        m_prev = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
+        b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
         acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_LAYOUT)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
         key0 = gl.expand_dims(gl.arange(0, BLOCK_N, layout=COL_S), 0)
 
         for k in range(n_own):
-            t = WG + 2 * k  # this warpgroup's tile; t - 1 is the other's (none for t = 0)
+            t = WG + 2 * k
             n0 = kv_lo + t * BLOCK_N
             if OPAQUE:
-                # a runtime 0 that changes with k and that the compiler cannot fold (seq_lens are >= 0): the
-                # operand descriptors of the stages and Q chunks are rebuilt in each iteration rather than
-                # computed once before the loop and kept live across it (350 B of spill a thread)
-                z = (L >> 31) & k
+                z = (L >> 31) & k  # a runtime 0 (seq_lens >= 0): descriptors rebuilt per iteration, not hoisted
             else:
                 z = 0
             own_lat = lat_smem.index(OWN + z)
             own_rope = rope_smem.index(OWN + z)
             oth_lat = lat_smem.index(OTH + z)
             oth_rope = rope_smem.index(OTH + z)
-            if k > 0:  # a. refill the own stage with tile t once the other warpgroup's P_{t-2} V_{t-2} is done
-                mbarrier.wait(empty.index(OWN), (k - 1) & 1)
-                r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
-                r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
-                _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, ready, OWN, r0, r1, 2, 2)
+            # 1. the other warpgroup's tile t - 1
+            if t >= 1:
+                acc, b_l, m_prev = _seesaw_other_tile(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y,
+                                                      empty_y, (k - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
+            # 2. S_t: the X chunks (this warpgroup's latent half), then the Y chunks (the other half, the rope)
             ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
             ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
-            # b. the scores S_t (the other warpgroup is in its softmax of tile t - 1 meanwhile)
-            mbarrier.wait(ready.index(OWN), k & 1)
-            if n0 + BLOCK_N > L:
-                _zero_tail(own_lat, n0, L, BLOCK_N, NW)
-            b_s = _qk(q_smem, own_lat, own_rope, s_zero, z)
+            mbarrier.wait(ready_x.index(OWN), k & 1)
+            b_s = s_zero
+            for c in gl.static_range(4):
+                b_s = warpgroup_mma(q_smem.index(OWN * 4 + c + z),
+                                    own_lat.slice((OWN * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
+                                    use_acc=c > 0, is_async=True)  # fmt: skip
+            mbarrier.wait(ready_y.index(OWN), k & 1)
+            for c in gl.static_range(4):
+                b_s = warpgroup_mma(q_smem.index(OTH * 4 + c + z),
+                                    own_lat.slice((OTH * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
+                                    is_async=True)  # fmt: skip
+            b_s = warpgroup_mma(q_smem.index(8 + z), own_rope.permute((1, 0)), b_s, is_async=True)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
-            if t >= 1:  # c. P_{t-1} V_{t-1} of the other warpgroup's tile (its stage, its row max M_{t-1})
-                ph_oth = (k - 1 + WG) & 1  # tile t - 1 is the other warpgroup's (k - 1 + WG)-th
-                mbarrier.wait(pready.index(OTH), ph_oth)
-                mbarrier.wait(ready.index(OTH), ph_oth)
-                m_new = m_smem.index(OTH).load(ROW_S)
-                acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
-                m_prev = m_new
-                acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index(OTH), count=1)  # this warpgroup is done with tile t - 1
-            # d. softmax of S_t (keys masked as a range [lo, hi) per row: an invalid box is the first or second half)
+            if n0 + BLOCK_N > L:  # rows past the sequence: zeros before any P V reads them (S masks them)
+                _zero_tail(own_lat, n0, L, BLOCK_N, NW)
+            # 3. softmax of S_t; P_t over the rope columns, M_t
             lo = gl.where(ok0, n0, n0 + 32)
             hi = gl.minimum(limit, gl.where(ok1, n0 + BLOCK_N, n0 + 32))
             key = key0 + n0
@@ -557,30 +590,36 @@ if GLUON_AVAILABLE:
             b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
             b_l = b_l + gl.sum(b_p, axis=1)
             m_prev = m_new
-            own_rope.store(b_p.to(gl.bfloat16))  # P_t over the rope columns (S_t is done with them)
+            own_rope.store(b_p.to(gl.bfloat16))
             m_smem.index(OWN).store(m_new)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(pready.index(OWN), count=1)
-            # e. this warpgroup's P_t V_t
+            # 4. own P_t V_t
             acc = warpgroup_mma(own_rope, own_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
+            gl.thread_barrier()  # every warp's P V is done before one thread refills the stage
+            # 5. refill with tile t + 2: X now, Y once the other warpgroup's P_t V_t released it
+            if k + 1 < n_own:
+                r0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
+                r1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
+                _seesaw_issue(desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
+                mbarrier.wait(empty_y.index(OWN), k & 1)
+                _seesaw_issue(desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
 
-        # ---- the other warpgroup's tile after this warpgroup's last one (at most one)
-        t = WG + 2 * n_own - 1
+        t = WG + 2 * n_own - 1  # the other warpgroup's tile after this warpgroup's last one (at most one)
         if (t >= 0) & (t < n_tiles):
             ph_oth = (n_own - 1 + WG) & 1
             mbarrier.wait(pready.index(OTH), ph_oth)
-            mbarrier.wait(ready.index(OTH), ph_oth)
+            mbarrier.wait(ready_y.index(OTH), ph_oth)
             m_new = m_smem.index(OTH).load(ROW_S)
             acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
             m_prev = m_new
-            oth_lat = lat_smem.index(OTH)
-            oth_rope = rope_smem.index(OTH)
-            acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma(rope_smem.index(OTH), lat_smem.index(OTH).slice(WG * HALF, HALF, dim=1), acc,
+                                is_async=True)  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=(acc,))
 
-        # ---- row sums of both warpgroups (both end with the same row max: every tile passed through both)
+        # both warpgroups saw every tile (same running max): the row sum is the sum of the two halves
         VEC: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         l_smem.index(WG).store(gl.convert_layout(b_l, VEC))
         gl.thread_barrier()
@@ -613,15 +652,15 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _mla_decode_gluon_seesaw_kernel(
-        q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
-        split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-        stride_o_t, stride_o_h, H, num_blocks, max_blocks,
+        q, desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits, split_len, out, lse,
+        o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H,
+        num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
         OPAQUE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """``variant="seesaw"`` (bf16 cache, 64-key tiles, 2 stages); same arguments, grid and results as the ws
-        kernel (see the comment above ``_seesaw_wg``)."""
+        """``variant="seesaw"`` (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel
+        (see the comment above ``_seesaw_wg``). ``desc``: one ``[32, 64]`` box over the cache's 2-D view."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
         gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
@@ -641,28 +680,30 @@ if GLUON_AVAILABLE:
             return
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, BLOCK_M, 64], Q_SMEM)
-        lat_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], lat_desc.layout)
-        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_desc.layout)
+        lat_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], desc.layout)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], desc.layout)
         m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
         l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready_x = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready_y = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty_y = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         sync = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(2):
-            mbarrier.init(ready.index(st), count=1)  # the owner's TMA (expect-tx)
-            mbarrier.init(empty.index(st), count=1)  # the other warpgroup is done with the stage's tile
+            mbarrier.init(ready_x.index(st), count=1)  # the owner's latent half landed (expect-tx)
+            mbarrier.init(ready_y.index(st), count=1)  # the other latent half + the rope landed (expect-tx)
+            mbarrier.init(empty_y.index(st), count=1)  # the other warpgroup is done with the stage's Y group
             mbarrier.init(pready.index(st), count=1)  # the owner stored P and M of the stage's tile
             mbarrier.init(sync.index(st), count=2)  # 0: Q stored (both halves); 1: row sums stored
         fence_async_shared()
 
         gl.warp_specialize([
-            (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready, empty, pready,
+            (_seesaw_wg, (q, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready,
                           sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
                           num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t,
                           stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN,
                           BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE)),
-            (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready, empty, pready,
+            (_seesaw_wg, (q, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready,
                           sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
                           num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t,
                           stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN,
@@ -670,8 +711,9 @@ if GLUON_AVAILABLE:
         ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):
-            mbarrier.invalidate(ready.index(st))
-            mbarrier.invalidate(empty.index(st))
+            mbarrier.invalidate(ready_x.index(st))
+            mbarrier.invalidate(ready_y.index(st))
+            mbarrier.invalidate(empty_y.index(st))
             mbarrier.invalidate(pready.index(st))
             mbarrier.invalidate(sync.index(st))
 
@@ -789,8 +831,9 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
             H, num_blocks, block_table.shape[1])  # fmt: skip
     if variant.startswith("seesaw"):
+        desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 64], _kv_layout())  # one [32, 64] chunk per box
         _mla_decode_gluon_seesaw_kernel[grid](
-            *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
+            q, desc, *args[3:], PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
             WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant == "seesaw", num_warps=4,
         )  # fmt: skip
         return
