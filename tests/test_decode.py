@@ -321,15 +321,17 @@ def test_reduce_wide_steps(device, monkeypatch):
     n_max = int(plan.num_splits.max())
     assert n_max > 2
     _, block_hb, block_d, block_s = decode_mod._reduce_tiling(plan, 4, 512)
-    assert block_hb == 1 and block_d == 128 and block_s >= n_max, (block_hb, block_d, block_s, n_max)
-    assert block_s == min(64, triton.next_power_of_2(plan.capacity))
+    # as many splits per step as a request's share of the work items (the longest request takes several steps)
+    share = triton.next_power_of_2(-(-plan.capacity // 3))
+    assert block_hb == 1 and block_d == 128 and block_s == max(2, min(64, share)), (block_s, n_max, plan.capacity)
+    # (CPU: one step, 16 >= 11 splits; GPU: 94 splits in the longest request, two steps of 64)
     _check(q, cache, bt, sl, qsl, True, torch.bfloat16, plan=plan)
     monkeypatch.setattr(decode_mod, "_REDUCE_PROGRAMS_PER_SM", 1)  # few programs, many heads: head-block tasks
     _, block_hb, block_d, block_s = decode_mod._reduce_tiling(plan, 64, 512)
     assert block_hb > 1 and block_s == max(2, 2048 // (block_hb * block_d)), (block_hb, block_d, block_s)
 
 
-def test_gluon_variant_env(monkeypatch):
+def test_gluon_variant_env(device, monkeypatch):
     from openmla.ops.decode import _gluon_variant
 
     monkeypatch.delenv("OPENMLA_DECODE_GLUON_VARIANT", raising=False)
@@ -339,8 +341,9 @@ def test_gluon_variant_env(monkeypatch):
     monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "seesaw")
     assert _gluon_variant("auto") == "seesaw" and _gluon_variant("fp8") == "ws"
     monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "fast")
-    q = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
-    cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
-    one = torch.ones(1, dtype=torch.int32)
+    q = torch.zeros(1, 16, 576, dtype=torch.bfloat16, device=device)
+    cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16, device=device)
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="OPENMLA_DECODE_GLUON_VARIANT"):
-        openmla.mla_decode(q, cache, one.view(1, 1) * 0, one, torch.tensor([0, 1], dtype=torch.int32), 0.1)
+        openmla.mla_decode(q, cache, one.view(1, 1) * 0, one, qsl, 0.1)

@@ -42,7 +42,7 @@ _REDUCE_PROGRAMS_PER_SM = 8
 # step wait on its lse loads, so a request with many splits costs two dependent memory round trips per step.
 # The one-head path keeps one [splits, columns] tensor per step, the head-block path three (lse, weights, o).
 # One-head 8192 (64 splits of 128 columns: one step at batch 1): h128 b1 s32k 44.1 -> 40.6 us; the head-block
-# path at 8192 spilled (h128 b32 s4096 117.9 -> 222.3 us): RESULTS.md run 27 (sweep knob "reduce_tile").
+# path at 8192 spilled (h128 b32 s4096 117.9 -> 222.3 us): RESULTS.md runs 27-28 (sweep knob "reduce_tile").
 _REDUCE_TILE_ONE_HEAD = 8192
 _REDUCE_TILE = 2048
 _REDUCE_MAX_BLOCK_S = 64  # splits per step at most
@@ -374,8 +374,10 @@ def _reduce_tiling(plan: DecodePlan, H: int, d_v: int) -> tuple[int, int, int, i
     block_hb = min(grow // widen, triton.next_power_of_2(H))
     hbd = block_hb * block_d
     tile = _REDUCE_TILE_ONE_HEAD if block_hb == 1 else _REDUCE_TILE
-    # no wider than the most splits a request can have (the plan's work items)
-    block_s = max(2, min(_REDUCE_MAX_BLOCK_S, tile // hbd, triton.next_power_of_2(plan.capacity)))
+    # no wider than a request's share of the plan's work items (masked split rows still cost registers and
+    # issue slots: h128 b4 s32k, 16 splits a request, 99.0 us at 64 per step vs 93.8 at 16; RESULTS.md run 28)
+    share = triton.next_power_of_2(triton.cdiv(plan.capacity, max(1, plan.batch_size)))
+    block_s = max(2, min(_REDUCE_MAX_BLOCK_S, tile // hbd, share))
     tasks = plan.batch_size * plan.max_query_len * triton.cdiv(H, block_hb) * (d_v // block_d)
     return max(1, min(tasks, programs)), block_hb, block_d, block_s
 
