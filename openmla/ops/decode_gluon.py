@@ -510,10 +510,11 @@ if GLUON_AVAILABLE:
         n_own = gl.maximum(n_tiles - WG + 1, 0) // 2  # tiles WG, WG + 2, ...
         p_bt = block_table + i_b * stride_bt_b
 
+        # TMA rows of the two 32-key boxes of the current own tile (an out-of-bounds row: the box is masked)
+        oob = num_blocks * PAGE
+        r0 = _kv_rows(p_bt, kv_lo + WG * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
+        r1 = _kv_rows(p_bt, kv_lo + WG * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
         if n_own > 0:  # the first own tile, both groups
-            n0 = kv_lo + WG * BLOCK_N
-            r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
-            r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
             _seesaw_issue(desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
             _seesaw_issue(desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
 
@@ -557,13 +558,16 @@ if GLUON_AVAILABLE:
             own_rope = rope_smem.index(OWN + z)
             oth_lat = lat_smem.index(OTH + z)
             oth_rope = rope_smem.index(OTH + z)
+            # the block-table lookups of tile t + 2 (step 5) start here, off the critical path
+            nx0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
+            nx1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
             # 1. the other warpgroup's tile t - 1
             if t >= 1:
                 acc, b_l, m_prev = _seesaw_other_tile(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y,
                                                       empty_y, (k - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
             # 2. S_t: the X chunks (this warpgroup's latent half), then the Y chunks (the other half, the rope)
-            ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
-            ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
+            ok0 = r0 != oob
+            ok1 = r1 != oob
             mbarrier.wait(ready_x.index(OWN), k & 1)
             b_s = s_zero
             for c in gl.static_range(4):
@@ -601,11 +605,11 @@ if GLUON_AVAILABLE:
             gl.thread_barrier()  # every warp's P V is done before one thread refills the stage
             # 5. refill with tile t + 2: X now, Y once the other warpgroup's P_t V_t released it
             if k + 1 < n_own:
-                r0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
-                r1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
-                _seesaw_issue(desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
+                _seesaw_issue(desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, nx0, nx1, OWN, False)
                 mbarrier.wait(empty_y.index(OWN), k & 1)
-                _seesaw_issue(desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
+                _seesaw_issue(desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, nx0, nx1, OTH, True)
+            r0 = nx0
+            r1 = nx1
 
         t = WG + 2 * n_own - 1  # the other warpgroup's tile after this warpgroup's last one (at most one)
         if (t >= 0) & (t < n_tiles):
