@@ -104,7 +104,7 @@ def run_shape(h, b, s, qlen, fp8, bw, args):
     def split():
         args = (q, cache, bt, sl, qsl, plan, out, lse, scale_log2, 1.0, True, 512)
         if use_gluon:
-            dec.mla_decode_split_gluon(*args)
+            dec.mla_decode_split_gluon(*args, variant=dec._gluon_variant("fp8" if fp8 else "auto"))
         else:
             dec._mla_decode_split(*args, compute)
 

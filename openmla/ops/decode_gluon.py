@@ -35,10 +35,10 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
 * Launch order: one grid axis of ``work items x head blocks x query blocks`` with the head blocks (then
   query blocks) of a work item adjacent, so the programs that read the same KV tiles run together and all
   but the first read them from L2 (h128: 800 -> 720 us; RESULTS.md run 24). Both kernels use it.
-* ``variant="seesaw"`` (``_mla_decode_gluon_seesaw_kernel``, opt-in, bf16 cache): two 4-warp partitions
-  that own alternate 64-key tiles (full-width scores, P over the tile's rope columns, both add every tile's
-  P V to their output half); see the comment above ``_seesaw_wg``. As fast as ws at qlen 1, 6% faster at
-  h128 qlen 2 (RESULTS.md run 26).
+* ``variant="seesaw"`` (``_mla_decode_gluon_seesaw_kernel``, bf16 caches; ``mla_decode``'s default for them): two
+  4-warp partitions that own alternate 64-key tiles (full-width scores, P over the tile's rope columns, both add
+  every tile's P V to their output half; each stage refilled in two TMA groups); see the comment above
+  ``_seesaw_wg``. 8-14% faster than ws at h32-h128 (RESULTS.md runs 27-29: h128 b128 s8k 458 vs 406 TFLOPS).
 * Measured and dropped (RESULTS.md run 8): the same loop without warp specialisation (4-8% slower), a
   variant issuing the next tile's scores MMA before this tile's softmax, and 32-key tiles as default.
 * fp8 cache (``kv_cache_dtype="fp8"``, float8_e4m3fn, selected by the cache dtype; 64-key tiles,
@@ -425,7 +425,8 @@ if GLUON_AVAILABLE:
     #      lives there; refilled once the other warpgroup's P_t V_t released it). S_{t+2} chains the X chunks
     #      first, so most of the load latency is hidden behind step 1 of the next tile.
     # Each MMA is waited for where it is issued. The order 1-before-2 and the split refill: 13% faster than the
-    # first seesaw schedule at h128 (RESULTS.md run 27; S before the other tile's P V was 3% slower).
+    # first seesaw schedule at h128 (RESULTS.md run 27; S before the other tile's P V was 3% slower). Measured and
+    # dropped (run 30): looking up the block-table rows of tile t + 2 at the top of the iteration (no gain).
     # Every shared-memory buffer is indexed with a compile-time stage (own = WG, other = 1 - WG) plus a runtime
     # zero (``OPAQUE``): a stage indexed with a runtime value inside these branches gave wrong wgmma operands past
     # the first k-step on the H200 (Triton 3.6 / ptxas 12.8; RESULTS.md runs 19-22), and purely compile-time
@@ -510,11 +511,10 @@ if GLUON_AVAILABLE:
         n_own = gl.maximum(n_tiles - WG + 1, 0) // 2  # tiles WG, WG + 2, ...
         p_bt = block_table + i_b * stride_bt_b
 
-        # TMA rows of the two 32-key boxes of the current own tile (an out-of-bounds row: the box is masked)
-        oob = num_blocks * PAGE
-        r0 = _kv_rows(p_bt, kv_lo + WG * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
-        r1 = _kv_rows(p_bt, kv_lo + WG * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
         if n_own > 0:  # the first own tile, both groups
+            n0 = kv_lo + WG * BLOCK_N
+            r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
+            r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
             _seesaw_issue(desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
             _seesaw_issue(desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
 
@@ -558,16 +558,13 @@ if GLUON_AVAILABLE:
             own_rope = rope_smem.index(OWN + z)
             oth_lat = lat_smem.index(OTH + z)
             oth_rope = rope_smem.index(OTH + z)
-            # the block-table lookups of tile t + 2 (step 5) start here, off the critical path
-            nx0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
-            nx1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
             # 1. the other warpgroup's tile t - 1
             if t >= 1:
                 acc, b_l, m_prev = _seesaw_other_tile(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y,
                                                       empty_y, (k - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
             # 2. S_t: the X chunks (this warpgroup's latent half), then the Y chunks (the other half, the rope)
-            ok0 = r0 != oob
-            ok1 = r1 != oob
+            ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
+            ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
             mbarrier.wait(ready_x.index(OWN), k & 1)
             b_s = s_zero
             for c in gl.static_range(4):
@@ -605,11 +602,11 @@ if GLUON_AVAILABLE:
             gl.thread_barrier()  # every warp's P V is done before one thread refills the stage
             # 5. refill with tile t + 2: X now, Y once the other warpgroup's P_t V_t released it
             if k + 1 < n_own:
-                _seesaw_issue(desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, nx0, nx1, OWN, False)
+                r0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
+                r1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
+                _seesaw_issue(desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
                 mbarrier.wait(empty_y.index(OWN), k & 1)
-                _seesaw_issue(desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, nx0, nx1, OTH, True)
-            r0 = nx0
-            r1 = nx1
+                _seesaw_issue(desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
 
         t = WG + 2 * n_own - 1  # the other warpgroup's tile after this warpgroup's last one (at most one)
         if (t >= 0) & (t < n_tiles):
@@ -801,7 +798,8 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             64-key tiles and fits 2 fp8 stages next to its fp16 tile.
         variant (str): ``"ws"`` (``_mla_decode_gluon_ws_kernel``) or ``"seesaw"``
             (``_mla_decode_gluon_seesaw_kernel``: bf16 cache, 64-key tiles, 2 stages; ``block_n``/``stages``
-            must keep their defaults).
+            must keep their defaults; the faster one, see RESULTS.md run 29). ``"seesaw-const"``: the seesaw
+            kernel with compile-time stage indices (spills; a diagnostic for the offline compile test).
     """
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if variant not in ("ws", "seesaw", "seesaw-const"):
