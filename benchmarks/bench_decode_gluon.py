@@ -1,9 +1,9 @@
 """Time the Hopper (Gluon) split-KV decode kernel against the portable one (sm90 GPU only).
 
 For each shape: the split kernel alone (CUDA-graph replay median, us) for every Gluon variant
-("BLOCK_N,STAGES" of the warp-specialised kernel, "seesaw" or "seesaw,PREFETCH" (its L2 prefetch distance,
-0-2), or "seesaw-const": the seesaw kernel with compile-time stage indices, which spills; kept as a
-diagnostic) and for the portable kernel with the same plan, the reduce alone, and TFLOPS = 2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64
+("BLOCK_N,STAGES" of the warp-specialised kernel, "seesaw", or "seesaw-const": the seesaw kernel with
+compile-time stage indices, which spills; kept as a diagnostic) and for the portable kernel with the same plan, the
+reduce alone, and TFLOPS = 2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64
 tokens scattered over a pool larger than L2; causal; the plan is built once outside the timed region.
 
     python benchmarks/bench_decode_gluon.py
@@ -90,11 +90,9 @@ def run_shape(h, b, s, qlen, variants, args):
         print(f"{head} gluon: not supported here")
         return
     for v in variants:
-        if v[0].startswith("seesaw"):  # "seesaw[,prefetch]"
+        if v[0].startswith("seesaw"):
             kw = {"variant": v[0]}
-            if len(v) > 1:
-                kw["prefetch"] = int(v[1])
-            name = f"gluon {','.join(v)}"
+            name = f"gluon {v[0]}"
         else:
             block_n, stages = (int(x) for x in v)
             kw = {"block_n": block_n, "stages": stages}

@@ -49,8 +49,7 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     if block_n == "seesaw":
         fn = g._mla_decode_gluon_seesaw_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
-                    WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, OPAQUE=stages == "opaque", PREFETCH=int(fp8),
-                    num_warps=4)  # (for seesaw the last field is the L2 prefetch distance)
+                    WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, OPAQUE=stages == "opaque", num_warps=4)
     else:
         fn = g._mla_decode_gluon_ws_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
@@ -59,8 +58,6 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     for i, name in enumerate(fn.arg_names):
         if name in cons:
             sig[name] = "constexpr"
-        elif name == "kv_addr":
-            sig[name] = "i64"
         elif name == "desc":  # the seesaw kernel's one [32, 64] chunk box
             sig[name] = f"tensordesc<bf16[32, 64],{nvmma(128, 16)}>"
         elif name == "lat_desc":
@@ -102,16 +99,14 @@ def test_gluon_seesaw_compiles_for_sm90():
     # the seesaw variant (opt-in) compiles with wgmma + TMA, two 4-warp partitions, fits the shared memory and
     # does not spill: its stage and Q-chunk indices are a runtime 0 per iteration ("opaque"). With compile-time
     # indices ("seesaw-const") every operand descriptor is computed before the loop and kept live: ~350 B spill.
-    # The last field is the L2 prefetch distance (0: none; the prefetch is in the PTX only when asked for).
-    reports = _compile_report([["seesaw", "opaque", True, 16, 1], ["seesaw", "opaque", False, 64, 2],
-                               ["seesaw", "opaque", False, 64, 0], ["seesaw", "const", False, 64, 1]])  # fmt: skip
+    reports = _compile_report([["seesaw", "opaque", True, 16, False], ["seesaw", "opaque", False, 64, False],
+                               ["seesaw", "const", False, 64, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
         assert r["num_warps"] == 8 and r["setmaxnreg"], r
-        assert (r["l2_prefetch"] > 0) == (r["variant"][4] > 0), r
-    assert all(r["stack"] == 0 and r["local"] == 0 for r in reports[:3]), reports[:3]
-    assert reports[3]["stack"] > 0, "the compile-time-index variant no longer spills: the opaque index may be moot"
+    assert all(r["stack"] == 0 and r["local"] == 0 for r in reports[:2]), reports[:2]
+    assert reports[2]["stack"] > 0, "the compile-time-index variant no longer spills: the opaque index may be moot"
 
 
 def test_gluon_decode_unsupported_on_cpu():
@@ -134,11 +129,6 @@ def test_gluon_decode_unsupported_on_cpu():
     with pytest.raises(ValueError, match="seesaw"):
         dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512, block_n=32,
                                   variant="seesaw")
-    with pytest.raises(ValueError, match="prefetch"):  # a seesaw knob, 0-2
-        dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512, prefetch=1)
-    with pytest.raises(ValueError, match="prefetch"):
-        dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512,
-                                  variant="seesaw", prefetch=3)
 
 
 # ---------------------------------------------------------------------------------------------------

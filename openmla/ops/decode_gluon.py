@@ -100,9 +100,6 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm90
 WS_PRODUCER_REGS = 32
 # registers of the second warpgroup (the worker partition) of ``variant="seesaw"``
 SEESAW_WG_REGS = 240
-# own-tile refills ahead that the seesaw kernel prefetches its KV tiles into L2 (0: none). With every tile
-# L2-resident the split kernel ran 12% (h128) to 21% (h32) faster (RESULTS.md run 30).
-SEESAW_PREFETCH = 1
 
 
 if GLUON_AVAILABLE:
@@ -457,25 +454,6 @@ if GLUON_AVAILABLE:
                 tma.async_copy_global_to_shared(desc, [row, 512], bar, rope_smem.index(stage).slice(h * 32, 32, dim=0))
 
     @gluon.jit
-    def _seesaw_prefetch(kv_addr, stride_row, p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE: gl.constexpr,
-                         NW: gl.constexpr):  # fmt: skip
-        """L2 prefetch (``cp.async.bulk.prefetch.L2``) of the 64-key tile starting at key ``n0``: each of the
-        warpgroup's 128 threads takes one half row (288 columns, 576 bytes) of one key; keys past the split or
-        on an invalid block id are skipped. ``kv_addr``: the cache's address; ``stride_row``: its row stride."""
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        i = gl.arange(0, 128, layout=layout)
-        key = n0 + i // 2
-        i_pg = key // PAGE
-        ok = (key < kv_hi) & (i_pg < max_blocks)
-        blk = gl.load(p_bt + i_pg, mask=ok, other=-1)
-        ok = ok & (blk >= 0) & (blk < num_blocks)
-        row = gl.where(ok, blk, 0).to(gl.int64) * PAGE + key % PAGE
-        addr = kv_addr + (row * stride_row + (i % 2) * 288) * 2
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$2], 576; mov.u32 $0, 0; }",
-            "=r,r,l", [ok.to(gl.int32), addr], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-
-    @gluon.jit
     def _seesaw_other_tile(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y, empty_y, ph,
                            WG: gl.constexpr, ROW_S: gl.constexpr, ROW_O: gl.constexpr):  # fmt: skip
         """P V of the other warpgroup's tile (its P over its rope columns x this warpgroup's half of its V, both
@@ -492,13 +470,12 @@ if GLUON_AVAILABLE:
         return acc, b_l, m_new
 
     @gluon.jit
-    def _seesaw_wg(q, desc, kv_addr, stride_kv_row, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
-                   empty_y, pready, qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split,
-                   num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h,
-                   stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
-                   MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
-                   N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
-                   PREFETCH: gl.constexpr):  # fmt: skip
+    def _seesaw_wg(q, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready, qbar,
+                   lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits, split_len, out,
+                   lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
+                   stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
+                   BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
+                   N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
         HALF: gl.constexpr = 256
@@ -540,10 +517,6 @@ if GLUON_AVAILABLE:
             r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
             _seesaw_issue(desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
             _seesaw_issue(desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
-            # own tiles 1 .. PREFETCH into L2 (the loop prefetches tile k + PREFETCH + 1 in iteration k)
-            for j in gl.static_range(1, PREFETCH + 1):
-                _seesaw_prefetch(kv_addr, stride_kv_row, p_bt, n0 + 2 * j * BLOCK_N, kv_hi, max_blocks, num_blocks,
-                                 PAGE, NW)  # fmt: skip
 
         # Q [64, 576] -> 9 swizzled chunks; each warpgroup stores alternate chunks, then both wait for all
         o_m = gl.arange(0, BLOCK_M, layout=ROW_LD)
@@ -604,9 +577,6 @@ if GLUON_AVAILABLE:
                                     own_lat.slice((OTH * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
                                     is_async=True)  # fmt: skip
             b_s = warpgroup_mma(q_smem.index(8 + z), own_rope.permute((1, 0)), b_s, is_async=True)
-            if PREFETCH > 0:  # while S_t runs: own tile k + PREFETCH + 1 into L2, ahead of its TMA refill
-                _seesaw_prefetch(kv_addr, stride_kv_row, p_bt, n0 + 2 * (PREFETCH + 1) * BLOCK_N, kv_hi, max_blocks,
-                                 num_blocks, PAGE, NW)  # fmt: skip
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
             if n0 + BLOCK_N > L:  # rows past the sequence: zeros before any P V reads them (S masks them)
                 _zero_tail(own_lat, n0, L, BLOCK_N, NW)
@@ -683,17 +653,15 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _mla_decode_gluon_seesaw_kernel(
-        q, desc, kv_addr, stride_kv_row, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits, split_len, out, lse,
+        q, desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits, split_len, out, lse,
         o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H,
         num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        OPAQUE: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr,
+        OPAQUE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """``variant="seesaw"`` (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel
-        (see the comment above ``_seesaw_wg``). ``desc``: one ``[32, 64]`` box over the cache's 2-D view;
-        ``kv_addr`` / ``stride_kv_row``: the same view's address and row stride, for the L2 prefetch of the
-        own tiles ``PREFETCH`` refills ahead (0: none)."""
+        (see the comment above ``_seesaw_wg``). ``desc``: one ``[32, 64]`` box over the cache's 2-D view."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
         gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
@@ -731,16 +699,16 @@ if GLUON_AVAILABLE:
         fence_async_shared()
 
         gl.warp_specialize([
-            (_seesaw_wg, (q, desc, kv_addr, stride_kv_row, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x,
-                          ready_y, empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
+            (_seesaw_wg, (q, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready,
+                          sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
                           num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t,
                           stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN,
-                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, PREFETCH)),
-            (_seesaw_wg, (q, desc, kv_addr, stride_kv_row, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x,
-                          ready_y, empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
+                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE)),
+            (_seesaw_wg, (q, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready,
+                          sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
                           num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t,
                           stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN,
-                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, PREFETCH)),
+                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE)),
         ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):
@@ -806,8 +774,7 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
 
 def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                            scale_log2: float, v_scale: float, causal: bool, d_v: int, *, block_n: int = 64,
-                           stages: int | None = None, variant: str = "ws",
-                           prefetch: int | None = None) -> None:  # fmt: skip
+                           stages: int | None = None, variant: str = "ws") -> None:  # fmt: skip
     r"""Launch the Gluon split-KV kernel (same meaning as ``_mla_decode_split`` in ``ops/decode.py``).
 
     Writes the final rows of single-split requests into ``out``/``lse`` and the normalised fp32
@@ -833,8 +800,6 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             (``_mla_decode_gluon_seesaw_kernel``: bf16 cache, 64-key tiles, 2 stages; ``block_n``/``stages``
             must keep their defaults; the faster one, see RESULTS.md run 29). ``"seesaw-const"``: the seesaw
             kernel with compile-time stage indices (spills; a diagnostic for the offline compile test).
-        prefetch (int | None): seesaw only: how many own-tile refills ahead each warpgroup prefetches its
-            KV tiles into L2 (0: no prefetch; None: ``SEESAW_PREFETCH``). A tuning knob.
     """
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if variant not in ("ws", "seesaw", "seesaw-const"):
@@ -842,8 +807,6 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     if variant.startswith("seesaw") and (fp8 or block_n != 64 or stages not in (None, 2)):
         raise ValueError("variant='seesaw' takes a bf16 cache, 64-key tiles and 2 stages; got "
                          f"{kv_cache.dtype}, block_n={block_n}, stages={stages}")  # fmt: skip
-    if prefetch is not None and (not variant.startswith("seesaw") or prefetch not in (0, 1, 2)):
-        raise ValueError(f"prefetch takes 0, 1 or 2 and applies to variant='seesaw'; got {prefetch!r}, {variant!r}")
     if fp8 and block_n != 64:
         # 32-key fp8 tiles compile with a few spilled scalars in the consumers (sm90, 240 registers)
         raise ValueError(f"an fp8 cache runs with 64-key tiles only; got block_n={block_n}")
@@ -872,9 +835,8 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     if variant.startswith("seesaw"):
         desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 64], _kv_layout())  # one [32, 64] chunk per box
         _mla_decode_gluon_seesaw_kernel[grid](
-            q, desc, kv_cache.data_ptr(), kv_cache.stride(1), *args[3:], PAGE=page, MAX_QLEN=plan.max_query_len,
-            BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal, WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb,
-            OPAQUE=variant == "seesaw", PREFETCH=SEESAW_PREFETCH if prefetch is None else prefetch, num_warps=4,
+            q, desc, *args[3:], PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
+            WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant == "seesaw", num_warps=4,
         )  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](

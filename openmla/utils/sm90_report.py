@@ -23,7 +23,7 @@ def resource_report(kernel) -> dict:
     Returns a dict: ``regs``, ``stack``, ``local`` (bytes), ``static_shared``, ``shared`` (dynamic bytes),
     ``num_warps``, and PTX counts: ``wgmma`` (``wgmma.mma_async``), ``tma`` (``cp.async.bulk.tensor``),
     ``setmaxnreg`` (the register counts warp-specialised partitions move to), ``cta_barrier``
-    (``bar.sync 0`` / ``barrier.sync 0``), ``l2_prefetch`` (``cp.async.bulk.prefetch.L2``).
+    (``bar.sync 0`` / ``barrier.sync 0``).
     """
     import triton
 
@@ -47,7 +47,6 @@ def resource_report(kernel) -> dict:
         "tma": ptx.count("cp.async.bulk.tensor"),
         "setmaxnreg": sorted(set(re.findall(r"setmaxnreg[.](?:inc|dec)[.]sync[.]aligned[.]u32\s+(\d+)", ptx))),
         "cta_barrier": len(re.findall(r"\bbar[.]sync\s+0;|\bbarrier[.]sync\s+0;", ptx)),
-        "l2_prefetch": ptx.count("cp.async.bulk.prefetch.L2"),
     }
 
 
