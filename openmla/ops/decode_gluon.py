@@ -426,7 +426,8 @@ if GLUON_AVAILABLE:
     #      first, so most of the load latency is hidden behind step 1 of the next tile.
     # Each MMA is waited for where it is issued. The order 1-before-2 and the split refill: 13% faster than the
     # first seesaw schedule at h128 (RESULTS.md run 27; S before the other tile's P V was 3% slower). Measured and
-    # dropped (run 30): looking up the block-table rows of tile t + 2 at the top of the iteration (no gain).
+    # dropped: looking up the block-table rows of tile t + 2 at the top of the iteration (run 30, no gain); an L2
+    # prefetch (cp.async.bulk.prefetch.L2) of the own tile one refill ahead (run 31: 19-40% slower).
     # Every shared-memory buffer is indexed with a compile-time stage (own = WG, other = 1 - WG) plus a runtime
     # zero (``OPAQUE``): a stage indexed with a runtime value inside these branches gave wrong wgmma operands past
     # the first k-step on the H200 (Triton 3.6 / ptxas 12.8; RESULTS.md runs 19-22), and purely compile-time
