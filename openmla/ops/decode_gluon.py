@@ -133,14 +133,13 @@ if GLUON_AVAILABLE:
             tma.async_copy_global_to_shared(rope_desc, [row, 512], bar, rope_smem.index(stage).slice(h * 32, 32, dim=0))
 
     @gluon.jit
-    def _qk(q_smem, lat, rope, s_init, zq=0):
-        """Start ``S = Q K^T`` for one tile: 8 latent chunks + the rope chunk, chained async wgmmas.
-        ``zq``: 0, or a runtime 0 that makes the Q chunk descriptors be rebuilt where they are used."""
-        s = warpgroup_mma(q_smem.index(zq), lat.slice(0, 64, dim=1).permute((1, 0)), s_init, use_acc=False,
+    def _qk(q_smem, lat, rope, s_init):
+        """Start ``S = Q K^T`` for one tile: 8 latent chunks + the rope chunk, chained async wgmmas."""
+        s = warpgroup_mma(q_smem.index(0), lat.slice(0, 64, dim=1).permute((1, 0)), s_init, use_acc=False,
                           is_async=True)  # fmt: skip
         for c in gl.static_range(1, 8):
-            s = warpgroup_mma(q_smem.index(c + zq), lat.slice(c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(q_smem.index(8 + zq), rope.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q_smem.index(c), lat.slice(c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_smem.index(8), rope.permute((1, 0)), s, is_async=True)
         return s
 
     @gluon.jit
@@ -479,10 +478,10 @@ if GLUON_AVAILABLE:
                    N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
-        HALF: gl.constexpr = 256
+        HALF: gl.constexpr = 256  # output columns of this warpgroup
         NW: gl.constexpr = 4
-        OWN: gl.constexpr = WG
-        OTH: gl.constexpr = 1 - WG
+        OWN: gl.constexpr = WG  # stage of this warpgroup's tiles
+        OTH: gl.constexpr = 1 - WG  # stage of the other warpgroup's tiles
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -499,7 +498,7 @@ if GLUON_AVAILABLE:
         i_w = pid // (N_HB * N_QB)
         i_h = pid % N_HB
         i_q = (pid // N_HB) % N_QB
-        i_b = gl.load(work_req + i_w).to(gl.int64)
+        i_b = gl.load(work_req + i_w).to(gl.int64)  # >= 0: the parent returned for empty slots
         q_start = gl.load(query_start_loc + i_b)
         qlen = gl.load(query_start_loc + i_b + 1) - q_start
         L = gl.load(seq_lens + i_b)
@@ -549,7 +548,7 @@ if GLUON_AVAILABLE:
         key0 = gl.expand_dims(gl.arange(0, BLOCK_N, layout=COL_S), 0)
 
         for k in range(n_own):
-            t = WG + 2 * k
+            t = WG + 2 * k  # this warpgroup's tile; t - 1 is the other's (none for t = 0)
             n0 = kv_lo + t * BLOCK_N
             if OPAQUE:
                 z = (L >> 31) & k  # a runtime 0 (seq_lens >= 0): descriptors rebuilt per iteration, not hoisted
@@ -581,7 +580,8 @@ if GLUON_AVAILABLE:
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
             if n0 + BLOCK_N > L:  # rows past the sequence: zeros before any P V reads them (S masks them)
                 _zero_tail(own_lat, n0, L, BLOCK_N, NW)
-            # 3. softmax of S_t; P_t over the rope columns, M_t
+            # 3. softmax of S_t (keys masked as a range [lo, hi) per row: an invalid box is the first or the
+            #    second half of the tile); P_t over the rope columns, M_t
             lo = gl.where(ok0, n0, n0 + 32)
             hi = gl.minimum(limit, gl.where(ok1, n0 + BLOCK_N, n0 + 32))
             key = key0 + n0
