@@ -1,9 +1,9 @@
 """Time the Hopper (Gluon) split-KV decode kernel against the portable one (sm90 GPU only).
 
 For each shape: the split kernel alone (CUDA-graph replay median, us) for every Gluon variant
-("BLOCK_N,STAGES" of the warp-specialised kernel, "seesaw", or "seesaw-const": the seesaw kernel with
-compile-time stage indices, which spills; kept as a diagnostic) and for the portable kernel with the same plan, the
-reduce alone, and TFLOPS = 2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64
+("BLOCK_N,STAGES" of the warp-specialised kernel, "seesaw", "seesaw-wide" (fewer TMA copies per tile), or
+"seesaw-const": the seesaw kernel with compile-time stage indices, which spills; kept as a diagnostic) and for
+the portable kernel with the same plan, the reduce alone, and TFLOPS = 2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64
 tokens scattered over a pool larger than L2; causal; the plan is built once outside the timed region.
 
     python benchmarks/bench_decode_gluon.py
@@ -34,7 +34,7 @@ PAGE = 64
 SCALE = 192**-0.5
 LOG2E = 1.4426950408889634
 SHAPES = "128,128,8192,1;32,128,8192,1;128,1,32768,1;64,128,8192,1;16,128,8192,4;128,128,8192,2"
-VARIANTS = "64,2;32,3;seesaw"  # "block_n,stages" of the warp-specialised kernel, or "seesaw"
+VARIANTS = "64,2;32,3;seesaw;seesaw-wide"  # "block_n,stages" of the warp-specialised kernel, or a seesaw variant
 KV_SCALE = 0.05
 
 

@@ -439,17 +439,26 @@ if GLUON_AVAILABLE:
         return acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1), b_l * b_alpha
 
     @gluon.jit
-    def _seesaw_issue(desc, lat_smem, rope_smem, bar, stage, r0, r1, LAT_HALF: gl.constexpr, ROPE: gl.constexpr):
-        """TMA of one refill group of a stage: the 4 latent chunks ``[32, 64]`` of half ``LAT_HALF`` (+ the rope
-        chunk when ``ROPE``) for both 32-key boxes (rows ``r0``, ``r1``) of a 64-key tile, on barrier ``bar``."""
+    def _seesaw_issue(half_desc, desc, lat_smem, rope_smem, bar, stage, r0, r1, LAT_HALF: gl.constexpr,
+                      ROPE: gl.constexpr, WIDE: gl.constexpr):  # fmt: skip
+        """TMA of one refill group of a stage: latent half ``LAT_HALF`` (256 columns; + the rope columns when
+        ``ROPE``) for both 32-key boxes (rows ``r0``, ``r1``) of a 64-key tile, on barrier ``bar``.
+        ``WIDE``: one copy per box and half through ``half_desc`` (``[32, 256]``: the lowering gives each of the
+        partition's 4 warps one ``[32, 64]`` message), else one copy per ``[32, 64]`` chunk through ``desc``.
+        The compiler puts a partition-wide barrier between consecutive copies (they share ``bar``): 6 per tile
+        when ``WIDE``, 18 otherwise."""
         n_chunks: gl.constexpr = 5 if ROPE else 4
         mbarrier.expect(bar, 2 * n_chunks * 32 * 64 * 2)
         for h in gl.static_range(2):
             row = r0 if h == 0 else r1
             lat = lat_smem.index(stage).slice(h * 32, 32, dim=0)
-            for c in gl.static_range(4):
-                tma.async_copy_global_to_shared(desc, [row, (LAT_HALF * 4 + c) * 64], bar,
-                                                lat.slice((LAT_HALF * 4 + c) * 64, 64, dim=1))  # fmt: skip
+            if WIDE:
+                tma.async_copy_global_to_shared(half_desc, [row, LAT_HALF * 256], bar,
+                                                lat.slice(LAT_HALF * 256, 256, dim=1))  # fmt: skip
+            else:
+                for c in gl.static_range(4):
+                    tma.async_copy_global_to_shared(desc, [row, (LAT_HALF * 4 + c) * 64], bar,
+                                                    lat.slice((LAT_HALF * 4 + c) * 64, 64, dim=1))  # fmt: skip
             if ROPE:
                 tma.async_copy_global_to_shared(desc, [row, 512], bar, rope_smem.index(stage).slice(h * 32, 32, dim=0))
 
@@ -470,12 +479,12 @@ if GLUON_AVAILABLE:
         return acc, b_l, m_new
 
     @gluon.jit
-    def _seesaw_wg(q, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready, qbar,
+    def _seesaw_wg(q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready, qbar,
                    lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits, split_len, out,
                    lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
                    stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
                    BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
-                   N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr):  # fmt: skip
+                   N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, WIDE: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
         HALF: gl.constexpr = 256  # output columns of this warpgroup
@@ -515,8 +524,8 @@ if GLUON_AVAILABLE:
             n0 = kv_lo + WG * BLOCK_N
             r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
             r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
-            _seesaw_issue(desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
-            _seesaw_issue(desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
+            _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False, WIDE)
+            _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True, WIDE)
 
         # Q [64, 576] -> 9 swizzled chunks; each warpgroup stores alternate chunks, then both wait for all
         o_m = gl.arange(0, BLOCK_M, layout=ROW_LD)
@@ -605,9 +614,11 @@ if GLUON_AVAILABLE:
             if k + 1 < n_own:
                 r0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
                 r1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
-                _seesaw_issue(desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
+                _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False,
+                              WIDE)  # fmt: skip
                 mbarrier.wait(empty_y.index(OWN), k & 1)
-                _seesaw_issue(desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
+                _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True,
+                              WIDE)  # fmt: skip
 
         t = WG + 2 * n_own - 1  # the other warpgroup's tile after this warpgroup's last one (at most one)
         if (t >= 0) & (t < n_tiles):
@@ -654,15 +665,16 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _mla_decode_gluon_seesaw_kernel(
-        q, desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits, split_len, out, lse,
-        o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H,
+        q, half_desc, desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits, split_len, out,
+        lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H,
         num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        OPAQUE: gl.constexpr, num_warps: gl.constexpr,
+        OPAQUE: gl.constexpr, WIDE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """``variant="seesaw"`` (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel
-        (see the comment above ``_seesaw_wg``). ``desc``: one ``[32, 64]`` box over the cache's 2-D view."""
+        (see the comment above ``_seesaw_wg``). ``desc`` / ``half_desc``: ``[32, 64]`` / ``[32, 256]`` boxes over
+        the cache's 2-D view (``half_desc`` is read only when ``WIDE``, ``variant="seesaw-wide"``)."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
         gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
@@ -700,16 +712,16 @@ if GLUON_AVAILABLE:
         fence_async_shared()
 
         gl.warp_specialize([
-            (_seesaw_wg, (q, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready,
+            (_seesaw_wg, (q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready,
                           sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
                           num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t,
                           stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN,
-                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE)),
-            (_seesaw_wg, (q, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready,
+                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, WIDE)),
+            (_seesaw_wg, (q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready,
                           sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
                           num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t,
                           stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN,
-                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE)),
+                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, WIDE)),
         ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):
@@ -799,12 +811,14 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             64-key tiles and fits 2 fp8 stages next to its fp16 tile.
         variant (str): ``"ws"`` (``_mla_decode_gluon_ws_kernel``) or ``"seesaw"``
             (``_mla_decode_gluon_seesaw_kernel``: bf16 cache, 64-key tiles, 2 stages; ``block_n``/``stages``
-            must keep their defaults; the faster one, see RESULTS.md run 29). ``"seesaw-const"``: the seesaw
-            kernel with compile-time stage indices (spills; a diagnostic for the offline compile test).
+            must keep their defaults; the faster one, see RESULTS.md run 29). ``"seesaw-wide"``: the seesaw
+            kernel refilling its stages with 6 TMA copies per tile instead of 18 (not yet measured on a GPU).
+            ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
+            offline compile test).
     """
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    if variant not in ("ws", "seesaw", "seesaw-const"):
-        raise ValueError(f"variant must be 'ws', 'seesaw' or 'seesaw-const'; got {variant!r}")
+    if variant not in ("ws", "seesaw", "seesaw-wide", "seesaw-const"):
+        raise ValueError(f"variant must be 'ws', 'seesaw', 'seesaw-wide' or 'seesaw-const'; got {variant!r}")
     if variant.startswith("seesaw") and (fp8 or block_n != 64 or stages not in (None, 2)):
         raise ValueError("variant='seesaw' takes a bf16 cache, 64-key tiles and 2 stages; got "
                          f"{kv_cache.dtype}, block_n={block_n}, stages={stages}")  # fmt: skip
@@ -835,9 +849,12 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             H, num_blocks, block_table.shape[1])  # fmt: skip
     if variant.startswith("seesaw"):
         desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 64], _kv_layout())  # one [32, 64] chunk per box
+        wide = variant == "seesaw-wide"  # half a latent row per copy (else half_desc is not read: desc again)
+        half_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 256], _kv_layout()) if wide else desc
         _mla_decode_gluon_seesaw_kernel[grid](
-            q, desc, *args[3:], PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
-            WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant == "seesaw", num_warps=4,
+            q, half_desc, desc, *args[3:], PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per,
+            CAUSAL=causal, WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const",
+            WIDE=wide, num_warps=4,
         )  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
