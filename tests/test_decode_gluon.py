@@ -49,7 +49,8 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     if block_n == "seesaw":
         fn = g._mla_decode_gluon_seesaw_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
-                    WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, OPAQUE=stages != "const", WIDE=stages == "wide",
+                    WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, OPAQUE=stages != "const",
+                    WIDE=stages in ("wide", "loader"), LOADER=stages == "loader", LOADER_REGS=g.WS_PRODUCER_REGS,
                     num_warps=4)
     else:
         fn = g._mla_decode_gluon_ws_kernel
@@ -62,7 +63,8 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
         elif name == "desc":  # the seesaw kernel's one [32, 64] chunk box
             sig[name] = f"tensordesc<bf16[32, 64],{nvmma(128, 16)}>"
         elif name == "half_desc":  # seesaw: half a latent row per copy ("wide"), else the chunk box again
-            sig[name] = f"tensordesc<bf16[32, {256 if stages == 'wide' else 64}],{nvmma(128, 16)}>"
+            half = 256 if stages in ("wide", "loader") else 64
+            sig[name] = f"tensordesc<bf16[32, {half}],{nvmma(128, 16)}>"
         elif name == "lat_desc":
             sig[name] = f"tensordesc<fp8e4nv[32, 512],{nvmma(128, 8)}>" if fp8 else f"tensordesc<bf16[32, 512],{nvmma(128, 16)}>"
         elif name == "rope_desc":
@@ -104,17 +106,20 @@ def test_gluon_seesaw_compiles_for_sm90():
     # indices ("seesaw-const") every operand descriptor is computed before the loop and kept live: ~350 B spill.
     # "wide" ("seesaw-wide"): one TMA copy per 32-key box and latent half, so fewer copies and fewer of the
     # partition-wide barriers the compiler puts between them.
+    # "loader" ("seesaw-loader"): a third, 1-warp partition issues every copy (12 warps in all).
     reports = _compile_report([["seesaw", "opaque", True, 16, False], ["seesaw", "opaque", False, 64, False],
                                ["seesaw", "wide", True, 16, False], ["seesaw", "wide", False, 64, False],
+                               ["seesaw", "loader", True, 16, False], ["seesaw", "loader", False, 64, False],
                                ["seesaw", "const", False, 64, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
-        assert r["num_warps"] == 8 and r["setmaxnreg"], r
-    assert all(r["stack"] == 0 and r["local"] == 0 for r in reports[:4]), reports[:4]
+        assert r["num_warps"] == (12 if r["variant"][1] == "loader" else 8) and r["setmaxnreg"], r
+    assert all(r["stack"] == 0 and r["local"] == 0 for r in reports[:6]), reports[:6]
     assert reports[3]["tma"] < reports[1]["tma"] / 2, (reports[1], reports[3])  # copies in the PTX
     assert reports[3]["partition_barriers"] < reports[1]["partition_barriers"], (reports[1], reports[3])
-    assert reports[4]["stack"] > 0, "the compile-time-index variant no longer spills: the opaque index may be moot"
+    assert reports[5]["partition_barriers"] < reports[3]["partition_barriers"], (reports[3], reports[5])
+    assert reports[6]["stack"] > 0, "the compile-time-index variant no longer spills: the opaque index may be moot"
 
 
 def test_gluon_decode_unsupported_on_cpu():
@@ -161,9 +166,10 @@ VARIANTS = [
     {"block_n": 32, "stages": 3},
     {"variant": "seesaw"},  # two warpgroup partitions, alternate 64-key tiles, P over the rope columns
     {"variant": "seesaw-wide"},  # the same with one TMA copy per 32-key box and latent half
+    {"variant": "seesaw-loader"},  # the same with a 1-warp partition doing every TMA copy
 ]
 KERNEL_KW = {"ws": {}, "ws-n32": {"block_n": 32, "stages": 3}, "seesaw": {"variant": "seesaw"},
-             "seesaw-wide": {"variant": "seesaw-wide"}, "fp8": {}}
+             "seesaw-wide": {"variant": "seesaw-wide"}, "seesaw-loader": {"variant": "seesaw-loader"}, "fp8": {}}
 
 
 def _variant_id(i):
@@ -253,7 +259,7 @@ def test_gluon_decode_splits(num_sms, variant, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "ws-n32", "seesaw", "seesaw-wide", "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", "ws-n32", "seesaw", "seesaw-wide", "seesaw-loader", "fp8"])
 def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
     # splits of 32-token granularity start at multiples of 32 that are not multiples of the 64-token page:
     # a 64-key tile is then two boxes on two pages, and a split's last tile can be half empty. The GPU
@@ -274,7 +280,7 @@ def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "seesaw", "seesaw-wide", "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", "seesaw", "seesaw-wide", "seesaw-loader", "fp8"])
 @pytest.mark.parametrize("page", [32, 64])
 @pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4)])
 def test_gluon_decode_tile_counts(heads, qlen, page, kernel, device):
@@ -301,7 +307,7 @@ def test_gluon_matches_portable(heads, qlen, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "seesaw", "seesaw-wide", "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", "seesaw", "seesaw-wide", "seesaw-loader", "fp8"])
 def test_gluon_decode_empty_rows(kernel, device):
     # causal rows that see no key (seq_len < qlen) give out 0 and lse -inf, never NaN
     lens = [2, 0, 40]

@@ -27,7 +27,7 @@ from openmla.ops._validate import (
     kernel_backend,
     scalar_scale,
 )
-from openmla.ops.decode_gluon import gluon_decode_supported, mla_decode_split_gluon
+from openmla.ops.decode_gluon import SEESAW_VARIANTS, gluon_decode_supported, mla_decode_split_gluon
 from openmla.ops.plan import DecodePlan, plan_decode
 
 __all__ = ["mla_decode"]
@@ -458,12 +458,12 @@ def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtyp
 
 
 def _gluon_variant(kv_cache_dtype: str) -> str:
-    """The Gluon kernel variant (``OPENMLA_DECODE_GLUON_VARIANT``: ``seesaw``, the default, ``seesaw-wide`` or
-    ``ws``; read per call). fp8 caches always run ``ws`` (the seesaw kernels take bf16 caches only). seesaw
-    measured 8-14% faster than ws on the H200 at h32-h128 (RESULTS.md runs 27-29)."""
+    """The Gluon kernel variant (``OPENMLA_DECODE_GLUON_VARIANT``: ``seesaw``, the default, ``ws`` or another of
+    ``decode_gluon.SEESAW_VARIANTS``; read per call). fp8 caches always run ``ws`` (the seesaw kernels take bf16
+    caches only). seesaw measured 8-14% faster than ws on the H200 at h32-h128 (RESULTS.md runs 27-29)."""
     variant = os.environ.get("OPENMLA_DECODE_GLUON_VARIANT", "seesaw")
-    if variant not in ("ws", "seesaw", "seesaw-wide"):
-        raise ValueError(f"OPENMLA_DECODE_GLUON_VARIANT must be 'ws', 'seesaw' or 'seesaw-wide'; got {variant!r}")
+    if variant not in SEESAW_VARIANTS + ("ws",):
+        raise ValueError(f"OPENMLA_DECODE_GLUON_VARIANT must be 'ws' or one of {SEESAW_VARIANTS}; got {variant!r}")
     return "ws" if kv_cache_dtype == "fp8" else variant
 
 

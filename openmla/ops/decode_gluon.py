@@ -74,7 +74,8 @@ import triton
 if TYPE_CHECKING:
     from openmla.ops.plan import DecodePlan
 
-__all__ = ["GLUON_AVAILABLE", "gluon_decode_config", "gluon_decode_supported", "mla_decode_split_gluon"]
+__all__ = ["GLUON_AVAILABLE", "SEESAW_VARIANTS", "gluon_decode_config", "gluon_decode_supported",
+           "mla_decode_split_gluon"]
 
 from openmla.ops._gluon import (  # noqa: F401  (GLUON_AVAILABLE is part of this module's API)
     GLUON_AVAILABLE,
@@ -100,6 +101,9 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm90
 WS_PRODUCER_REGS = 32
 # registers of the second warpgroup (the worker partition) of ``variant="seesaw"``
 SEESAW_WG_REGS = 240
+# the seesaw variants for bf16 caches: "seesaw" (each warpgroup refills its stages, 18 TMA copies a tile),
+# "seesaw-wide" (6 copies a tile), "seesaw-loader" (a 1-warp partition does every page lookup and copy)
+SEESAW_VARIANTS = ("seesaw", "seesaw-wide", "seesaw-loader")
 
 
 if GLUON_AVAILABLE:
@@ -479,12 +483,54 @@ if GLUON_AVAILABLE:
         return acc, b_l, m_new
 
     @gluon.jit
-    def _seesaw_wg(q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready, qbar,
-                   lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits, split_len, out,
-                   lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
-                   stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
-                   BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
-                   N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, WIDE: gl.constexpr):  # fmt: skip
+    def _seesaw_loader(half_desc, desc, lat_smem, rope_smem, ready_x, ready_y, free_x, empty_y, block_table, seq_lens,
+                       query_start_loc, work_req, work_split, split_len, stride_bt_b, num_blocks, max_blocks,
+                       PAGE: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
+                       N_QB: gl.constexpr, WIDE: gl.constexpr):  # fmt: skip
+        """``variant="seesaw-loader"``: a 1-warp partition that does every page lookup and TMA copy of the
+        seesaw kernel, in the order the stages free up: per tile, its owner's latent half once the owner's P V of
+        the stage's previous tile is done (``free_x``), then the other half + rope once the other warpgroup's P V
+        of it is (``empty_y``). Fresh barriers pass parity 1 at once (the first two tiles wait for nothing).
+        Copies from one warp need no partition-wide barriers between them. No barrier gets two phases ahead of
+        its waiter: a warpgroup's next arrive on ``free_x`` / ``empty_y`` of a stage needs that stage's next tile,
+        which this loop issues only after the wait."""
+        pid = gl.program_id(0)
+        i_w = pid // (N_HB * N_QB)
+        i_q = (pid // N_HB) % N_QB
+        i_b = gl.load(work_req + i_w).to(gl.int64)
+        q_start = gl.load(query_start_loc + i_b)
+        qlen = gl.load(query_start_loc + i_b + 1) - q_start
+        L = gl.load(seq_lens + i_b)
+        chunk = gl.load(split_len + i_b)
+        kv_lo = gl.load(work_split + i_w) * chunk
+        kv_hi = gl.minimum(L, kv_lo + chunk)
+        if CAUSAL:  # the same clamp as the compute partitions
+            kv_hi = gl.minimum(kv_hi, L - qlen + gl.minimum(i_q * Q_PER + Q_PER, qlen))
+        n_tiles = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), 64)
+        p_bt = block_table + i_b * stride_bt_b
+        for i in range(gl.cdiv(n_tiles, 2)):  # tiles 2i (stage 0) and 2i + 1 (stage 1): compile-time stages
+            ph = (i & 1) ^ 1
+            for st in gl.static_range(2):
+                j = 2 * i + st
+                if j < n_tiles:
+                    n0 = kv_lo + j * 64
+                    r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
+                    r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
+                    mbarrier.wait(free_x.index(st), ph)
+                    _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_x.index(st), st, r0, r1, st, False,
+                                  WIDE)  # fmt: skip
+                    mbarrier.wait(empty_y.index(st), ph)
+                    _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_y.index(st), st, r0, r1, 1 - st, True,
+                                  WIDE)  # fmt: skip
+
+    @gluon.jit
+    def _seesaw_wg(q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, free_x,
+                   empty_y, pready, qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split,
+                   num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h,
+                   stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
+                   MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
+                   N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
+                   WIDE: gl.constexpr, LOADER: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
         HALF: gl.constexpr = 256  # output columns of this warpgroup
@@ -520,12 +566,15 @@ if GLUON_AVAILABLE:
         n_own = gl.maximum(n_tiles - WG + 1, 0) // 2  # tiles WG, WG + 2, ...
         p_bt = block_table + i_b * stride_bt_b
 
-        if n_own > 0:  # the first own tile, both groups
-            n0 = kv_lo + WG * BLOCK_N
-            r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
-            r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
-            _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False, WIDE)
-            _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True, WIDE)
+        if not LOADER:  # the first own tile, both groups (with a loader partition, its job)
+            if n_own > 0:
+                n0 = kv_lo + WG * BLOCK_N
+                r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
+                r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
+                _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False,
+                              WIDE)  # fmt: skip
+                _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True,
+                              WIDE)  # fmt: skip
 
         # Q [64, 576] -> 9 swizzled chunks; each warpgroup stores alternate chunks, then both wait for all
         o_m = gl.arange(0, BLOCK_M, layout=ROW_LD)
@@ -611,7 +660,9 @@ if GLUON_AVAILABLE:
             acc = warpgroup_mma_wait(0, deps=(acc,))
             gl.thread_barrier()  # every warp's P V is done before one thread refills the stage
             # 5. refill with tile t + 2: X now, Y once the other warpgroup's P_t V_t released it
-            if k + 1 < n_own:
+            if LOADER:  # the loader partition refills; X is free
+                mbarrier.arrive(free_x.index(OWN), count=1)
+            elif k + 1 < n_own:
                 r0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
                 r1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
                 _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False,
@@ -670,11 +721,13 @@ if GLUON_AVAILABLE:
         num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        OPAQUE: gl.constexpr, WIDE: gl.constexpr, num_warps: gl.constexpr,
+        OPAQUE: gl.constexpr, WIDE: gl.constexpr, LOADER: gl.constexpr, LOADER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
         """``variant="seesaw"`` (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel
         (see the comment above ``_seesaw_wg``). ``desc`` / ``half_desc``: ``[32, 64]`` / ``[32, 256]`` boxes over
-        the cache's 2-D view (``half_desc`` is read only when ``WIDE``, ``variant="seesaw-wide"``)."""
+        the cache's 2-D view (``half_desc`` is read only when ``WIDE``). ``LOADER``: the copies come from a 1-warp
+        partition (``_seesaw_loader``, ``LOADER_REGS`` registers)."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
         gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
@@ -701,33 +754,58 @@ if GLUON_AVAILABLE:
         ready_x = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ready_y = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty_y = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        free_x = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         sync = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(2):
             mbarrier.init(ready_x.index(st), count=1)  # the owner's latent half landed (expect-tx)
             mbarrier.init(ready_y.index(st), count=1)  # the other latent half + the rope landed (expect-tx)
             mbarrier.init(empty_y.index(st), count=1)  # the other warpgroup is done with the stage's Y group
+            mbarrier.init(free_x.index(st), count=1)  # the owner is done with the stage's X group (LOADER only)
             mbarrier.init(pready.index(st), count=1)  # the owner stored P and M of the stage's tile
             mbarrier.init(sync.index(st), count=2)  # 0: Q stored (both halves); 1: row sums stored
         fence_async_shared()
 
-        gl.warp_specialize([
-            (_seesaw_wg, (q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready,
-                          sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
-                          num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t,
-                          stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN,
-                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, WIDE)),
-            (_seesaw_wg, (q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, empty_y, pready,
-                          sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc, work_req, work_split,
-                          num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t,
-                          stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN,
-                          BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, WIDE)),
-        ], [4], [WG_REGS])  # fmt: skip
+        # (the partition list must be a literal: a JIT function cannot live in a variable here)
+        if LOADER:
+            gl.warp_specialize([
+                (_seesaw_wg, (q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
+                              free_x, empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens,
+                              query_start_loc, work_req, work_split, num_splits, split_len, out, lse, o_part,
+                              lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
+                              stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB,
+                              N_QB, 0, OPAQUE, WIDE, LOADER)),
+                (_seesaw_wg, (q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
+                              free_x, empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens,
+                              query_start_loc, work_req, work_split, num_splits, split_len, out, lse, o_part,
+                              lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
+                              stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB,
+                              N_QB, 1, OPAQUE, WIDE, LOADER)),
+                (_seesaw_loader, (half_desc, desc, lat_smem, rope_smem, ready_x, ready_y, free_x, empty_y,
+                                  block_table, seq_lens, query_start_loc, work_req, work_split, split_len,
+                                  stride_bt_b, num_blocks, max_blocks, PAGE, Q_PER, CAUSAL, N_HB, N_QB, WIDE)),
+            ], [4, 1], [WG_REGS, LOADER_REGS])  # fmt: skip
+        else:
+            gl.warp_specialize([
+                (_seesaw_wg, (q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
+                              free_x, empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens,
+                              query_start_loc, work_req, work_split, num_splits, split_len, out, lse, o_part,
+                              lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
+                              stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB,
+                              N_QB, 0, OPAQUE, WIDE, LOADER)),
+                (_seesaw_wg, (q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
+                              free_x, empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens,
+                              query_start_loc, work_req, work_split, num_splits, split_len, out, lse, o_part,
+                              lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
+                              stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB,
+                              N_QB, 1, OPAQUE, WIDE, LOADER)),
+            ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):
             mbarrier.invalidate(ready_x.index(st))
             mbarrier.invalidate(ready_y.index(st))
             mbarrier.invalidate(empty_y.index(st))
+            mbarrier.invalidate(free_x.index(st))
             mbarrier.invalidate(pready.index(st))
             mbarrier.invalidate(sync.index(st))
 
@@ -812,13 +890,14 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         variant (str): ``"ws"`` (``_mla_decode_gluon_ws_kernel``) or ``"seesaw"``
             (``_mla_decode_gluon_seesaw_kernel``: bf16 cache, 64-key tiles, 2 stages; ``block_n``/``stages``
             must keep their defaults; the faster one, see RESULTS.md run 29). ``"seesaw-wide"``: the seesaw
-            kernel refilling its stages with 6 TMA copies per tile instead of 18 (not yet measured on a GPU).
+            kernel refilling its stages with 6 TMA copies per tile instead of 18; ``"seesaw-loader"``: with a
+            1-warp partition doing every page lookup and TMA copy (both not yet measured on a GPU).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
     """
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    if variant not in ("ws", "seesaw", "seesaw-wide", "seesaw-const"):
-        raise ValueError(f"variant must be 'ws', 'seesaw', 'seesaw-wide' or 'seesaw-const'; got {variant!r}")
+    if variant not in SEESAW_VARIANTS + ("ws", "seesaw-const"):
+        raise ValueError(f"variant must be 'ws', 'seesaw-const' or one of {SEESAW_VARIANTS}; got {variant!r}")
     if variant.startswith("seesaw") and (fp8 or block_n != 64 or stages not in (None, 2)):
         raise ValueError("variant='seesaw' takes a bf16 cache, 64-key tiles and 2 stages; got "
                          f"{kv_cache.dtype}, block_n={block_n}, stages={stages}")  # fmt: skip
@@ -849,12 +928,13 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             H, num_blocks, block_table.shape[1])  # fmt: skip
     if variant.startswith("seesaw"):
         desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 64], _kv_layout())  # one [32, 64] chunk per box
-        wide = variant == "seesaw-wide"  # half a latent row per copy (else half_desc is not read: desc again)
+        loader = variant == "seesaw-loader"
+        wide = loader or variant == "seesaw-wide"  # half a latent row per copy (else half_desc is not read)
         half_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 256], _kv_layout()) if wide else desc
         _mla_decode_gluon_seesaw_kernel[grid](
             q, half_desc, desc, *args[3:], PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per,
             CAUSAL=causal, WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const",
-            WIDE=wide, num_warps=4,
+            WIDE=wide, LOADER=loader, LOADER_REGS=WS_PRODUCER_REGS, num_warps=4,
         )  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
