@@ -39,6 +39,9 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
   4-warp partitions that own alternate 64-key tiles (full-width scores, P over the tile's rope columns, both add
   every tile's P V to their output half; each stage refilled in two TMA groups); see the comment above
   ``_seesaw_wg``. 8-14% faster than ws at h32-h128 (RESULTS.md runs 27-29: h128 b128 s8k 458 vs 406 TFLOPS).
+  Opt-in, compiled offline but not yet run on a GPU: ``"seesaw-wide"`` (6 TMA copies a tile instead of 18: the
+  compiler puts a partition-wide barrier between copies) and ``"seesaw-loader"`` (a 1-warp partition,
+  ``_seesaw_loader``, does every page lookup and copy).
 * Measured and dropped (RESULTS.md run 8): the same loop without warp specialisation (4-8% slower), a
   variant issuing the next tile's scores MMA before this tile's softmax, and 32-key tiles as default.
 * fp8 cache (``kv_cache_dtype="fp8"``, float8_e4m3fn, selected by the cache dtype; 64-key tiles,
