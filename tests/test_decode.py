@@ -340,7 +340,7 @@ def test_gluon_variant_env(device, monkeypatch):
     assert _gluon_variant("auto") == "ws" and _gluon_variant("fp8") == "ws"
     monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "seesaw")
     assert _gluon_variant("auto") == "seesaw" and _gluon_variant("fp8") == "ws"
-    for variant in ("seesaw-wide", "seesaw-loader"):
+    for variant in ("seesaw-wide", "seesaw-loader", "seesaw-loader-pf"):
         monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", variant)
         assert _gluon_variant("auto") == variant and _gluon_variant("fp8") == "ws"
     monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "fast")

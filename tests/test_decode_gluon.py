@@ -50,8 +50,8 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
         fn = g._mla_decode_gluon_seesaw_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, OPAQUE=stages != "const",
-                    WIDE=stages in ("wide", "loader"), LOADER=stages == "loader", LOADER_REGS=g.WS_PRODUCER_REGS,
-                    num_warps=4)
+                    WIDE=stages in ("wide", "loader", "loader-pf"), LOADER=stages in ("loader", "loader-pf"),
+                    LOADER_REGS=g.WS_PRODUCER_REGS, PREFETCH=stages == "loader-pf", num_warps=4)
     else:
         fn = g._mla_decode_gluon_ws_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
@@ -62,8 +62,10 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
             sig[name] = "constexpr"
         elif name == "desc":  # the seesaw kernel's one [32, 64] chunk box
             sig[name] = f"tensordesc<bf16[32, 64],{nvmma(128, 16)}>"
+        elif name == "kv_addr":
+            sig[name] = "i64"
         elif name == "half_desc":  # seesaw: half a latent row per copy ("wide"), else the chunk box again
-            half = 256 if stages in ("wide", "loader") else 64
+            half = 256 if stages in ("wide", "loader", "loader-pf") else 64
             sig[name] = f"tensordesc<bf16[32, {half}],{nvmma(128, 16)}>"
         elif name == "lat_desc":
             sig[name] = f"tensordesc<fp8e4nv[32, 512],{nvmma(128, 8)}>" if fp8 else f"tensordesc<bf16[32, 512],{nvmma(128, 16)}>"
@@ -110,16 +112,17 @@ def test_gluon_seesaw_compiles_for_sm90():
     reports = _compile_report([["seesaw", "opaque", True, 16, False], ["seesaw", "opaque", False, 64, False],
                                ["seesaw", "wide", True, 16, False], ["seesaw", "wide", False, 64, False],
                                ["seesaw", "loader", True, 16, False], ["seesaw", "loader", False, 64, False],
+                               ["seesaw", "loader-pf", False, 64, False],
                                ["seesaw", "const", False, 64, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
-        assert r["num_warps"] == (12 if r["variant"][1] == "loader" else 8) and r["setmaxnreg"], r
-    assert all(r["stack"] == 0 and r["local"] == 0 for r in reports[:6]), reports[:6]
+        assert r["num_warps"] == (12 if r["variant"][1].startswith("loader") else 8) and r["setmaxnreg"], r
+    assert all(r["stack"] == 0 and r["local"] == 0 for r in reports[:7]), reports[:7]
     assert reports[3]["tma"] < reports[1]["tma"] / 2, (reports[1], reports[3])  # copies in the PTX
     assert reports[3]["partition_barriers"] < reports[1]["partition_barriers"], (reports[1], reports[3])
     assert reports[5]["partition_barriers"] < reports[3]["partition_barriers"], (reports[3], reports[5])
-    assert reports[6]["stack"] > 0, "the compile-time-index variant no longer spills: the opaque index may be moot"
+    assert reports[7]["stack"] > 0, "the compile-time-index variant no longer spills: the opaque index may be moot"
 
 
 def test_gluon_decode_unsupported_on_cpu():
@@ -167,6 +170,7 @@ VARIANTS = [
     {"variant": "seesaw"},  # two warpgroup partitions, alternate 64-key tiles, P over the rope columns
     {"variant": "seesaw-wide"},  # the same with one TMA copy per 32-key box and latent half
     {"variant": "seesaw-loader"},  # the same with a 1-warp partition doing every TMA copy
+    {"variant": "seesaw-loader-pf"},  # ... which also prefetches each stage's next tile into L2
 ]
 KERNEL_KW = {"ws": {}, "ws-n32": {"block_n": 32, "stages": 3}, "seesaw": {"variant": "seesaw"},
              "seesaw-wide": {"variant": "seesaw-wide"}, "seesaw-loader": {"variant": "seesaw-loader"}, "fp8": {}}

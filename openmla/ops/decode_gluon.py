@@ -41,7 +41,7 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
   ``_seesaw_wg``. 8-14% faster than ws at h32-h128 (RESULTS.md runs 27-29: h128 b128 s8k 458 vs 406 TFLOPS).
   Opt-in, compiled offline but not yet run on a GPU: ``"seesaw-wide"`` (6 TMA copies a tile instead of 18: the
   compiler puts a partition-wide barrier between copies) and ``"seesaw-loader"`` (a 1-warp partition,
-  ``_seesaw_loader``, does every page lookup and copy).
+  ``_seesaw_loader``, does every page lookup and copy; ``"seesaw-loader-pf"``: it also prefetches into L2).
 * Measured and dropped (RESULTS.md run 8): the same loop without warp specialisation (4-8% slower), a
   variant issuing the next tile's scores MMA before this tile's softmax, and 32-key tiles as default.
 * fp8 cache (``kv_cache_dtype="fp8"``, float8_e4m3fn, selected by the cache dtype; 64-key tiles,
@@ -105,8 +105,9 @@ WS_PRODUCER_REGS = 32
 # registers of the second warpgroup (the worker partition) of ``variant="seesaw"``
 SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches: "seesaw" (each warpgroup refills its stages, 18 TMA copies a tile),
-# "seesaw-wide" (6 copies a tile), "seesaw-loader" (a 1-warp partition does every page lookup and copy)
-SEESAW_VARIANTS = ("seesaw", "seesaw-wide", "seesaw-loader")
+# "seesaw-wide" (6 copies a tile), "seesaw-loader" (a 1-warp partition does every page lookup and copy),
+# "seesaw-loader-pf" (the loader also prefetches each stage's next tile into L2)
+SEESAW_VARIANTS = ("seesaw", "seesaw-wide", "seesaw-loader", "seesaw-loader-pf")
 
 
 if GLUON_AVAILABLE:
@@ -486,17 +487,21 @@ if GLUON_AVAILABLE:
         return acc, b_l, m_new
 
     @gluon.jit
-    def _seesaw_loader(half_desc, desc, lat_smem, rope_smem, ready_x, ready_y, free_x, empty_y, block_table, seq_lens,
-                       query_start_loc, work_req, work_split, split_len, stride_bt_b, num_blocks, max_blocks,
-                       PAGE: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
-                       N_QB: gl.constexpr, WIDE: gl.constexpr):  # fmt: skip
+    def _seesaw_loader(half_desc, desc, kv_addr, stride_kv_row, lat_smem, rope_smem, ready_x, ready_y, free_x,
+                       empty_y, block_table, seq_lens, query_start_loc, work_req, work_split, split_len, stride_bt_b,
+                       num_blocks, max_blocks, PAGE: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
+                       N_HB: gl.constexpr, N_QB: gl.constexpr, WIDE: gl.constexpr,
+                       PREFETCH: gl.constexpr):  # fmt: skip
         """``variant="seesaw-loader"``: a 1-warp partition that does every page lookup and TMA copy of the
         seesaw kernel, in the order the stages free up: per tile, its owner's latent half once the owner's P V of
         the stage's previous tile is done (``free_x``), then the other half + rope once the other warpgroup's P V
         of it is (``empty_y``). Fresh barriers pass parity 1 at once (the first two tiles wait for nothing).
         Copies from one warp need no partition-wide barriers between them. No barrier gets two phases ahead of
         its waiter: a warpgroup's next arrive on ``free_x`` / ``empty_y`` of a stage needs that stage's next tile,
-        which this loop issues only after the wait."""
+        which this loop issues only after the wait.
+        ``PREFETCH`` (``variant="seesaw-loader-pf"``): after issuing tile j, lanes 0 and 1 prefetch the two
+        32-key boxes of tile j + 2 (the stage's next fill) into L2 with one ``cp.async.bulk.prefetch.L2`` each
+        (``kv_addr``/``stride_kv_row``: the cache's address and row stride; a box is 32 contiguous rows)."""
         pid = gl.program_id(0)
         i_w = pid // (N_HB * N_QB)
         i_q = (pid // N_HB) % N_QB
@@ -525,6 +530,26 @@ if GLUON_AVAILABLE:
                     mbarrier.wait(empty_y.index(st), ph)
                     _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_y.index(st), st, r0, r1, 1 - st, True,
                                   WIDE)  # fmt: skip
+                    if PREFETCH:
+                        _seesaw_prefetch_tile(kv_addr, stride_kv_row, p_bt, n0 + 128, kv_hi, max_blocks, num_blocks,
+                                              PAGE)  # fmt: skip
+
+    @gluon.jit
+    def _seesaw_prefetch_tile(kv_addr, stride_kv_row, p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE: gl.constexpr):
+        """L2 prefetch of the 64-key tile at key ``n0`` from a 1-warp partition: lane b < 2 takes 32-key box b
+        (skipped past the split or on an invalid block id)."""
+        lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        n = n0 + (lane % 2) * 32
+        i_pg = n // PAGE
+        ok = (lane < 2) & (n < kv_hi) & (i_pg < max_blocks)
+        blk = gl.load(p_bt + i_pg, mask=ok, other=-1)
+        ok = ok & (blk >= 0) & (blk < num_blocks)
+        row = gl.where(ok, blk, 0).to(gl.int64) * PAGE + n % PAGE
+        addr = kv_addr + row * stride_kv_row * 2
+        size = gl.full([32], 0, gl.int32, lane.type.layout) + stride_kv_row * 64  # 32 rows x 2 bytes
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$2], $3; mov.u32 $0, 0; }",
+            "=r,r,l,r", [ok.to(gl.int32), addr, size], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
     def _seesaw_wg(q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, free_x,
@@ -719,18 +744,19 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _mla_decode_gluon_seesaw_kernel(
-        q, half_desc, desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits, split_len, out,
-        lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H,
-        num_blocks, max_blocks,
+        q, half_desc, desc, kv_addr, stride_kv_row, block_table, seq_lens, query_start_loc, work_req, work_split,
+        num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
         OPAQUE: gl.constexpr, WIDE: gl.constexpr, LOADER: gl.constexpr, LOADER_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
+        PREFETCH: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """``variant="seesaw"`` (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel
         (see the comment above ``_seesaw_wg``). ``desc`` / ``half_desc``: ``[32, 64]`` / ``[32, 256]`` boxes over
         the cache's 2-D view (``half_desc`` is read only when ``WIDE``). ``LOADER``: the copies come from a 1-warp
-        partition (``_seesaw_loader``, ``LOADER_REGS`` registers)."""
+        partition (``_seesaw_loader``, ``LOADER_REGS`` registers), which also prefetches into L2 when ``PREFETCH``
+        (``kv_addr``, ``stride_kv_row``: the cache's address and row stride, read only then)."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
         gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
@@ -784,9 +810,10 @@ if GLUON_AVAILABLE:
                               lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
                               stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB,
                               N_QB, 1, OPAQUE, WIDE, LOADER)),
-                (_seesaw_loader, (half_desc, desc, lat_smem, rope_smem, ready_x, ready_y, free_x, empty_y,
-                                  block_table, seq_lens, query_start_loc, work_req, work_split, split_len,
-                                  stride_bt_b, num_blocks, max_blocks, PAGE, Q_PER, CAUSAL, N_HB, N_QB, WIDE)),
+                (_seesaw_loader, (half_desc, desc, kv_addr, stride_kv_row, lat_smem, rope_smem, ready_x, ready_y,
+                                  free_x, empty_y, block_table, seq_lens, query_start_loc, work_req, work_split,
+                                  split_len, stride_bt_b, num_blocks, max_blocks, PAGE, Q_PER, CAUSAL, N_HB, N_QB,
+                                  WIDE, PREFETCH)),
             ], [4, 1], [WG_REGS, LOADER_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
@@ -931,13 +958,14 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             H, num_blocks, block_table.shape[1])  # fmt: skip
     if variant.startswith("seesaw"):
         desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 64], _kv_layout())  # one [32, 64] chunk per box
-        loader = variant == "seesaw-loader"
+        loader = variant.startswith("seesaw-loader")
         wide = loader or variant == "seesaw-wide"  # half a latent row per copy (else half_desc is not read)
         half_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 256], _kv_layout()) if wide else desc
         _mla_decode_gluon_seesaw_kernel[grid](
-            q, half_desc, desc, *args[3:], PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per,
-            CAUSAL=causal, WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const",
-            WIDE=wide, LOADER=loader, LOADER_REGS=WS_PRODUCER_REGS, num_warps=4,
+            q, half_desc, desc, kv_cache.data_ptr(), kv_cache.stride(1), *args[3:], PAGE=page,
+            MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal, WG_REGS=SEESAW_WG_REGS,
+            N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const", WIDE=wide, LOADER=loader,
+            LOADER_REGS=WS_PRODUCER_REGS, PREFETCH=variant == "seesaw-loader-pf", num_warps=4,
         )  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
