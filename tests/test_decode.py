@@ -4,8 +4,8 @@ import dataclasses
 import itertools
 
 import pytest
-import triton
 import torch
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

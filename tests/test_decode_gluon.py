@@ -167,13 +167,12 @@ def _gpu_test(fn):
 VARIANTS = [
     {"block_n": 64, "stages": 2},  # the default: warp-specialised (TMA producer warp)
     {"block_n": 32, "stages": 3},
-    {"variant": "seesaw"},  # two warpgroup partitions, alternate 64-key tiles, P over the rope columns
-    {"variant": "seesaw-wide"},  # the same with one TMA copy per 32-key box and latent half
-    {"variant": "seesaw-loader"},  # the same with a 1-warp partition doing every TMA copy
-    {"variant": "seesaw-loader-pf"},  # ... which also prefetches each stage's next tile into L2
+    # two warpgroup partitions, alternate 64-key tiles, P over the rope columns; "-wide": one TMA copy per 32-key
+    # box and latent half; "-loader": a 1-warp partition does every TMA copy; "-loader-pf": and L2 prefetches
+    *({"variant": v} for v in dg.SEESAW_VARIANTS),
 ]
-KERNEL_KW = {"ws": {}, "ws-n32": {"block_n": 32, "stages": 3}, "seesaw": {"variant": "seesaw"},
-             "seesaw-wide": {"variant": "seesaw-wide"}, "seesaw-loader": {"variant": "seesaw-loader"}, "fp8": {}}
+KERNEL_KW = {"ws": {}, "ws-n32": {"block_n": 32, "stages": 3}, "fp8": {}}
+KERNEL_KW.update({v: {"variant": v} for v in dg.SEESAW_VARIANTS})
 
 
 def _variant_id(i):
@@ -263,7 +262,7 @@ def test_gluon_decode_splits(num_sms, variant, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "ws-n32", "seesaw", "seesaw-wide", "seesaw-loader", "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", "ws-n32", *dg.SEESAW_VARIANTS, "fp8"])
 def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
     # splits of 32-token granularity start at multiples of 32 that are not multiples of the 64-token page:
     # a 64-key tile is then two boxes on two pages, and a split's last tile can be half empty. The GPU
@@ -284,7 +283,7 @@ def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "seesaw", "seesaw-wide", "seesaw-loader", "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", *dg.SEESAW_VARIANTS, "fp8"])
 @pytest.mark.parametrize("page", [32, 64])
 @pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4)])
 def test_gluon_decode_tile_counts(heads, qlen, page, kernel, device):
@@ -311,7 +310,7 @@ def test_gluon_matches_portable(heads, qlen, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "seesaw", "seesaw-wide", "seesaw-loader", "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", *dg.SEESAW_VARIANTS, "fp8"])
 def test_gluon_decode_empty_rows(kernel, device):
     # causal rows that see no key (seq_len < qlen) give out 0 and lse -inf, never NaN
     lens = [2, 0, 40]
