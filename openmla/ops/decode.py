@@ -294,6 +294,17 @@ def _mla_decode_reduce_kernel(
 
 
 @triton.jit
+def _merge_finish(b_m, b_den, b_acc):
+    """Merged output (``b_acc / b_den``) and natural-log LSE from the running max, denominator and weighted sum
+    of an LSE merge; a row with no key (``b_den == 0``) gets 0 and -inf."""
+    empty = b_den == 0.0
+    b_out = tl.where(empty, 0.0, b_acc / tl.where(empty, 1.0, b_den))
+    b_m_fin = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_lse = tl.where(empty, float("-inf"), b_m_fin + tl.log(tl.where(empty, 1.0, b_den)))
+    return b_out, b_lse
+
+
+@triton.jit
 def _merge_one_head(o_part, lse_part, out, lse, row, w0, n_split, i_t, i_h, i_d, H, stride_o_t, stride_o_h,
                     MAX_QLEN: tl.constexpr, D_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """LSE merge of one (query row, head, BLOCK_D columns) over the request's splits."""
@@ -314,10 +325,7 @@ def _merge_one_head(o_part, lse_part, out, lse, row, w0, n_split, i_t, i_h, i_d,
         b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_o, axis=0)
         b_den = b_den * b_alpha + tl.sum(b_w, axis=0)
         b_m = b_m_new
-    empty = b_den == 0.0
-    b_out = tl.where(empty, 0.0, b_acc / tl.where(empty, 1.0, b_den))
-    b_m_fin = tl.where(b_m == float("-inf"), 0.0, b_m)
-    b_lse = tl.where(empty, float("-inf"), b_m_fin + tl.log(tl.where(empty, 1.0, b_den)))
+    b_out, b_lse = _merge_finish(b_m, b_den, b_acc)
     tl.store(out + row * stride_o_t + i_h * stride_o_h + o_d, b_out.to(out.dtype.element_ty))
     if i_d == 0:
         tl.store(lse + row * H + i_h, b_lse)
@@ -350,10 +358,7 @@ def _merge_head_block(o_part, lse_part, out, lse, row, w0, n_split, i_t, i_hb, i
         b_acc = b_acc * b_alpha + tl.sum(b_w * b_o, axis=0)
         b_den = b_den * b_alpha + tl.sum(b_w, axis=0)
         b_m = b_m_new
-    empty = b_den == 0.0
-    b_out = tl.where(empty, 0.0, b_acc / tl.where(empty, 1.0, b_den))
-    b_m_fin = tl.where(b_m == float("-inf"), 0.0, b_m)
-    b_lse = tl.where(empty, float("-inf"), b_m_fin + tl.log(tl.where(empty, 1.0, b_den)))
+    b_out, b_lse = _merge_finish(b_m, b_den, b_acc)
     tl.store(out + row * stride_o_t + o_h * stride_o_h + o_d, b_out.to(out.dtype.element_ty), mask=m_x)
     tl.store(lse + row * H + o_h, b_lse, mask=m_x & (o_d == 0))
 
