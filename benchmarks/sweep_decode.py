@@ -12,7 +12,7 @@ A variant is ``key=value[|key=value...]`` with keys item_cost, min_split, max_ti
 tma (0/1: full KV tiles through TMA descriptors), backend (auto/triton/gluon),
 pdl (0/1: programmatic dependent launch of the reduce), reduce_programs (reduce programs per SM),
 reduce_tile (partial elements a one-head reduce program loads per step, at most 64 splits; default 8192),
-gluon_variant (ws/seesaw/seesaw-wide: the Gluon kernel for bf16 caches).
+gluon_variant (ws/seesaw: the Gluon kernel for bf16 caches).
 """
 
 from __future__ import annotations

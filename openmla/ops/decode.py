@@ -464,8 +464,8 @@ def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtyp
 
 def _gluon_variant(kv_cache_dtype: str) -> str:
     """The Gluon kernel variant (``OPENMLA_DECODE_GLUON_VARIANT``: ``seesaw``, the default, ``ws`` or another of
-    ``decode_gluon.SEESAW_VARIANTS``; read per call). fp8 caches always run ``ws`` (the seesaw kernels take bf16
-    caches only). seesaw measured 8-14% faster than ws on the H200 at h32-h128 (RESULTS.md runs 27-29)."""
+    ``decode_gluon.SEESAW_VARIANTS``; read per call). fp8 caches always run ``ws`` (the seesaw kernel takes bf16
+    caches only). seesaw measured 12-22% faster than ws on the H200 at h32-h128 (RESULTS.md run 33)."""
     variant = os.environ.get("OPENMLA_DECODE_GLUON_VARIANT", "seesaw")
     if variant not in SEESAW_VARIANTS + ("ws",):
         raise ValueError(f"OPENMLA_DECODE_GLUON_VARIANT must be 'ws' or one of {SEESAW_VARIANTS}; got {variant!r}")

@@ -38,10 +38,7 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
 * ``variant="seesaw"`` (``_mla_decode_gluon_seesaw_kernel``, bf16 caches; ``mla_decode``'s default for them): two
   4-warp partitions that own alternate 64-key tiles (full-width scores, P over the tile's rope columns, both add
   every tile's P V to their output half; each stage refilled in two TMA groups); see the comment above
-  ``_seesaw_wg``. 8-14% faster than ws at h32-h128 (RESULTS.md runs 27-29: h128 b128 s8k 458 vs 406 TFLOPS).
-  Opt-in, compiled offline but not yet run on a GPU: ``"seesaw-wide"`` (6 TMA copies a tile instead of 18: the
-  compiler puts a partition-wide barrier between copies) and ``"seesaw-loader"`` (a 1-warp partition,
-  ``_seesaw_loader``, does every page lookup and copy; ``"seesaw-loader-pf"``: it also prefetches into L2).
+  ``_seesaw_wg``. 12-22% faster than ws at h32-h128 (RESULTS.md run 33: h128 b128 s8k 498 vs 407 TFLOPS).
 * Measured and dropped (RESULTS.md run 8): the same loop without warp specialisation (4-8% slower), a
   variant issuing the next tile's scores MMA before this tile's softmax, and 32-key tiles as default.
 * fp8 cache (``kv_cache_dtype="fp8"``, float8_e4m3fn, selected by the cache dtype; 64-key tiles,
@@ -104,10 +101,8 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm90
 WS_PRODUCER_REGS = 32
 # registers of the second warpgroup (the worker partition) of ``variant="seesaw"``
 SEESAW_WG_REGS = 240
-# the seesaw variants for bf16 caches: "seesaw" (each warpgroup refills its stages, 18 TMA copies a tile),
-# "seesaw-wide" (6 copies a tile), "seesaw-loader" (a 1-warp partition does every page lookup and copy),
-# "seesaw-loader-pf" (the loader also prefetches each stage's next tile into L2)
-SEESAW_VARIANTS = ("seesaw", "seesaw-wide", "seesaw-loader", "seesaw-loader-pf")
+# the seesaw variants for bf16 caches (the losers of runs 27-33 are gone; RESULTS.md keeps their figures)
+SEESAW_VARIANTS = ("seesaw",)
 
 
 if GLUON_AVAILABLE:
@@ -422,19 +417,23 @@ if GLUON_AVAILABLE:
     # 64 keys, not once per 32 as in the ws kernel), its softmax with the running row max M_{t-1} of the other
     # warpgroup's tile, and writes P_t over the tile's rope columns (the scores are done with them) and M_t.
     # Both warpgroups add P_t V_t to their half of the output columns. Per own tile t a warpgroup
-    #   1. waits for P_{t-1} / M_{t-1} of the other warpgroup's tile, rescales, adds P_{t-1} V_{t-1} and releases
-    #      that tile's "Y" half at once (see 5),
-    #   2. computes S_t (it overlaps the other warpgroup's softmax of tile t - 1 or t + 1),
+    #   1. waits for P_{t-1} / M_{t-1} of the other warpgroup's tile, rescales, issues P_{t-1} V_{t-1},
+    #   2. issues S_t right behind it (it overlaps the other warpgroup's softmax of tile t - 1 or t + 1), waits
+    #      for both and releases tile t - 1's "Y" half (see 5),
     #   3. runs the softmax of S_t, writes P_t / M_t,
     #   4. adds its own P_t V_t,
     #   5. refills its stage with tile t + 2 in two TMA groups with their own barriers: X = its own half of the
     #      latent columns (only its own P V reads it: refilled at once), Y = the other half + the rope columns (P
     #      lives there; refilled once the other warpgroup's P_t V_t released it). S_{t+2} chains the X chunks
     #      first, so most of the load latency is hidden behind step 1 of the next tile.
-    # Each MMA is waited for where it is issued. The order 1-before-2 and the split refill: 13% faster than the
-    # first seesaw schedule at h128 (RESULTS.md run 27; S before the other tile's P V was 3% slower). Measured and
-    # dropped: looking up the block-table rows of tile t + 2 at the top of the iteration (run 30, no gain); an L2
-    # prefetch (cp.async.bulk.prefetch.L2) of the own tile one refill ahead (run 31: 19-40% slower).
+    # The order 1-before-2 and the split refill: 13% faster than the first seesaw schedule at h128 (RESULTS.md run
+    # 27; S before the other tile's P V was 3% slower); issuing S behind the P V without a wait in between: 1.4-2.4%
+    # (run 33). Each copy moves half a latent row of a 32-key box (6 copies a tile, not 18 of [32, 64]: the
+    # compiler puts a partition-wide barrier between copies; 3-5% faster, run 32). Measured and dropped: looking
+    # up the block-table rows of tile t + 2 at the top of the iteration (run 30, no gain); an L2 prefetch
+    # (cp.async.bulk.prefetch.L2) of the own tile one refill ahead (run 31: 19-40% slower); a third, 1-warp
+    # partition doing every lookup and copy (run 32: 1-3% slower than the warpgroups copying, with or without
+    # an L2 prefetch of the next tile).
     # Every shared-memory buffer is indexed with a compile-time stage (own = WG, other = 1 - WG) plus a runtime
     # zero (``OPAQUE``): a stage indexed with a runtime value inside these branches gave wrong wgmma operands past
     # the first k-step on the H200 (Triton 3.6 / ptxas 12.8; RESULTS.md runs 19-22), and purely compile-time
@@ -447,118 +446,119 @@ if GLUON_AVAILABLE:
         return acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1), b_l * b_alpha
 
     @gluon.jit
-    def _seesaw_issue(half_desc, desc, lat_smem, rope_smem, bar, stage, r0, r1, LAT_HALF: gl.constexpr,
-                      ROPE: gl.constexpr, WIDE: gl.constexpr):  # fmt: skip
+    def _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, stage, r0, r1, LAT_HALF: gl.constexpr,
+                      ROPE: gl.constexpr):  # fmt: skip
         """TMA of one refill group of a stage: latent half ``LAT_HALF`` (256 columns; + the rope columns when
-        ``ROPE``) for both 32-key boxes (rows ``r0``, ``r1``) of a 64-key tile, on barrier ``bar``.
-        ``WIDE``: one copy per box and half through ``half_desc`` (``[32, 256]``: the lowering gives each of the
-        partition's 4 warps one ``[32, 64]`` message), else one copy per ``[32, 64]`` chunk through ``desc``.
-        The compiler puts a partition-wide barrier between consecutive copies (they share ``bar``): 6 per tile
-        when ``WIDE``, 18 otherwise."""
+        ``ROPE``) for both 32-key boxes (rows ``r0``, ``r1``) of a 64-key tile, on barrier ``bar``. One copy per
+        box and half through ``lat_desc`` (``[32, 256]``: the lowering gives each of the partition's 4 warps one
+        ``[32, 64]`` message) and one per box through ``rope_desc`` (``[32, 64]``). The compiler puts a
+        partition-wide barrier between consecutive copies that share ``bar``: 6 a tile here, 18 with one copy
+        per ``[32, 64]`` chunk, which ran 3-5% slower (RESULTS.md run 32)."""
         n_chunks: gl.constexpr = 5 if ROPE else 4
         mbarrier.expect(bar, 2 * n_chunks * 32 * 64 * 2)
         for h in gl.static_range(2):
             row = r0 if h == 0 else r1
             lat = lat_smem.index(stage).slice(h * 32, 32, dim=0)
-            if WIDE:
-                tma.async_copy_global_to_shared(half_desc, [row, LAT_HALF * 256], bar,
-                                                lat.slice(LAT_HALF * 256, 256, dim=1))  # fmt: skip
-            else:
-                for c in gl.static_range(4):
-                    tma.async_copy_global_to_shared(desc, [row, (LAT_HALF * 4 + c) * 64], bar,
-                                                    lat.slice((LAT_HALF * 4 + c) * 64, 64, dim=1))  # fmt: skip
+            tma.async_copy_global_to_shared(lat_desc, [row, LAT_HALF * 256], bar, lat.slice(LAT_HALF * 256, 256, dim=1))
             if ROPE:
-                tma.async_copy_global_to_shared(desc, [row, 512], bar, rope_smem.index(stage).slice(h * 32, 32, dim=0))
+                tma.async_copy_global_to_shared(rope_desc, [row, 512], bar,
+                                                rope_smem.index(stage).slice(h * 32, 32, dim=0))  # fmt: skip
 
     @gluon.jit
-    def _seesaw_other_tile(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y, empty_y, ph,
-                           WG: gl.constexpr, ROW_S: gl.constexpr, ROW_O: gl.constexpr):  # fmt: skip
-        """P V of the other warpgroup's tile (its P over its rope columns x this warpgroup's half of its V, both
-        in the other stage's Y group); releases that group to its owner."""
+    def _seesaw_tile(k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
+                     empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
+                     max_blocks, PAGE: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
+                     FIRST: gl.constexpr):  # fmt: skip
+        """Tile ``t = WG + 2 k`` of warpgroup ``WG`` (steps 1-5 of the comment above ``_seesaw_wg``); ``FIRST``:
+        t = 0, no other tile before it. Returns the updated ``acc``, ``b_l``, ``m_prev``."""
+        BLOCK_N: gl.constexpr = 64
+        HALF: gl.constexpr = 256
+        NW: gl.constexpr = 4
+        OWN: gl.constexpr = WG
         OTH: gl.constexpr = 1 - WG
-        mbarrier.wait(pready.index(OTH), ph)
-        mbarrier.wait(ready_y.index(OTH), ph)
-        m_new = m_smem.index(OTH).load(ROW_S)
+        ROW_S: gl.constexpr = gl.SliceLayout(1, s_zero.type.layout)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        t = WG + 2 * k  # this warpgroup's tile; t - 1 is the other's (none for t = 0)
+        n0 = kv_lo + t * BLOCK_N
+        if OPAQUE:
+            z = (L >> 31) & k  # a runtime 0 (seq_lens >= 0): descriptors rebuilt per iteration, not hoisted
+        else:
+            z = 0
+        own_lat = lat_smem.index(OWN + z)
+        own_rope = rope_smem.index(OWN + z)
+        oth_lat = lat_smem.index(OTH + z)
+        oth_rope = rope_smem.index(OTH + z)
+        # 1. P V of the other warpgroup's tile t - 1 (its P over its rope columns x this warpgroup's half of
+        #    its V, both in the other stage's Y group), issued and left running: the scores MMAs of step 2 queue
+        #    right behind it (no drain of the tensor pipe in between: 1.4-2.4% faster, RESULTS.md run 33); the
+        #    other stage's Y group goes back to its owner once both are done
+        if not FIRST:
+            ph_o = (k - 1 + WG) & 1
+            mbarrier.wait(pready.index(OTH), ph_o)
+            mbarrier.wait(ready_y.index(OTH), ph_o)
+            m_new = m_smem.index(OTH).load(ROW_S)
+            acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
+            m_prev = m_new
+            acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+        # 2. S_t: the X chunks (this warpgroup's latent half), then the Y chunks (the other half, the rope)
+        ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
+        ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
+        mbarrier.wait(ready_x.index(OWN), k & 1)
+        b_s = s_zero
+        for c in gl.static_range(4):
+            b_s = warpgroup_mma(q_smem.index(OWN * 4 + c + z),
+                                own_lat.slice((OWN * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
+                                use_acc=c > 0, is_async=True)  # fmt: skip
+        mbarrier.wait(ready_y.index(OWN), k & 1)
+        for c in gl.static_range(4):
+            b_s = warpgroup_mma(q_smem.index(OTH * 4 + c + z),
+                                own_lat.slice((OTH * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
+                                is_async=True)  # fmt: skip
+        b_s = warpgroup_mma(q_smem.index(8 + z), own_rope.permute((1, 0)), b_s, is_async=True)
+        acc, b_s = warpgroup_mma_wait(0, deps=(acc, b_s))
+        if not FIRST:
+            gl.thread_barrier()  # every warp's MMAs are done before one thread releases the Y group
+            mbarrier.arrive(empty_y.index(OTH), count=1)
+        if n0 + BLOCK_N > L:  # rows past the sequence: zeros before any P V reads them (S masks them)
+            _zero_tail(own_lat, n0, L, BLOCK_N, NW)
+        # 3. softmax of S_t (keys masked as a range [lo, hi) per row: an invalid box is the first or the
+        #    second half of the tile); P_t over the rope columns, M_t
+        lo = gl.where(ok0, n0, n0 + 32)
+        hi = gl.minimum(limit, gl.where(ok1, n0 + BLOCK_N, n0 + 32))
+        key = key0 + n0
+        b_s = gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_prev, gl.max(b_s, axis=1))
         acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
-        acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * 256, 256, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
+        b_l = b_l + gl.sum(b_p, axis=1)
+        m_prev = m_new
+        own_rope.store(b_p.to(gl.bfloat16))
+        m_smem.index(OWN).store(m_new)
+        fence_async_shared()
         gl.thread_barrier()
-        mbarrier.arrive(empty_y.index(OTH), count=1)
-        return acc, b_l, m_new
+        mbarrier.arrive(pready.index(OWN), count=1)
+        # 4. own P_t V_t
+        acc = warpgroup_mma(own_rope, own_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        gl.thread_barrier()  # every warp's P V is done before one thread refills the stage
+        # 5. refill with tile t + 2: X now, Y once the other warpgroup's P_t V_t released it
+        if k + 1 < n_own:
+            r0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
+            r1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
+            mbarrier.wait(empty_y.index(OWN), k & 1)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
+        return acc, b_l, m_prev
 
     @gluon.jit
-    def _seesaw_loader(half_desc, desc, kv_addr, stride_kv_row, lat_smem, rope_smem, ready_x, ready_y, free_x,
-                       empty_y, block_table, seq_lens, query_start_loc, work_req, work_split, split_len, stride_bt_b,
-                       num_blocks, max_blocks, PAGE: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
-                       N_HB: gl.constexpr, N_QB: gl.constexpr, WIDE: gl.constexpr,
-                       PREFETCH: gl.constexpr):  # fmt: skip
-        """``variant="seesaw-loader"``: a 1-warp partition that does every page lookup and TMA copy of the
-        seesaw kernel, in the order the stages free up: per tile, its owner's latent half once the owner's P V of
-        the stage's previous tile is done (``free_x``), then the other half + rope once the other warpgroup's P V
-        of it is (``empty_y``). Fresh barriers pass parity 1 at once (the first two tiles wait for nothing).
-        Copies from one warp need no partition-wide barriers between them. No barrier gets two phases ahead of
-        its waiter: a warpgroup's next arrive on ``free_x`` / ``empty_y`` of a stage needs that stage's next tile,
-        which this loop issues only after the wait.
-        ``PREFETCH`` (``variant="seesaw-loader-pf"``): after issuing tile j, lanes 0 and 1 prefetch the two
-        32-key boxes of tile j + 2 (the stage's next fill) into L2 with one ``cp.async.bulk.prefetch.L2`` each
-        (``kv_addr``/``stride_kv_row``: the cache's address and row stride; a box is 32 contiguous rows)."""
-        pid = gl.program_id(0)
-        i_w = pid // (N_HB * N_QB)
-        i_q = (pid // N_HB) % N_QB
-        i_b = gl.load(work_req + i_w).to(gl.int64)
-        q_start = gl.load(query_start_loc + i_b)
-        qlen = gl.load(query_start_loc + i_b + 1) - q_start
-        L = gl.load(seq_lens + i_b)
-        chunk = gl.load(split_len + i_b)
-        kv_lo = gl.load(work_split + i_w) * chunk
-        kv_hi = gl.minimum(L, kv_lo + chunk)
-        if CAUSAL:  # the same clamp as the compute partitions
-            kv_hi = gl.minimum(kv_hi, L - qlen + gl.minimum(i_q * Q_PER + Q_PER, qlen))
-        n_tiles = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), 64)
-        p_bt = block_table + i_b * stride_bt_b
-        for i in range(gl.cdiv(n_tiles, 2)):  # tiles 2i (stage 0) and 2i + 1 (stage 1): compile-time stages
-            ph = (i & 1) ^ 1
-            for st in gl.static_range(2):
-                j = 2 * i + st
-                if j < n_tiles:
-                    n0 = kv_lo + j * 64
-                    r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
-                    r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
-                    mbarrier.wait(free_x.index(st), ph)
-                    _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_x.index(st), st, r0, r1, st, False,
-                                  WIDE)  # fmt: skip
-                    mbarrier.wait(empty_y.index(st), ph)
-                    _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_y.index(st), st, r0, r1, 1 - st, True,
-                                  WIDE)  # fmt: skip
-                    if PREFETCH:
-                        _seesaw_prefetch_tile(kv_addr, stride_kv_row, p_bt, n0 + 128, kv_hi, max_blocks, num_blocks,
-                                              PAGE)  # fmt: skip
-
-    @gluon.jit
-    def _seesaw_prefetch_tile(kv_addr, stride_kv_row, p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE: gl.constexpr):
-        """L2 prefetch of the 64-key tile at key ``n0`` from a 1-warp partition: lane b < 2 takes 32-key box b
-        (skipped past the split or on an invalid block id)."""
-        lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-        n = n0 + (lane % 2) * 32
-        i_pg = n // PAGE
-        ok = (lane < 2) & (n < kv_hi) & (i_pg < max_blocks)
-        blk = gl.load(p_bt + i_pg, mask=ok, other=-1)
-        ok = ok & (blk >= 0) & (blk < num_blocks)
-        row = gl.where(ok, blk, 0).to(gl.int64) * PAGE + n % PAGE
-        addr = kv_addr + row * stride_kv_row * 2
-        size = gl.full([32], 0, gl.int32, lane.type.layout) + stride_kv_row * 64  # 32 rows x 2 bytes
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$2], $3; mov.u32 $0, 0; }",
-            "=r,r,l,r", [ok.to(gl.int32), addr, size], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-
-    @gluon.jit
-    def _seesaw_wg(q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y, free_x,
+    def _seesaw_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
                    empty_y, pready, qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split,
                    num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h,
                    stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
                    MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
-                   N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
-                   WIDE: gl.constexpr, LOADER: gl.constexpr):  # fmt: skip
+                   N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr,
+                   OPAQUE: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
         HALF: gl.constexpr = 256  # output columns of this warpgroup
@@ -594,15 +594,12 @@ if GLUON_AVAILABLE:
         n_own = gl.maximum(n_tiles - WG + 1, 0) // 2  # tiles WG, WG + 2, ...
         p_bt = block_table + i_b * stride_bt_b
 
-        if not LOADER:  # the first own tile, both groups (with a loader partition, its job)
-            if n_own > 0:
-                n0 = kv_lo + WG * BLOCK_N
-                r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
-                r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
-                _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False,
-                              WIDE)  # fmt: skip
-                _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True,
-                              WIDE)  # fmt: skip
+        if n_own > 0:  # the first own tile, both groups
+            n0 = kv_lo + WG * BLOCK_N
+            r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
+            r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
 
         # Q [64, 576] -> 9 swizzled chunks; each warpgroup stores alternate chunks, then both wait for all
         o_m = gl.arange(0, BLOCK_M, layout=ROW_LD)
@@ -633,71 +630,15 @@ if GLUON_AVAILABLE:
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
         key0 = gl.expand_dims(gl.arange(0, BLOCK_N, layout=COL_S), 0)
 
-        for k in range(n_own):
-            t = WG + 2 * k  # this warpgroup's tile; t - 1 is the other's (none for t = 0)
-            n0 = kv_lo + t * BLOCK_N
-            if OPAQUE:
-                z = (L >> 31) & k  # a runtime 0 (seq_lens >= 0): descriptors rebuilt per iteration, not hoisted
-            else:
-                z = 0
-            own_lat = lat_smem.index(OWN + z)
-            own_rope = rope_smem.index(OWN + z)
-            oth_lat = lat_smem.index(OTH + z)
-            oth_rope = rope_smem.index(OTH + z)
-            # 1. the other warpgroup's tile t - 1
-            if t >= 1:
-                acc, b_l, m_prev = _seesaw_other_tile(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y,
-                                                      empty_y, (k - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
-            # 2. S_t: the X chunks (this warpgroup's latent half), then the Y chunks (the other half, the rope)
-            ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
-            ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
-            mbarrier.wait(ready_x.index(OWN), k & 1)
-            b_s = s_zero
-            for c in gl.static_range(4):
-                b_s = warpgroup_mma(q_smem.index(OWN * 4 + c + z),
-                                    own_lat.slice((OWN * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
-                                    use_acc=c > 0, is_async=True)  # fmt: skip
-            mbarrier.wait(ready_y.index(OWN), k & 1)
-            for c in gl.static_range(4):
-                b_s = warpgroup_mma(q_smem.index(OTH * 4 + c + z),
-                                    own_lat.slice((OTH * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
-                                    is_async=True)  # fmt: skip
-            b_s = warpgroup_mma(q_smem.index(8 + z), own_rope.permute((1, 0)), b_s, is_async=True)
-            b_s = warpgroup_mma_wait(0, deps=(b_s,))
-            if n0 + BLOCK_N > L:  # rows past the sequence: zeros before any P V reads them (S masks them)
-                _zero_tail(own_lat, n0, L, BLOCK_N, NW)
-            # 3. softmax of S_t (keys masked as a range [lo, hi) per row: an invalid box is the first or the
-            #    second half of the tile); P_t over the rope columns, M_t
-            lo = gl.where(ok0, n0, n0 + 32)
-            hi = gl.minimum(limit, gl.where(ok1, n0 + BLOCK_N, n0 + 32))
-            key = key0 + n0
-            b_s = gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
-            m_new = gl.maximum(m_prev, gl.max(b_s, axis=1))
-            acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
-            b_l = b_l + gl.sum(b_p, axis=1)
-            m_prev = m_new
-            own_rope.store(b_p.to(gl.bfloat16))
-            m_smem.index(OWN).store(m_new)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(pready.index(OWN), count=1)
-            # 4. own P_t V_t
-            acc = warpgroup_mma(own_rope, own_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            gl.thread_barrier()  # every warp's P V is done before one thread refills the stage
-            # 5. refill with tile t + 2: X now, Y once the other warpgroup's P_t V_t released it
-            if LOADER:  # the loader partition refills; X is free
-                mbarrier.arrive(free_x.index(OWN), count=1)
-            elif k + 1 < n_own:
-                r0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
-                r1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
-                _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False,
-                              WIDE)  # fmt: skip
-                mbarrier.wait(empty_y.index(OWN), k & 1)
-                _seesaw_issue(half_desc, desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True,
-                              WIDE)  # fmt: skip
+        if WG == 0:  # its first tile has no tile of the other warpgroup before it
+            if n_own > 0:
+                acc, b_l, m_prev = _seesaw_tile(0, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x,
+                                              ready_y, empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero,
+                                              key0, scale_log2, num_blocks, max_blocks, PAGE, WG, OPAQUE, True)  # fmt: skip
+        for k in range(1 - WG, n_own):
+            acc, b_l, m_prev = _seesaw_tile(k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x,
+                                              ready_y, empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero,
+                                              key0, scale_log2, num_blocks, max_blocks, PAGE, WG, OPAQUE, False)  # fmt: skip
 
         t = WG + 2 * n_own - 1  # the other warpgroup's tile after this warpgroup's last one (at most one)
         if (t >= 0) & (t < n_tiles):
@@ -744,19 +685,16 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _mla_decode_gluon_seesaw_kernel(
-        q, half_desc, desc, kv_addr, stride_kv_row, block_table, seq_lens, query_start_loc, work_req, work_split,
-        num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
+        q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
+        split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
         stride_o_t, stride_o_h, H, num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        OPAQUE: gl.constexpr, WIDE: gl.constexpr, LOADER: gl.constexpr, LOADER_REGS: gl.constexpr,
-        PREFETCH: gl.constexpr, num_warps: gl.constexpr,
+        OPAQUE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """``variant="seesaw"`` (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel
-        (see the comment above ``_seesaw_wg``). ``desc`` / ``half_desc``: ``[32, 64]`` / ``[32, 256]`` boxes over
-        the cache's 2-D view (``half_desc`` is read only when ``WIDE``). ``LOADER``: the copies come from a 1-warp
-        partition (``_seesaw_loader``, ``LOADER_REGS`` registers), which also prefetches into L2 when ``PREFETCH``
-        (``kv_addr``, ``stride_kv_row``: the cache's address and row stride, read only then)."""
+        (see the comment above ``_seesaw_wg``). ``lat_desc`` / ``rope_desc``: ``[32, 256]`` / ``[32, 64]`` boxes
+        over the cache's 2-D view. ``OPAQUE=False``: compile-time stage indices (``"seesaw-const"``, spills)."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
         gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
@@ -776,66 +714,41 @@ if GLUON_AVAILABLE:
             return
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, BLOCK_M, 64], Q_SMEM)
-        lat_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], desc.layout)
-        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], desc.layout)
+        lat_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], lat_desc.layout)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_desc.layout)
         m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
         l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
         ready_x = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ready_y = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty_y = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        free_x = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         sync = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(2):
             mbarrier.init(ready_x.index(st), count=1)  # the owner's latent half landed (expect-tx)
             mbarrier.init(ready_y.index(st), count=1)  # the other latent half + the rope landed (expect-tx)
             mbarrier.init(empty_y.index(st), count=1)  # the other warpgroup is done with the stage's Y group
-            mbarrier.init(free_x.index(st), count=1)  # the owner is done with the stage's X group (LOADER only)
             mbarrier.init(pready.index(st), count=1)  # the owner stored P and M of the stage's tile
             mbarrier.init(sync.index(st), count=2)  # 0: Q stored (both halves); 1: row sums stored
         fence_async_shared()
 
         # (the partition list must be a literal: a JIT function cannot live in a variable here)
-        if LOADER:
-            gl.warp_specialize([
-                (_seesaw_wg, (q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
-                              free_x, empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens,
-                              query_start_loc, work_req, work_split, num_splits, split_len, out, lse, o_part,
-                              lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
-                              stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB,
-                              N_QB, 0, OPAQUE, WIDE, LOADER)),
-                (_seesaw_wg, (q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
-                              free_x, empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens,
-                              query_start_loc, work_req, work_split, num_splits, split_len, out, lse, o_part,
-                              lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
-                              stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB,
-                              N_QB, 1, OPAQUE, WIDE, LOADER)),
-                (_seesaw_loader, (half_desc, desc, kv_addr, stride_kv_row, lat_smem, rope_smem, ready_x, ready_y,
-                                  free_x, empty_y, block_table, seq_lens, query_start_loc, work_req, work_split,
-                                  split_len, stride_bt_b, num_blocks, max_blocks, PAGE, Q_PER, CAUSAL, N_HB, N_QB,
-                                  WIDE, PREFETCH)),
-            ], [4, 1], [WG_REGS, LOADER_REGS])  # fmt: skip
-        else:
-            gl.warp_specialize([
-                (_seesaw_wg, (q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
-                              free_x, empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens,
-                              query_start_loc, work_req, work_split, num_splits, split_len, out, lse, o_part,
-                              lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
-                              stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB,
-                              N_QB, 0, OPAQUE, WIDE, LOADER)),
-                (_seesaw_wg, (q, half_desc, desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
-                              free_x, empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens,
-                              query_start_loc, work_req, work_split, num_splits, split_len, out, lse, o_part,
-                              lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
-                              stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB,
-                              N_QB, 1, OPAQUE, WIDE, LOADER)),
-            ], [4], [WG_REGS])  # fmt: skip
+        gl.warp_specialize([
+            (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
+                          empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
+                          work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
+                          v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
+                          max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE)),
+            (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
+                          empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
+                          work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
+                          v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
+                          max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE)),
+        ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):
             mbarrier.invalidate(ready_x.index(st))
             mbarrier.invalidate(ready_y.index(st))
             mbarrier.invalidate(empty_y.index(st))
-            mbarrier.invalidate(free_x.index(st))
             mbarrier.invalidate(pready.index(st))
             mbarrier.invalidate(sync.index(st))
 
@@ -919,9 +832,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             64-key tiles and fits 2 fp8 stages next to its fp16 tile.
         variant (str): ``"ws"`` (``_mla_decode_gluon_ws_kernel``) or ``"seesaw"``
             (``_mla_decode_gluon_seesaw_kernel``: bf16 cache, 64-key tiles, 2 stages; ``block_n``/``stages``
-            must keep their defaults; the faster one, see RESULTS.md run 29). ``"seesaw-wide"``: the seesaw
-            kernel refilling its stages with 6 TMA copies per tile instead of 18; ``"seesaw-loader"``: with a
-            1-warp partition doing every page lookup and TMA copy (both not yet measured on a GPU).
+            must keep their defaults; the faster one, see RESULTS.md run 33).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
     """
@@ -957,15 +868,11 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
             H, num_blocks, block_table.shape[1])  # fmt: skip
     if variant.startswith("seesaw"):
-        desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 64], _kv_layout())  # one [32, 64] chunk per box
-        loader = variant.startswith("seesaw-loader")
-        wide = loader or variant == "seesaw-wide"  # half a latent row per copy (else half_desc is not read)
-        half_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 256], _kv_layout()) if wide else desc
+        half_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 256], _kv_layout())  # half a latent row a copy
         _mla_decode_gluon_seesaw_kernel[grid](
-            q, half_desc, desc, kv_cache.data_ptr(), kv_cache.stride(1), *args[3:], PAGE=page,
-            MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal, WG_REGS=SEESAW_WG_REGS,
-            N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const", WIDE=wide, LOADER=loader,
-            LOADER_REGS=WS_PRODUCER_REGS, PREFETCH=variant == "seesaw-loader-pf", num_warps=4,
+            q, half_desc, rope_desc, *args[3:], PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h,
+            Q_PER=q_per, CAUSAL=causal, WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb,
+            OPAQUE=variant != "seesaw-const", num_warps=4,
         )  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
