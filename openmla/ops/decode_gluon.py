@@ -102,7 +102,7 @@ WS_PRODUCER_REGS = 32
 # registers of the second warpgroup (the worker partition) of ``variant="seesaw"``
 SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-33 are gone; RESULTS.md keeps their figures)
-SEESAW_VARIANTS = ("seesaw", "seesaw-sfirst")
+SEESAW_VARIANTS = ("seesaw",)
 
 
 if GLUON_AVAILABLE:
@@ -468,7 +468,7 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _seesaw_tile(k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
                      empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
-                     max_blocks, PAGE: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, SFIRST: gl.constexpr,
+                     max_blocks, PAGE: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
                      FIRST: gl.constexpr):  # fmt: skip
         """Tile ``t = WG + 2 k`` of warpgroup ``WG`` (steps 1-5 of the comment above ``_seesaw_wg``); ``FIRST``:
         t = 0, no other tile before it. Returns the updated ``acc``, ``b_l``, ``m_prev``."""
@@ -489,107 +489,56 @@ if GLUON_AVAILABLE:
         own_rope = rope_smem.index(OWN + z)
         oth_lat = lat_smem.index(OTH + z)
         oth_rope = rope_smem.index(OTH + z)
-        if SFIRST:
-            # scores first: S_t does not wait for the other warpgroup's P; the other tile's P V is issued last
-            # and runs while this warpgroup computes its softmax (wgmma groups complete in order: wait(1) = S_t)
-            ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
-            ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
-            mbarrier.wait(ready_x.index(OWN), k & 1)
-            b_s = s_zero
-            for c in gl.static_range(4):
-                b_s = warpgroup_mma(q_smem.index(OWN * 4 + c + z),
-                                    own_lat.slice((OWN * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
-                                    use_acc=c > 0, is_async=True)  # fmt: skip
-            mbarrier.wait(ready_y.index(OWN), k & 1)
-            for c in gl.static_range(4):
-                b_s = warpgroup_mma(q_smem.index(OTH * 4 + c + z),
-                                    own_lat.slice((OTH * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
-                                    is_async=True)  # fmt: skip
-            b_s = warpgroup_mma(q_smem.index(8 + z), own_rope.permute((1, 0)), b_s, is_async=True)
-            if not FIRST:
-                ph_o = (k - 1 + WG) & 1
-                mbarrier.wait(pready.index(OTH), ph_o)
-                mbarrier.wait(ready_y.index(OTH), ph_o)
-                m_new = m_smem.index(OTH).load(ROW_S)
-                acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
-                m_prev = m_new
-                acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
-                b_s = warpgroup_mma_wait(1, deps=(b_s,))
-            else:
-                b_s = warpgroup_mma_wait(0, deps=(b_s,))
-            if n0 + BLOCK_N > L:
-                _zero_tail(own_lat, n0, L, BLOCK_N, NW)
-            lo = gl.where(ok0, n0, n0 + 32)
-            hi = gl.minimum(limit, gl.where(ok1, n0 + BLOCK_N, n0 + 32))
-            key = key0 + n0
-            b_s = gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
-            m_new = gl.maximum(m_prev, gl.max(b_s, axis=1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
-            p_sum = gl.sum(b_p, axis=1)
-            if not FIRST:
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                gl.thread_barrier()  # every warp's P V is done before one thread releases the Y group
-                mbarrier.arrive(empty_y.index(OTH), count=1)
+        # 1. P V of the other warpgroup's tile t - 1 (its P over its rope columns x this warpgroup's half of
+        #    its V, both in the other stage's Y group), issued and left running: the scores MMAs of step 2 queue
+        #    right behind it (no drain of the tensor pipe in between: 1.4-2.4% faster, RESULTS.md run 33); the
+        #    other stage's Y group goes back to its owner once both are done
+        if not FIRST:
+            ph_o = (k - 1 + WG) & 1
+            mbarrier.wait(pready.index(OTH), ph_o)
+            mbarrier.wait(ready_y.index(OTH), ph_o)
+            m_new = m_smem.index(OTH).load(ROW_S)
             acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
-            b_l = b_l + p_sum
             m_prev = m_new
-            own_rope.store(b_p.to(gl.bfloat16))
-            m_smem.index(OWN).store(m_new)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(pready.index(OWN), count=1)
-        else:
-            # 1. P V of the other warpgroup's tile t - 1 (its P over its rope columns x this warpgroup's half of
-            #    its V, both in the other stage's Y group), issued and left running: the scores MMAs of step 2 queue
-            #    right behind it (no drain of the tensor pipe in between: 1.4-2.4% faster, RESULTS.md run 33); the
-            #    other stage's Y group goes back to its owner once both are done
-            if not FIRST:
-                ph_o = (k - 1 + WG) & 1
-                mbarrier.wait(pready.index(OTH), ph_o)
-                mbarrier.wait(ready_y.index(OTH), ph_o)
-                m_new = m_smem.index(OTH).load(ROW_S)
-                acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
-                m_prev = m_new
-                acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
-            # 2. S_t: the X chunks (this warpgroup's latent half), then the Y chunks (the other half, the rope)
-            ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
-            ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
-            mbarrier.wait(ready_x.index(OWN), k & 1)
-            b_s = s_zero
-            for c in gl.static_range(4):
-                b_s = warpgroup_mma(q_smem.index(OWN * 4 + c + z),
-                                    own_lat.slice((OWN * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
-                                    use_acc=c > 0, is_async=True)  # fmt: skip
-            mbarrier.wait(ready_y.index(OWN), k & 1)
-            for c in gl.static_range(4):
-                b_s = warpgroup_mma(q_smem.index(OTH * 4 + c + z),
-                                    own_lat.slice((OTH * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
-                                    is_async=True)  # fmt: skip
-            b_s = warpgroup_mma(q_smem.index(8 + z), own_rope.permute((1, 0)), b_s, is_async=True)
-            acc, b_s = warpgroup_mma_wait(0, deps=(acc, b_s))
-            if not FIRST:
-                gl.thread_barrier()  # every warp's MMAs are done before one thread releases the Y group
-                mbarrier.arrive(empty_y.index(OTH), count=1)
-            if n0 + BLOCK_N > L:  # rows past the sequence: zeros before any P V reads them (S masks them)
-                _zero_tail(own_lat, n0, L, BLOCK_N, NW)
-            # 3. softmax of S_t (keys masked as a range [lo, hi) per row: an invalid box is the first or the
-            #    second half of the tile); P_t over the rope columns, M_t
-            lo = gl.where(ok0, n0, n0 + 32)
-            hi = gl.minimum(limit, gl.where(ok1, n0 + BLOCK_N, n0 + 32))
-            key = key0 + n0
-            b_s = gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
-            m_new = gl.maximum(m_prev, gl.max(b_s, axis=1))
-            acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
-            b_l = b_l + gl.sum(b_p, axis=1)
-            m_prev = m_new
-            own_rope.store(b_p.to(gl.bfloat16))
-            m_smem.index(OWN).store(m_new)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(pready.index(OWN), count=1)
+            acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+        # 2. S_t: the X chunks (this warpgroup's latent half), then the Y chunks (the other half, the rope)
+        ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
+        ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
+        mbarrier.wait(ready_x.index(OWN), k & 1)
+        b_s = s_zero
+        for c in gl.static_range(4):
+            b_s = warpgroup_mma(q_smem.index(OWN * 4 + c + z),
+                                own_lat.slice((OWN * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
+                                use_acc=c > 0, is_async=True)  # fmt: skip
+        mbarrier.wait(ready_y.index(OWN), k & 1)
+        for c in gl.static_range(4):
+            b_s = warpgroup_mma(q_smem.index(OTH * 4 + c + z),
+                                own_lat.slice((OTH * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
+                                is_async=True)  # fmt: skip
+        b_s = warpgroup_mma(q_smem.index(8 + z), own_rope.permute((1, 0)), b_s, is_async=True)
+        acc, b_s = warpgroup_mma_wait(0, deps=(acc, b_s))
+        if not FIRST:
+            gl.thread_barrier()  # every warp's MMAs are done before one thread releases the Y group
+            mbarrier.arrive(empty_y.index(OTH), count=1)
+        if n0 + BLOCK_N > L:  # rows past the sequence: zeros before any P V reads them (S masks them)
+            _zero_tail(own_lat, n0, L, BLOCK_N, NW)
+        # 3. softmax of S_t (keys masked as a range [lo, hi) per row: an invalid box is the first or the
+        #    second half of the tile); P_t over the rope columns, M_t
+        lo = gl.where(ok0, n0, n0 + 32)
+        hi = gl.minimum(limit, gl.where(ok1, n0 + BLOCK_N, n0 + 32))
+        key = key0 + n0
+        b_s = gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_prev, gl.max(b_s, axis=1))
+        acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
+        b_l = b_l + gl.sum(b_p, axis=1)
+        m_prev = m_new
+        own_rope.store(b_p.to(gl.bfloat16))
+        m_smem.index(OWN).store(m_new)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(pready.index(OWN), count=1)
         # 4. own P_t V_t
         acc = warpgroup_mma(own_rope, own_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -610,7 +559,7 @@ if GLUON_AVAILABLE:
                    stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
                    MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
                    N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr,
-                   OPAQUE: gl.constexpr, SFIRST: gl.constexpr):  # fmt: skip
+                   OPAQUE: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
         HALF: gl.constexpr = 256  # output columns of this warpgroup
@@ -686,11 +635,11 @@ if GLUON_AVAILABLE:
             if n_own > 0:
                 acc, b_l, m_prev = _seesaw_tile(0, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x,
                                               ready_y, empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero,
-                                              key0, scale_log2, num_blocks, max_blocks, PAGE, WG, OPAQUE, SFIRST, True)  # fmt: skip
+                                              key0, scale_log2, num_blocks, max_blocks, PAGE, WG, OPAQUE, True)  # fmt: skip
         for k in range(1 - WG, n_own):
             acc, b_l, m_prev = _seesaw_tile(k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x,
                                               ready_y, empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero,
-                                              key0, scale_log2, num_blocks, max_blocks, PAGE, WG, OPAQUE, SFIRST, False)  # fmt: skip
+                                              key0, scale_log2, num_blocks, max_blocks, PAGE, WG, OPAQUE, False)  # fmt: skip
 
         t = WG + 2 * n_own - 1  # the other warpgroup's tile after this warpgroup's last one (at most one)
         if (t >= 0) & (t < n_tiles):
@@ -742,7 +691,7 @@ if GLUON_AVAILABLE:
         stride_o_t, stride_o_h, H, num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        OPAQUE: gl.constexpr, SFIRST: gl.constexpr, num_warps: gl.constexpr,
+        OPAQUE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """``variant="seesaw"`` (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel
         (see the comment above ``_seesaw_wg``). ``lat_desc`` / ``rope_desc``: ``[32, 256]`` / ``[32, 64]`` boxes
@@ -789,12 +738,12 @@ if GLUON_AVAILABLE:
                           empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                           work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                           v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                          max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, SFIRST)),
+                          max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE)),
             (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
                           empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                           work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                           v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                          max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, SFIRST)),
+                          max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE)),
         ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):
@@ -924,7 +873,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         _mla_decode_gluon_seesaw_kernel[grid](
             q, half_desc, rope_desc, *args[3:], PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h,
             Q_PER=q_per, CAUSAL=causal, WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb,
-            OPAQUE=variant != "seesaw-const", SFIRST=variant == "seesaw-sfirst", num_warps=4,
+            OPAQUE=variant != "seesaw-const", num_warps=4,
         )  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
