@@ -434,7 +434,8 @@ if GLUON_AVAILABLE:
     # (cp.async.bulk.prefetch.L2) of the own tile one refill ahead (run 31: 19-40% slower); a third, 1-warp
     # partition doing every lookup and copy (run 32: 1-3% slower than the warpgroups copying, with or without
     # an L2 prefetch of the next tile); the own P V with P from registers, issued before P is stored for the
-    # other warpgroup (run 36: -1.5% to +0.6%).
+    # other warpgroup (run 36: -1.5% to +0.6%); the scores first and the other tile's P V during the softmax
+    # (run 37, commit b0d2c1c: +1.7% at h128 q2, -1.5% at h32).
     # Every shared-memory buffer is indexed with a compile-time stage (own = WG, other = 1 - WG) plus a runtime
     # zero (``OPAQUE``): a stage indexed with a runtime value inside these branches gave wrong wgmma operands past
     # the first k-step on the H200 (Triton 3.6 / ptxas 12.8; RESULTS.md runs 19-22), and purely compile-time
