@@ -60,9 +60,11 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
             sig[name] = "constexpr"
         elif name == "lat_desc":  # the seesaw kernel copies half a latent row per box
             width = 256 if block_n == "seesaw" else 512
-            sig[name] = f"tensordesc<fp8e4nv[32, 512],{nvmma(128, 8)}>" if fp8 else f"tensordesc<bf16[32, {width}],{nvmma(128, 16)}>"
+            bf16 = f"tensordesc<bf16[32, {width}],{nvmma(128, 16)}>"
+            sig[name] = f"tensordesc<fp8e4nv[32, 512],{nvmma(128, 8)}>" if fp8 else bf16
         elif name == "rope_desc":
-            sig[name] = f"tensordesc<fp8e4nv[32, 64],{nvmma(64, 8)}>" if fp8 else f"tensordesc<bf16[32, 64],{nvmma(128, 16)}>"
+            bf16 = f"tensordesc<bf16[32, 64],{nvmma(128, 16)}>"
+            sig[name] = f"tensordesc<fp8e4nv[32, 64],{nvmma(64, 8)}>" if fp8 else bf16
         elif name in ptr:
             sig[name] = ptr[name]
             attrs[(i,)] = [["tt.divisibility", 16]]

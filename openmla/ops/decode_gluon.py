@@ -634,13 +634,15 @@ if GLUON_AVAILABLE:
 
         if WG == 0:  # its first tile has no tile of the other warpgroup before it
             if n_own > 0:
-                acc, b_l, m_prev = _seesaw_tile(0, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x,
-                                              ready_y, empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero,
-                                              key0, scale_log2, num_blocks, max_blocks, PAGE, WG, OPAQUE, True)  # fmt: skip
+                acc, b_l, m_prev = _seesaw_tile(
+                    0, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
+                    empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
+                    max_blocks, PAGE, WG, OPAQUE, True)  # fmt: skip
         for k in range(1 - WG, n_own):
-            acc, b_l, m_prev = _seesaw_tile(k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x,
-                                              ready_y, empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero,
-                                              key0, scale_log2, num_blocks, max_blocks, PAGE, WG, OPAQUE, False)  # fmt: skip
+            acc, b_l, m_prev = _seesaw_tile(
+                k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
+                empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
+                max_blocks, PAGE, WG, OPAQUE, False)  # fmt: skip
 
         t = WG + 2 * n_own - 1  # the other warpgroup's tile after this warpgroup's last one (at most one)
         if (t >= 0) & (t < n_tiles):
