@@ -448,6 +448,21 @@ if GLUON_AVAILABLE:
         return acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1), b_l * b_alpha
 
     @gluon.jit
+    def _seesaw_other_pv(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y, ph, WG: gl.constexpr,
+                         ROW_S: gl.constexpr, ROW_O: gl.constexpr):  # fmt: skip
+        """Once the other warpgroup's P and row max of its tile are stored (``pready``, phase ``ph``) and the
+        tile's Y group is there: rescales to that row max and issues the P V (its P over its rope columns x this
+        warpgroup's half of its V). Returns the accumulator with the MMA still running (the caller waits), the
+        rescaled row sums and the new row max."""
+        OTH: gl.constexpr = 1 - WG
+        mbarrier.wait(pready.index(OTH), ph)
+        mbarrier.wait(ready_y.index(OTH), ph)
+        m_new = m_smem.index(OTH).load(ROW_S)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
+        acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * 256, 256, dim=1), acc, is_async=True)
+        return acc, b_l, m_new
+
+    @gluon.jit
     def _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, stage, r0, r1, LAT_HALF: gl.constexpr,
                       ROPE: gl.constexpr):  # fmt: skip
         """TMA of one refill group of a stage: latent half ``LAT_HALF`` (256 columns; + the rope columns when
@@ -495,13 +510,8 @@ if GLUON_AVAILABLE:
         #    right behind it (no drain of the tensor pipe in between: 1.4-2.4% faster, RESULTS.md run 33); the
         #    other stage's Y group goes back to its owner once both are done
         if not FIRST:
-            ph_o = (k - 1 + WG) & 1
-            mbarrier.wait(pready.index(OTH), ph_o)
-            mbarrier.wait(ready_y.index(OTH), ph_o)
-            m_new = m_smem.index(OTH).load(ROW_S)
-            acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
-            m_prev = m_new
-            acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+            acc, b_l, m_prev = _seesaw_other_pv(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y,
+                                                (k - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
         # 2. S_t: the X chunks (this warpgroup's latent half), then the Y chunks (the other half, the rope)
         ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
         ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
@@ -646,14 +656,8 @@ if GLUON_AVAILABLE:
 
         t = WG + 2 * n_own - 1  # the other warpgroup's tile after this warpgroup's last one (at most one)
         if (t >= 0) & (t < n_tiles):
-            ph_oth = (n_own - 1 + WG) & 1
-            mbarrier.wait(pready.index(OTH), ph_oth)
-            mbarrier.wait(ready_y.index(OTH), ph_oth)
-            m_new = m_smem.index(OTH).load(ROW_S)
-            acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
-            m_prev = m_new
-            acc = warpgroup_mma(rope_smem.index(OTH), lat_smem.index(OTH).slice(WG * HALF, HALF, dim=1), acc,
-                                is_async=True)  # fmt: skip
+            acc, b_l, m_prev = _seesaw_other_pv(acc, b_l, m_prev, lat_smem.index(OTH), rope_smem.index(OTH), m_smem,
+                                                pready, ready_y, (n_own - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=(acc,))
 
         # both warpgroups saw every tile (same running max): the row sum is the sum of the two halves
