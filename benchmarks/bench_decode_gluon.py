@@ -1,11 +1,10 @@
 """Time the Hopper (Gluon) split-KV decode kernel against the portable one (sm90 GPU only).
 
 For each shape: the split kernel alone (CUDA-graph replay median, us) for every Gluon variant
-("BLOCK_N,STAGES" of the warp-specialised kernel; "seesaw", "seesaw-fine2" / "seesaw-fine4" (each refill
-group on 2 / 4 barriers), or "seesaw-const": the seesaw kernel with compile-time stage indices, which spills;
-kept as a diagnostic) and for the portable kernel with the same plan, the reduce alone, and TFLOPS =
-2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64 tokens scattered over a pool larger
-than L2; causal; the plan is built once outside the timed region.
+("BLOCK_N,STAGES" of the warp-specialised kernel; "seesaw", or "seesaw-const": the seesaw kernel with
+compile-time stage indices, which spills; kept as a diagnostic) and for the portable kernel with the same plan,
+the reduce alone, and TFLOPS = 2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64 tokens scattered over a pool larger than L2; causal; the plan is built once outside
+the timed region.
 
     python benchmarks/bench_decode_gluon.py
     python benchmarks/bench_decode_gluon.py --shapes "128,128,8192,1;32,128,8192,1" --variants "64,2;32,3;seesaw"
@@ -36,7 +35,7 @@ SCALE = 192**-0.5
 LOG2E = 1.4426950408889634
 SHAPES = "128,128,8192,1;32,128,8192,1;128,1,32768,1;64,128,8192,1;16,128,8192,4;128,128,8192,2"
 # "block_n,stages" of the warp-specialised kernel, or a seesaw variant
-VARIANTS = "64,2;32,3;seesaw;seesaw-fine2;seesaw-fine4"
+VARIANTS = "64,2;32,3;seesaw"
 KV_SCALE = 0.05
 
 

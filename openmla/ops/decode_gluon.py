@@ -39,9 +39,6 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
   4-warp partitions that own alternate 64-key tiles (full-width scores, P over the tile's rope columns, both add
   every tile's P V to their output half; each stage refilled in two TMA groups); see the comment above
   ``_seesaw_wg``. 12-22% faster than ws at h32-h128 (RESULTS.md run 33: h128 b128 s8k 498 vs 407 TFLOPS).
-  Opt-in, compiled offline but not yet run on a GPU: ``"seesaw-fine2"`` / ``"seesaw-fine4"`` (each refill group
-  arrives in 2 / 4 column slices with a barrier each, so the scores MMAs start on the first slice, as FlashMLA's
-  published kernel does with nine 64-column copies per tile).
 * Measured and dropped (RESULTS.md run 8): the same loop without warp specialisation (4-8% slower), a
   variant issuing the next tile's scores MMA before this tile's softmax, and 32-key tiles as default.
 * fp8 cache (``kv_cache_dtype="fp8"``, float8_e4m3fn, selected by the cache dtype; 64-key tiles,
@@ -104,10 +101,8 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm90
 WS_PRODUCER_REGS = 32
 # registers of the second warpgroup (the worker partition) of ``variant="seesaw"``
 SEESAW_WG_REGS = 240
-# the seesaw variants for bf16 caches (the losers of runs 27-37 are gone; RESULTS.md keeps their figures):
-# "seesaw" (the default; each refill group on one barrier), "seesaw-fine2" / "seesaw-fine4" (each group in 2 / 4
-# column slices with a barrier each: the scores MMAs start on the first slice; compiled offline, not yet run)
-SEESAW_VARIANTS = ("seesaw", "seesaw-fine2", "seesaw-fine4")
+# the seesaw variants for bf16 caches (the losers of runs 27-33 are gone; RESULTS.md keeps their figures)
+SEESAW_VARIANTS = ("seesaw",)
 
 
 if GLUON_AVAILABLE:
@@ -460,41 +455,31 @@ if GLUON_AVAILABLE:
         warpgroup's half of its V). Returns the accumulator with the MMA still running (the caller waits), the
         rescaled row sums and the new row max."""
         OTH: gl.constexpr = 1 - WG
-        N_SUB: gl.constexpr = ready_y.type.shape[0] // 2
         mbarrier.wait(pready.index(OTH), ph)
-        for j in gl.static_range(N_SUB):
-            mbarrier.wait(ready_y.index(OTH * N_SUB + j), ph)
+        mbarrier.wait(ready_y.index(OTH), ph)
         m_new = m_smem.index(OTH).load(ROW_S)
         acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
         acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * 256, 256, dim=1), acc, is_async=True)
         return acc, b_l, m_new
 
     @gluon.jit
-    def _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bars, stage, r0, r1, LAT_HALF: gl.constexpr,
+    def _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, stage, r0, r1, LAT_HALF: gl.constexpr,
                       ROPE: gl.constexpr):  # fmt: skip
         """TMA of one refill group of a stage: latent half ``LAT_HALF`` (256 columns; + the rope columns when
-        ``ROPE``) for both 32-key boxes (rows ``r0``, ``r1``) of a 64-key tile. ``lat_desc``'s box is ``[32, W]``:
-        the half arrives in ``N_SUB = 256 / W`` column slices, slice j on barrier ``bars.index(stage * N_SUB + j)``
-        (the rope on the last), so the scores MMAs can start on the first slice. One copy per box and slice, one
-        per box through ``rope_desc`` (``[32, 64]``). The compiler puts a partition-wide barrier before each
-        expect and each copy: W = 256 (one slice) issues 6 copies a tile, 18 with one copy per ``[32, 64]``
-        chunk, which ran 3-5% slower (RESULTS.md run 32)."""
-        W: gl.constexpr = lat_desc.block_type.shape[1]
-        N_SUB: gl.constexpr = 256 // W
-        for j in gl.static_range(N_SUB):
-            bar = bars.index(stage * N_SUB + j)
-            if ROPE and j == N_SUB - 1:
-                mbarrier.expect(bar, 2 * 32 * (W + 64) * 2)
-            else:
-                mbarrier.expect(bar, 2 * 32 * W * 2)
-            for h in gl.static_range(2):
-                row = r0 if h == 0 else r1
-                lat = lat_smem.index(stage).slice(h * 32, 32, dim=0)
-                tma.async_copy_global_to_shared(lat_desc, [row, LAT_HALF * 256 + j * W], bar,
-                                                lat.slice(LAT_HALF * 256 + j * W, W, dim=1))  # fmt: skip
-                if ROPE and j == N_SUB - 1:
-                    tma.async_copy_global_to_shared(rope_desc, [row, 512], bar,
-                                                    rope_smem.index(stage).slice(h * 32, 32, dim=0))  # fmt: skip
+        ``ROPE``) for both 32-key boxes (rows ``r0``, ``r1``) of a 64-key tile, on barrier ``bar``. One copy per
+        box and half through ``lat_desc`` (``[32, 256]``: the lowering gives each of the partition's 4 warps one
+        ``[32, 64]`` message) and one per box through ``rope_desc`` (``[32, 64]``). The compiler puts a
+        partition-wide barrier between consecutive copies that share ``bar``: 6 a tile here, 18 with one copy
+        per ``[32, 64]`` chunk, which ran 3-5% slower (RESULTS.md run 32)."""
+        n_chunks: gl.constexpr = 5 if ROPE else 4
+        mbarrier.expect(bar, 2 * n_chunks * 32 * 64 * 2)
+        for h in gl.static_range(2):
+            row = r0 if h == 0 else r1
+            lat = lat_smem.index(stage).slice(h * 32, 32, dim=0)
+            tma.async_copy_global_to_shared(lat_desc, [row, LAT_HALF * 256], bar, lat.slice(LAT_HALF * 256, 256, dim=1))
+            if ROPE:
+                tma.async_copy_global_to_shared(rope_desc, [row, 512], bar,
+                                                rope_smem.index(stage).slice(h * 32, 32, dim=0))  # fmt: skip
 
     @gluon.jit
     def _seesaw_tile(k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
@@ -530,18 +515,14 @@ if GLUON_AVAILABLE:
         # 2. S_t: the X chunks (this warpgroup's latent half), then the Y chunks (the other half, the rope)
         ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
         ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
-        N_SUB: gl.constexpr = ready_x.type.shape[0] // 2  # barriers per refill group (column slices)
-        PER: gl.constexpr = 4 // N_SUB  # 64-column chunks per slice
+        mbarrier.wait(ready_x.index(OWN), k & 1)
         b_s = s_zero
         for c in gl.static_range(4):
-            if c % PER == 0:
-                mbarrier.wait(ready_x.index(OWN * N_SUB + c // PER), k & 1)
             b_s = warpgroup_mma(q_smem.index(OWN * 4 + c + z),
                                 own_lat.slice((OWN * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
                                 use_acc=c > 0, is_async=True)  # fmt: skip
+        mbarrier.wait(ready_y.index(OWN), k & 1)
         for c in gl.static_range(4):
-            if c % PER == 0:
-                mbarrier.wait(ready_y.index(OWN * N_SUB + c // PER), k & 1)
             b_s = warpgroup_mma(q_smem.index(OTH * 4 + c + z),
                                 own_lat.slice((OTH * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
                                 is_async=True)  # fmt: skip
@@ -577,9 +558,9 @@ if GLUON_AVAILABLE:
         if k + 1 < n_own:
             r0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
             r1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
-            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_x, OWN, r0, r1, OWN, False)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
             mbarrier.wait(empty_y.index(OWN), k & 1)
-            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_y, OWN, r0, r1, OTH, True)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
         return acc, b_l, m_prev
 
     @gluon.jit
@@ -629,8 +610,8 @@ if GLUON_AVAILABLE:
             n0 = kv_lo + WG * BLOCK_N
             r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
             r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
-            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_x, OWN, r0, r1, OWN, False)
-            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_y, OWN, r0, r1, OTH, True)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
 
         # Q [64, 576] -> 9 swizzled chunks; each warpgroup stores alternate chunks, then both wait for all
         o_m = gl.arange(0, BLOCK_M, layout=ROW_LD)
@@ -745,16 +726,14 @@ if GLUON_AVAILABLE:
         rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_desc.layout)
         m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
         l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
-        N_SUB: gl.constexpr = 256 // lat_desc.block_type.shape[1]  # barriers per refill group (column slices)
-        ready_x = gl.allocate_shared_memory(gl.int64, [2 * N_SUB, 1], mbarrier.MBarrierLayout())
-        ready_y = gl.allocate_shared_memory(gl.int64, [2 * N_SUB, 1], mbarrier.MBarrierLayout())
+        ready_x = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready_y = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty_y = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         sync = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(2):
-            for j in gl.static_range(N_SUB):  # slice j of: the owner's latent half / the other half (+ the rope)
-                mbarrier.init(ready_x.index(st * N_SUB + j), count=1)
-                mbarrier.init(ready_y.index(st * N_SUB + j), count=1)
+            mbarrier.init(ready_x.index(st), count=1)  # the owner's latent half landed (expect-tx)
+            mbarrier.init(ready_y.index(st), count=1)  # the other latent half + the rope landed (expect-tx)
             mbarrier.init(empty_y.index(st), count=1)  # the other warpgroup is done with the stage's Y group
             mbarrier.init(pready.index(st), count=1)  # the owner stored P and M of the stage's tile
             mbarrier.init(sync.index(st), count=2)  # 0: Q stored (both halves); 1: row sums stored
@@ -775,9 +754,8 @@ if GLUON_AVAILABLE:
         ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):
-            for j in gl.static_range(N_SUB):
-                mbarrier.invalidate(ready_x.index(st * N_SUB + j))
-                mbarrier.invalidate(ready_y.index(st * N_SUB + j))
+            mbarrier.invalidate(ready_x.index(st))
+            mbarrier.invalidate(ready_y.index(st))
             mbarrier.invalidate(empty_y.index(st))
             mbarrier.invalidate(pready.index(st))
             mbarrier.invalidate(sync.index(st))
@@ -862,9 +840,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             64-key tiles and fits 2 fp8 stages next to its fp16 tile.
         variant (str): ``"ws"`` (``_mla_decode_gluon_ws_kernel``) or ``"seesaw"``
             (``_mla_decode_gluon_seesaw_kernel``: bf16 cache, 64-key tiles, 2 stages; ``block_n``/``stages``
-            must keep their defaults; the faster one, see RESULTS.md run 33). ``"seesaw-fine2"`` /
-            ``"seesaw-fine4"``: the seesaw kernel with each refill group in 2 / 4 column slices, each on its own
-            barrier, so the scores MMAs start on the first slice (not yet run on a GPU).
+            must keep their defaults; the faster one, see RESULTS.md run 33).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
     """
@@ -900,8 +876,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
             H, num_blocks, block_table.shape[1])  # fmt: skip
     if variant.startswith("seesaw"):
-        width = {"seesaw": 256, "seesaw-fine2": 128, "seesaw-fine4": 64, "seesaw-const": 256}[variant]
-        half_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, width], _kv_layout())  # a copy: W latent columns
+        half_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 256], _kv_layout())  # half a latent row a copy
         _mla_decode_gluon_seesaw_kernel[grid](
             q, half_desc, rope_desc, *args[3:], PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h,
             Q_PER=q_per, CAUSAL=causal, WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb,
