@@ -46,8 +46,8 @@ ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc
        "o_part": "*fp32", "lse_part": "*fp32"}
 report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
-    if block_n == "seesaw":
-        fn = g._mla_decode_gluon_seesaw_kernel
+    if block_n in ("seesaw", "seesaw-pair"):
+        fn = g._mla_decode_gluon_pair_kernel if block_n == "seesaw-pair" else g._mla_decode_gluon_seesaw_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, OPAQUE=stages != "const", num_warps=4)
     else:
@@ -59,7 +59,7 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
         if name in cons:
             sig[name] = "constexpr"
         elif name == "lat_desc":  # the seesaw kernel copies half a latent row per box
-            width = 256 if block_n == "seesaw" else 512
+            width = 256 if str(block_n).startswith("seesaw") else 512
             bf16 = f"tensordesc<bf16[32, {width}],{nvmma(128, 16)}>"
             sig[name] = f"tensordesc<fp8e4nv[32, 512],{nvmma(128, 8)}>" if fp8 else bf16
         elif name == "rope_desc":
