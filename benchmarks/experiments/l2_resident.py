@@ -6,7 +6,9 @@ the same pages (9.4 MB of KV in all: after the first touch every tile is an L2 h
 much lower, the kernel waits on its loads (deeper prefetch would pay); if it is about the same, the limit is the
 schedule (MMA issue, barriers, softmax) and more memory parallelism would not help.
 
-    PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/experiments/l2_resident.py
+    PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/experiments/l2_resident.py [VARIANTS]
+
+VARIANTS: comma-separated kernel variants (default "ws,seesaw").
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or not dg.GLUON_AVAILABLE:
         print("l2_resident: needs an sm90 GPU with Gluon")
         return 0
+    variants = (sys.argv[1] if len(sys.argv) > 1 else "ws,seesaw").split(",")
     from bench_decode_gluon import make_problem
     from common import bench_us
 
@@ -41,7 +44,7 @@ def main() -> int:
         flops = 2.0 * q.shape[0] * h * s * (576 + 512)
         shared_bt = bt[:1].expand_as(bt).contiguous()
         row = []
-        for variant in ("ws", "seesaw"):
+        for variant in variants:
             for name, table in (("scattered", bt), ("shared", shared_bt)):
 
                 def fn(table=table, variant=variant):
