@@ -102,7 +102,7 @@ WS_PRODUCER_REGS = 32
 # registers of the second warpgroup (the worker partition) of ``variant="seesaw"``
 SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-33 are gone; RESULTS.md keeps their figures)
-SEESAW_VARIANTS = ("seesaw", "seesaw-pair")
+SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-early")
 
 
 if GLUON_AVAILABLE:
@@ -845,7 +845,7 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _pair_wg0(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                   ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks, max_blocks,
-                  PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr):  # fmt: skip
+                  PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
         """Warpgroup 0, pair ``i`` (``b_s`` = the finished scores of tile a). Returns the scores of tile a + 2
         (finished; unchanged when ``LAST``), O_L, its row sums and the running max M_b."""
         O_LAYOUT: gl.constexpr = acc.type.layout
@@ -870,22 +870,30 @@ if GLUON_AVAILABLE:
         b_p = gl.exp2(b_s - gl.expand_dims(m_a_use, 1))
         b_l = b_l + gl.sum(b_p, axis=1)
         m_smem.index(0).store(m_a)
-        gl.thread_barrier()
-        mbarrier.arrive(m_ready.index(0), count=1)
-        if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
-            _zero_tail(lat0, n0, L, 64, 4)
+        if EARLY:  # P_a at M_a for warpgroup 1 now, over stage 0's rope columns (the scores are done with them)
+            if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
+                _zero_tail(lat0, n0, L, 64, 4)
+            rope0.store(b_p.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(p_ready.index(0), count=1)
+        else:
+            gl.thread_barrier()
+            mbarrier.arrive(m_ready.index(0), count=1)
+            if n0 + 64 > L:
+                _zero_tail(lat0, n0, L, 64, 4)
         # O_L += P_a V_aL, P_a in registers
         p_op = gl.convert_layout(b_p.to(gl.bfloat16), P_LAYOUT)
         acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
-        # P_a at M_b for warpgroup 1, over stage 0's rope columns (the scores are done with them)
         mbarrier.wait(m_ready.index(1), ph)
         m_b = m_smem.index(1).load(ROW_S)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
         b_sc = gl.where(m_a == float("-inf"), 1.0, gl.exp2(m_a - m_b_use))  # (P_a and O_L are 0 while M_a is -inf)
-        rope0.store((b_p * gl.expand_dims(b_sc, 1)).to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(p_ready.index(0), count=1)
+        if not EARLY:  # P_a at M_b for warpgroup 1, over stage 0's rope columns
+            rope0.store((b_p * gl.expand_dims(b_sc, 1)).to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(p_ready.index(0), count=1)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         acc = acc * gl.expand_dims(gl.convert_layout(b_sc, ROW_O), 1)
         b_l = b_l * b_sc
@@ -911,7 +919,7 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _pair_wg1(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                   ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks, max_blocks,
-                  PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr):  # fmt: skip
+                  PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` (``b_s`` = the finished scores of tile b). Returns the scores of tile b + 2
         (finished; unchanged when ``LAST``), O_R, its row sums and the running max M_b."""
         O_LAYOUT: gl.constexpr = acc.type.layout
@@ -930,13 +938,22 @@ if GLUON_AVAILABLE:
         n0 = kv_lo + i * 128 + 64  # tile b
         b_s = _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE)
         # softmax of S_b with M_a (which already holds this warpgroup's M_{b-1}); publish M_b, then P_b
-        mbarrier.wait(m_ready.index(0), ph)
-        m_a = m_smem.index(0).load(ROW_S)
-        m_b = gl.maximum(m_a, gl.max(b_s, axis=1))
-        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_b, ROW_O)
-        m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
-        b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
-        b_l = b_l + gl.sum(b_p, axis=1)
+        if EARLY:  # P_a (at M_a) is there already: O_R to M_a, O_R += P_a V_aR running during the softmax
+            mbarrier.wait(p_ready.index(0), ph)
+            m_a = m_smem.index(0).load(ROW_S)
+            acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
+            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
+            m_b = gl.maximum(m_a, gl.max(b_s, axis=1))
+            m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
+            b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
+        else:
+            mbarrier.wait(m_ready.index(0), ph)
+            m_a = m_smem.index(0).load(ROW_S)
+            m_b = gl.maximum(m_a, gl.max(b_s, axis=1))
+            acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_b, ROW_O)
+            m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
+            b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
+            b_l = b_l + gl.sum(b_p, axis=1)
         m_smem.index(1).store(m_b)
         gl.thread_barrier()
         mbarrier.arrive(m_ready.index(1), count=1)
@@ -948,15 +965,28 @@ if GLUON_AVAILABLE:
         gl.thread_barrier()
         mbarrier.arrive(p_ready.index(1), count=1)
         p_op = gl.convert_layout(p_bf, P_LAYOUT)
-        # O_R += P_a V_aR (stage 0 first: its refill is on warpgroup 0's path), then O_R += P_b V_bR
-        mbarrier.wait(p_ready.index(0), ph)
-        acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
-        acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
+        if EARLY:  # P_a V_aR done: refill stage 0's R half, O_R to M_b, then O_R += P_b V_bR
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            if not LAST:
+                gl.thread_barrier()  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
+                             max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
+            m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
+            b_sc = gl.where(m_a == float("-inf"), 1.0, gl.exp2(m_a_use - m_b_use))  # (O_R is 0 while M_a is -inf)
+            acc = acc * gl.expand_dims(gl.convert_layout(b_sc, ROW_O), 1)
+            b_l = b_l * b_sc + gl.sum(b_p, axis=1)
+            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
+        else:
+            # O_R += P_a V_aR (stage 0 first: its refill is on warpgroup 0's path), then O_R += P_b V_bR
+            mbarrier.wait(p_ready.index(0), ph)
+            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
+            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
         if not LAST:
-            p_op = warpgroup_mma_wait(1, deps=(p_op,))  # P_a V_aR done (P_b V_bR may run on)
-            gl.thread_barrier()  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
-            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
-                         max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
+            if not EARLY:
+                p_op = warpgroup_mma_wait(1, deps=(p_op,))  # P_a V_aR done (P_b V_bR may run on)
+                gl.thread_barrier()  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
+                             max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             gl.thread_barrier()
             _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
@@ -974,7 +1004,7 @@ if GLUON_AVAILABLE:
                  split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
                  stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
                  BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
-                 N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr):  # fmt: skip
+                 N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # fmt: skip
@@ -1017,23 +1047,23 @@ if GLUON_AVAILABLE:
                 b_s, acc, b_l, m_run = _pair_wg0(
                     i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                     ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                    max_blocks, PAGE, OPAQUE, False)  # fmt: skip
+                    max_blocks, PAGE, OPAQUE, False, EARLY)  # fmt: skip
             else:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                     ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                    max_blocks, PAGE, OPAQUE, False)  # fmt: skip
+                    max_blocks, PAGE, OPAQUE, False, EARLY)  # fmt: skip
         if n_pairs > 0:
             if WG == 0:
                 b_s, acc, b_l, m_run = _pair_wg0(
                     n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
                     ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, True)  # fmt: skip
+                    num_blocks, max_blocks, PAGE, OPAQUE, True, EARLY)  # fmt: skip
             else:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
                     ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, True)  # fmt: skip
+                    num_blocks, max_blocks, PAGE, OPAQUE, True, EARLY)  # fmt: skip
 
         _seesaw_finish(acc, b_l, m_run, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
                        stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)
@@ -1045,7 +1075,7 @@ if GLUON_AVAILABLE:
         stride_o_t, stride_o_h, H, num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        OPAQUE: gl.constexpr, num_warps: gl.constexpr,
+        OPAQUE: gl.constexpr, EARLY: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """``variant="seesaw-pair"`` (bf16 cache, 64-key tiles in pairs, 2 stages); same grid, arguments and
         results as the seesaw kernel (see the comment above ``_pair_mask``)."""
@@ -1090,12 +1120,12 @@ if GLUON_AVAILABLE:
                         m_ready, p_ready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                         work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale,
                         stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE,
-                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE)),
+                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, EARLY)),
             (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
                         m_ready, p_ready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                         work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale,
                         stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE,
-                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE)),
+                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, EARLY)),
         ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):
@@ -1222,12 +1252,13 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             H, num_blocks, block_table.shape[1])  # fmt: skip
     if variant.startswith("seesaw"):
         half_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 256], _kv_layout())  # half a latent row a copy
-        kernel = _mla_decode_gluon_pair_kernel if variant == "seesaw-pair" else _mla_decode_gluon_seesaw_kernel
-        kernel[grid](
-            q, half_desc, rope_desc, *args[3:], PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h,
-            Q_PER=q_per, CAUSAL=causal, WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb,
-            OPAQUE=variant != "seesaw-const", num_warps=4,
-        )  # fmt: skip
+        kw = dict(PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
+                  WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const", num_warps=4)
+        if variant.startswith("seesaw-pair"):
+            _mla_decode_gluon_pair_kernel[grid](q, half_desc, rope_desc, *args[3:], EARLY=variant.endswith("early"),
+                                                **kw)  # fmt: skip
+        else:
+            _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], **kw)
         return
     _mla_decode_gluon_ws_kernel[grid](
         *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,
