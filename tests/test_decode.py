@@ -333,13 +333,20 @@ def test_reduce_wide_steps(device, monkeypatch):
 
 def test_gluon_variant_env(device, monkeypatch):
     from openmla.ops.decode import _gluon_variant
+    from openmla.ops.decode_gluon import SEESAW_VARIANTS
 
-    monkeypatch.delenv("OPENMLA_DECODE_GLUON_VARIANT", raising=False)
-    assert _gluon_variant("auto") == "seesaw" and _gluon_variant("fp8") == "ws"
-    monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "ws")
-    assert _gluon_variant("auto") == "ws" and _gluon_variant("fp8") == "ws"
-    monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "seesaw")
-    assert _gluon_variant("auto") == "seesaw" and _gluon_variant("fp8") == "ws"
+    for env in (None, "auto"):  # auto: seesaw-pair once 4+ programs of 64 rows read each KV tile
+        if env is None:
+            monkeypatch.delenv("OPENMLA_DECODE_GLUON_VARIANT", raising=False)
+        else:
+            monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", env)
+        assert _gluon_variant("auto", 128, 1) == "seesaw" and _gluon_variant("auto", 128, 2) == "seesaw-pair"
+        assert _gluon_variant("auto", 64, 2) == "seesaw" and _gluon_variant("auto", 64, 4) == "seesaw-pair"
+        assert _gluon_variant("auto", 16, 4) == "seesaw" and _gluon_variant("auto", 32, 1) == "seesaw"
+        assert _gluon_variant("fp8", 128, 2) == "ws"
+    for variant in ("ws", *SEESAW_VARIANTS):  # forced
+        monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", variant)
+        assert _gluon_variant("auto", 128, 2) == variant and _gluon_variant("fp8", 128, 2) == "ws"
     monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "fast")
     q = torch.zeros(1, 16, 576, dtype=torch.bfloat16, device=device)
     cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16, device=device)

@@ -46,12 +46,10 @@ ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc
        "o_part": "*fp32", "lse_part": "*fp32"}
 report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
-    if str(block_n).startswith("seesaw"):
-        fn = g._mla_decode_gluon_pair_kernel if block_n.startswith("seesaw-pair") else g._mla_decode_gluon_seesaw_kernel
+    if block_n in ("seesaw", "seesaw-pair"):
+        fn = g._mla_decode_gluon_pair_kernel if block_n == "seesaw-pair" else g._mla_decode_gluon_seesaw_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, OPAQUE=stages != "const", num_warps=4)
-        if block_n.startswith("seesaw-pair"):
-            cons["EARLY"] = block_n.endswith("early")
     else:
         fn = g._mla_decode_gluon_ws_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,

@@ -27,7 +27,12 @@ from openmla.ops._validate import (
     kernel_backend,
     scalar_scale,
 )
-from openmla.ops.decode_gluon import SEESAW_VARIANTS, gluon_decode_supported, mla_decode_split_gluon
+from openmla.ops.decode_gluon import (
+    SEESAW_VARIANTS,
+    gluon_decode_config,
+    gluon_decode_supported,
+    mla_decode_split_gluon,
+)
 from openmla.ops.plan import DecodePlan, plan_decode
 
 __all__ = ["mla_decode"]
@@ -462,14 +467,25 @@ def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtyp
     return ok and (plan.tiling.block_m >= _GLUON_AUTO_MIN_ROWS or kv_cache_dtype == "fp8")
 
 
-def _gluon_variant(kv_cache_dtype: str) -> str:
-    """The Gluon kernel variant (``OPENMLA_DECODE_GLUON_VARIANT``: ``seesaw``, the default, ``ws`` or another of
-    ``decode_gluon.SEESAW_VARIANTS``; read per call). fp8 caches always run ``ws`` (the seesaw kernel takes bf16
-    caches only). seesaw measured 12-22% faster than ws on the H200 at h32-h128 (RESULTS.md run 33)."""
-    variant = os.environ.get("OPENMLA_DECODE_GLUON_VARIANT", "seesaw")
-    if variant not in SEESAW_VARIANTS + ("ws",):
-        raise ValueError(f"OPENMLA_DECODE_GLUON_VARIANT must be 'ws' or one of {SEESAW_VARIANTS}; got {variant!r}")
-    return "ws" if kv_cache_dtype == "fp8" else variant
+def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int) -> str:
+    """The Gluon kernel variant (``OPENMLA_DECODE_GLUON_VARIANT``, read per call: ``auto``, the default, ``ws`` or
+    one of ``decode_gluon.SEESAW_VARIANTS``). fp8 caches always run ``ws`` (the seesaw kernels take bf16 caches
+    only). ``auto``: ``seesaw-pair`` when at least 4 programs of 64 rows read each KV tile (head blocks x query
+    blocks: h128 with 2+ query tokens, h64 with 4+), so that most tiles come from L2; ``seesaw`` otherwise. On the
+    H200 seesaw-pair's schedule is the faster one from L2 (583 vs 555 TFLOPS with every tile L2-resident) but
+    hides HBM latency worse: h128 q2 +2%, h128 q1 -4%, h32 -6% (RESULTS.md runs 39-41). seesaw measured 12-22%
+    faster than ws at h32-h128 (run 33)."""
+    variant = os.environ.get("OPENMLA_DECODE_GLUON_VARIANT", "auto")
+    if variant not in ("auto", "ws") + SEESAW_VARIANTS:
+        raise ValueError(f"OPENMLA_DECODE_GLUON_VARIANT must be 'auto', 'ws' or one of {SEESAW_VARIANTS}; "
+                         f"got {variant!r}")  # fmt: skip
+    if kv_cache_dtype == "fp8":
+        return "ws"
+    if variant == "auto":
+        block_h, q_per = gluon_decode_config(num_heads, max_query_len)
+        readers = -(-num_heads // block_h) * -(-max_query_len // q_per)
+        return "seesaw-pair" if readers >= 4 else "seesaw"
+    return variant
 
 
 def _host_scale(name: str, scale, device) -> float:
@@ -596,7 +612,7 @@ def mla_decode(
             raise ValueError("lse must be contiguous")
     if T and B:
         scale_log2 = sm_scale * q_s * kv_s * _LOG2E
-        variant = _gluon_variant(kv_cache_dtype)
+        variant = _gluon_variant(kv_cache_dtype, H, plan.max_query_len)
         if _use_gluon(backend, q, kv_cache, plan, kv_cache_dtype):
             mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse,
                                    scale_log2, kv_s, causal, d_v, variant=variant)  # fmt: skip

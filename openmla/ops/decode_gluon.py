@@ -39,6 +39,11 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
   4-warp partitions that own alternate 64-key tiles (full-width scores, P over the tile's rope columns, both add
   every tile's P V to their output half; each stage refilled in two TMA groups); see the comment above
   ``_seesaw_wg``. 12-22% faster than ws at h32-h128 (RESULTS.md run 33: h128 b128 s8k 498 vs 407 TFLOPS).
+* ``variant="seesaw-pair"`` (``_mla_decode_gluon_pair_kernel``, bf16 caches): the same two partitions in
+  FlashMLA's published seesaw order: tiles in pairs, each softmax under the other warpgroup's MMAs, one rescale
+  of the right output half per pair, each stage refilled by its last reader; see the comment above
+  ``_pair_mask``. Faster from L2 (583 vs 555 TFLOPS L2-resident at h128), slower from HBM (it hides less
+  latency): ``mla_decode`` runs it when 4+ programs read each KV tile (RESULTS.md runs 39-41).
 * Measured and dropped (RESULTS.md run 8): the same loop without warp specialisation (4-8% slower), a
   variant issuing the next tile's scores MMA before this tile's softmax, and 32-key tiles as default.
 * fp8 cache (``kv_cache_dtype="fp8"``, float8_e4m3fn, selected by the cache dtype; 64-key tiles,
@@ -101,8 +106,9 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm90
 WS_PRODUCER_REGS = 32
 # registers of the second warpgroup (the worker partition) of ``variant="seesaw"``
 SEESAW_WG_REGS = 240
-# the seesaw variants for bf16 caches (the losers of runs 27-33 are gone; RESULTS.md keeps their figures)
-SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-early")
+# the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
+# "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
+SEESAW_VARIANTS = ("seesaw", "seesaw-pair")
 
 
 if GLUON_AVAILABLE:
@@ -845,7 +851,7 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _pair_wg0(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                   ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks, max_blocks,
-                  PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
+                  PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr):  # fmt: skip
         """Warpgroup 0, pair ``i`` (``b_s`` = the finished scores of tile a). Returns the scores of tile a + 2
         (finished; unchanged when ``LAST``), O_L, its row sums and the running max M_b."""
         O_LAYOUT: gl.constexpr = acc.type.layout
@@ -870,30 +876,22 @@ if GLUON_AVAILABLE:
         b_p = gl.exp2(b_s - gl.expand_dims(m_a_use, 1))
         b_l = b_l + gl.sum(b_p, axis=1)
         m_smem.index(0).store(m_a)
-        if EARLY:  # P_a at M_a for warpgroup 1 now, over stage 0's rope columns (the scores are done with them)
-            if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
-                _zero_tail(lat0, n0, L, 64, 4)
-            rope0.store(b_p.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(p_ready.index(0), count=1)
-        else:
-            gl.thread_barrier()
-            mbarrier.arrive(m_ready.index(0), count=1)
-            if n0 + 64 > L:
-                _zero_tail(lat0, n0, L, 64, 4)
+        gl.thread_barrier()
+        mbarrier.arrive(m_ready.index(0), count=1)
+        if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
+            _zero_tail(lat0, n0, L, 64, 4)
         # O_L += P_a V_aL, P_a in registers
         p_op = gl.convert_layout(b_p.to(gl.bfloat16), P_LAYOUT)
         acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
+        # P_a at M_b for warpgroup 1, over stage 0's rope columns (the scores are done with them)
         mbarrier.wait(m_ready.index(1), ph)
         m_b = m_smem.index(1).load(ROW_S)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
         b_sc = gl.where(m_a == float("-inf"), 1.0, gl.exp2(m_a - m_b_use))  # (P_a and O_L are 0 while M_a is -inf)
-        if not EARLY:  # P_a at M_b for warpgroup 1, over stage 0's rope columns
-            rope0.store((b_p * gl.expand_dims(b_sc, 1)).to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(p_ready.index(0), count=1)
+        rope0.store((b_p * gl.expand_dims(b_sc, 1)).to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready.index(0), count=1)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         acc = acc * gl.expand_dims(gl.convert_layout(b_sc, ROW_O), 1)
         b_l = b_l * b_sc
@@ -919,7 +917,7 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _pair_wg1(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                   ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks, max_blocks,
-                  PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
+                  PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` (``b_s`` = the finished scores of tile b). Returns the scores of tile b + 2
         (finished; unchanged when ``LAST``), O_R, its row sums and the running max M_b."""
         O_LAYOUT: gl.constexpr = acc.type.layout
@@ -938,22 +936,13 @@ if GLUON_AVAILABLE:
         n0 = kv_lo + i * 128 + 64  # tile b
         b_s = _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE)
         # softmax of S_b with M_a (which already holds this warpgroup's M_{b-1}); publish M_b, then P_b
-        if EARLY:  # P_a (at M_a) is there already: O_R to M_a, O_R += P_a V_aR running during the softmax
-            mbarrier.wait(p_ready.index(0), ph)
-            m_a = m_smem.index(0).load(ROW_S)
-            acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
-            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
-            m_b = gl.maximum(m_a, gl.max(b_s, axis=1))
-            m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
-            b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
-        else:
-            mbarrier.wait(m_ready.index(0), ph)
-            m_a = m_smem.index(0).load(ROW_S)
-            m_b = gl.maximum(m_a, gl.max(b_s, axis=1))
-            acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_b, ROW_O)
-            m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
-            b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
-            b_l = b_l + gl.sum(b_p, axis=1)
+        mbarrier.wait(m_ready.index(0), ph)
+        m_a = m_smem.index(0).load(ROW_S)
+        m_b = gl.maximum(m_a, gl.max(b_s, axis=1))
+        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_b, ROW_O)
+        m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
+        b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
+        b_l = b_l + gl.sum(b_p, axis=1)
         m_smem.index(1).store(m_b)
         gl.thread_barrier()
         mbarrier.arrive(m_ready.index(1), count=1)
@@ -965,28 +954,15 @@ if GLUON_AVAILABLE:
         gl.thread_barrier()
         mbarrier.arrive(p_ready.index(1), count=1)
         p_op = gl.convert_layout(p_bf, P_LAYOUT)
-        if EARLY:  # P_a V_aR done: refill stage 0's R half, O_R to M_b, then O_R += P_b V_bR
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            if not LAST:
-                gl.thread_barrier()  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
-                             max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
-            m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
-            b_sc = gl.where(m_a == float("-inf"), 1.0, gl.exp2(m_a_use - m_b_use))  # (O_R is 0 while M_a is -inf)
-            acc = acc * gl.expand_dims(gl.convert_layout(b_sc, ROW_O), 1)
-            b_l = b_l * b_sc + gl.sum(b_p, axis=1)
-            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
-        else:
-            # O_R += P_a V_aR (stage 0 first: its refill is on warpgroup 0's path), then O_R += P_b V_bR
-            mbarrier.wait(p_ready.index(0), ph)
-            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
-            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
+        # O_R += P_a V_aR (stage 0 first: its refill is on warpgroup 0's path), then O_R += P_b V_bR
+        mbarrier.wait(p_ready.index(0), ph)
+        acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
         if not LAST:
-            if not EARLY:
-                p_op = warpgroup_mma_wait(1, deps=(p_op,))  # P_a V_aR done (P_b V_bR may run on)
-                gl.thread_barrier()  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
-                             max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
+            p_op = warpgroup_mma_wait(1, deps=(p_op,))  # P_a V_aR done (P_b V_bR may run on)
+            gl.thread_barrier()  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
+                         max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             gl.thread_barrier()
             _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
@@ -1004,7 +980,7 @@ if GLUON_AVAILABLE:
                  split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
                  stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
                  BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
-                 N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
+                 N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # fmt: skip
@@ -1047,23 +1023,23 @@ if GLUON_AVAILABLE:
                 b_s, acc, b_l, m_run = _pair_wg0(
                     i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                     ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                    max_blocks, PAGE, OPAQUE, False, EARLY)  # fmt: skip
+                    max_blocks, PAGE, OPAQUE, False)  # fmt: skip
             else:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                     ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                    max_blocks, PAGE, OPAQUE, False, EARLY)  # fmt: skip
+                    max_blocks, PAGE, OPAQUE, False)  # fmt: skip
         if n_pairs > 0:
             if WG == 0:
                 b_s, acc, b_l, m_run = _pair_wg0(
                     n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
                     ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, True, EARLY)  # fmt: skip
+                    num_blocks, max_blocks, PAGE, OPAQUE, True)  # fmt: skip
             else:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
                     ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, True, EARLY)  # fmt: skip
+                    num_blocks, max_blocks, PAGE, OPAQUE, True)  # fmt: skip
 
         _seesaw_finish(acc, b_l, m_run, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
                        stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)
@@ -1075,7 +1051,7 @@ if GLUON_AVAILABLE:
         stride_o_t, stride_o_h, H, num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        OPAQUE: gl.constexpr, EARLY: gl.constexpr, num_warps: gl.constexpr,
+        OPAQUE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """``variant="seesaw-pair"`` (bf16 cache, 64-key tiles in pairs, 2 stages); same grid, arguments and
         results as the seesaw kernel (see the comment above ``_pair_mask``)."""
@@ -1120,12 +1096,12 @@ if GLUON_AVAILABLE:
                         m_ready, p_ready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                         work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale,
                         stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE,
-                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, EARLY)),
+                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE)),
             (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
                         m_ready, p_ready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                         work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale,
                         stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE,
-                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, EARLY)),
+                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE)),
         ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):
@@ -1216,6 +1192,9 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         variant (str): ``"ws"`` (``_mla_decode_gluon_ws_kernel``) or ``"seesaw"``
             (``_mla_decode_gluon_seesaw_kernel``: bf16 cache, 64-key tiles, 2 stages; ``block_n``/``stages``
             must keep their defaults; the faster one, see RESULTS.md run 33).
+            ``"seesaw-pair"``: ``_mla_decode_gluon_pair_kernel``, the tiles in pairs in FlashMLA's seesaw order
+            (same restrictions; faster than seesaw when 4+ programs read each KV tile, slower otherwise: RESULTS.md
+            runs 39-41; ``mla_decode`` picks between the two).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
     """
@@ -1252,13 +1231,12 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             H, num_blocks, block_table.shape[1])  # fmt: skip
     if variant.startswith("seesaw"):
         half_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 256], _kv_layout())  # half a latent row a copy
-        kw = dict(PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
-                  WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const", num_warps=4)
-        if variant.startswith("seesaw-pair"):
-            _mla_decode_gluon_pair_kernel[grid](q, half_desc, rope_desc, *args[3:], EARLY=variant.endswith("early"),
-                                                **kw)  # fmt: skip
-        else:
-            _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], **kw)
+        kernel = _mla_decode_gluon_pair_kernel if variant == "seesaw-pair" else _mla_decode_gluon_seesaw_kernel
+        kernel[grid](
+            q, half_desc, rope_desc, *args[3:], PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h,
+            Q_PER=q_per, CAUSAL=causal, WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb,
+            OPAQUE=variant != "seesaw-const", num_warps=4,
+        )  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
         *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,
