@@ -37,6 +37,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from openmla.utils.sm90_report import resource_report
 from openmla.ops import decode_gluon as g
+from openmla.ops import decode_gluon_seesaw as gs
 
 def nvmma(swizzle, bits):
     return (f"NVMMASharedLayout(swizzle_byte_width={swizzle}, element_bitwidth={bits}, rank=2, transposed=False, "
@@ -47,7 +48,7 @@ ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc
 report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     if block_n in ("seesaw", "seesaw-pair"):
-        fn = g._mla_decode_gluon_pair_kernel if block_n == "seesaw-pair" else g._mla_decode_gluon_seesaw_kernel
+        fn = gs._mla_decode_gluon_pair_kernel if block_n == "seesaw-pair" else gs._mla_decode_gluon_seesaw_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, OPAQUE=stages != "const", num_warps=4)
     else:

@@ -1,0 +1,716 @@
+"""The "seesaw" Gluon decode kernels for bf16 caches on Hopper (``variant="seesaw"`` and ``"seesaw-pair"`` of
+:func:`openmla.ops.decode_gluon.mla_decode_split_gluon`, which launches them; same grid, arguments and results as
+the warp-specialised kernel there). Two 4-warp partitions, no producer warp: each warpgroup holds half of the
+``[64, 512]`` fp32 output and computes the full scores of alternate 64-key tiles, which it loads by TMA. The
+comments above ``_seesaw_wg`` and ``_pair_mask`` give the two schedules; ``benchmarks/RESULTS.md`` (runs 27-41)
+the measurements behind them."""
+
+from __future__ import annotations
+
+from openmla.ops._gluon import (
+    GLUON_AVAILABLE,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+if GLUON_AVAILABLE:
+    from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _zero_tail
+
+    # ---- "seesaw" kernel: two 4-warp partitions (warpgroup 0 = the default partition, warpgroup 1 a worker),
+    # no producer warp. Tile t of a work item lives in stage t % 2 and belongs to warpgroup t % 2, which loads it
+    # (TMA), computes its full 64-key scores S_t = Q K_t^T (m64n64 wgmmas: Q is read from shared memory once per
+    # 64 keys, not once per 32 as in the ws kernel), its softmax with the running row max M_{t-1} of the other
+    # warpgroup's tile, and writes P_t over the tile's rope columns (the scores are done with them) and M_t.
+    # Both warpgroups add P_t V_t to their half of the output columns. Per own tile t a warpgroup
+    #   1. waits for P_{t-1} / M_{t-1} of the other warpgroup's tile, rescales, issues P_{t-1} V_{t-1},
+    #   2. issues S_t right behind it (it overlaps the other warpgroup's softmax of tile t - 1 or t + 1), waits
+    #      for both and releases tile t - 1's "Y" half (see 5),
+    #   3. runs the softmax of S_t, writes P_t / M_t,
+    #   4. adds its own P_t V_t,
+    #   5. refills its stage with tile t + 2 in two TMA groups with their own barriers: X = its own half of the
+    #      latent columns (only its own P V reads it: refilled at once), Y = the other half + the rope columns (P
+    #      lives there; refilled once the other warpgroup's P_t V_t released it). S_{t+2} chains the X chunks
+    #      first, so most of the load latency is hidden behind step 1 of the next tile.
+    # The order 1-before-2 and the split refill: 13% faster than the first seesaw schedule at h128 (RESULTS.md run
+    # 27; S before the other tile's P V was 3% slower); issuing S behind the P V without a wait in between: 1.4-2.4%
+    # (run 33). Each copy moves half a latent row of a 32-key box (6 copies a tile, not 18 of [32, 64]: the
+    # compiler puts a partition-wide barrier between copies; 3-5% faster, run 32). Measured and dropped: looking
+    # up the block-table rows of tile t + 2 at the top of the iteration (run 30, no gain); an L2 prefetch
+    # (cp.async.bulk.prefetch.L2) of the own tile one refill ahead (run 31: 19-40% slower); a third, 1-warp
+    # partition doing every lookup and copy (run 32: 1-3% slower than the warpgroups copying, with or without
+    # an L2 prefetch of the next tile); the own P V with P from registers, issued before P is stored for the
+    # other warpgroup (run 36: -1.5% to +0.6%); the scores first and the other tile's P V during the softmax
+    # (run 37, commit b0d2c1c: +1.7% at h128 q2, -1.5% at h32).
+    # Every shared-memory buffer is indexed with a compile-time stage (own = WG, other = 1 - WG) plus a runtime
+    # zero (``OPAQUE``): a stage indexed with a runtime value inside these branches gave wrong wgmma operands past
+    # the first k-step on the H200 (Triton 3.6 / ptxas 12.8; RESULTS.md runs 19-22), and purely compile-time
+    # indices let the compiler hoist every operand descriptor out of the loop and spill (~350 B a thread).
+
+    @gluon.jit
+    def _seesaw_item(block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER: gl.constexpr,
+                     CAUSAL: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr):  # fmt: skip
+        """The program's work item, head block, query block, request, its query rows and its key range
+        ``[kv_lo, kv_hi)`` (causal: cut at the block's last query token)."""
+        pid = gl.program_id(0)
+        i_w = pid // (N_HB * N_QB)
+        i_h = pid % N_HB
+        i_q = (pid // N_HB) % N_QB
+        i_b = gl.load(work_req + i_w).to(gl.int64)  # >= 0: the parent returned for empty slots
+        q_start = gl.load(query_start_loc + i_b)
+        qlen = gl.load(query_start_loc + i_b + 1) - q_start
+        L = gl.load(seq_lens + i_b)
+        chunk = gl.load(split_len + i_b)
+        kv_lo = gl.load(work_split + i_w) * chunk
+        kv_hi = gl.minimum(L, kv_lo + chunk)
+        if CAUSAL:  # the block's last query token sees keys < L - qlen + (its index + 1)
+            kv_hi = gl.minimum(kv_hi, L - qlen + gl.minimum(i_q * Q_PER + Q_PER, qlen))
+        return i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi
+
+    @gluon.jit
+    def _seesaw_load_q(q, q_smem, qbar, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H: gl.constexpr,
+                       Q_PER: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+        """Q [64, 576] -> 9 swizzled chunks; each warpgroup stores alternate chunks, then both wait for all."""
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        LD_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD_LAYOUT))
+        o_t = i_q * Q_PER + o_m // BLOCK_H
+        o_h = i_h * BLOCK_H + o_m % BLOCK_H
+        m_ld = gl.expand_dims((o_t < qlen) & (o_h < H), 1)
+        p_q = q + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_q_t + o_h * stride_q_h, 1)
+        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD_LAYOUT)), 0)
+        for c in gl.static_range(9):
+            if c % 2 == WG:
+                b_q = gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0)
+                q_smem.index(c).store(b_q.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(qbar, count=1)
+        mbarrier.wait(qbar, 0)
+
+    @gluon.jit
+    def _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S: gl.constexpr, BLOCK_M: gl.constexpr, Q_PER: gl.constexpr,
+                      CAUSAL: gl.constexpr):  # fmt: skip
+        """``[BLOCK_M, 1]``: the first key each row does not see."""
+        o_ts = i_q * Q_PER + gl.arange(0, BLOCK_M, layout=ROW_S) // (BLOCK_M // Q_PER)
+        if CAUSAL:
+            limit = L - qlen + o_ts + 1
+        else:
+            limit = gl.full([BLOCK_M], 0, gl.int32, ROW_S) + L
+        return gl.expand_dims(gl.minimum(limit, kv_hi), 1)
+
+    @gluon.jit
+    def _seesaw_finish(acc, b_l, m_run, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
+                       stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN: gl.constexpr,
+                       BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+        """Both warpgroups saw every tile at the same running max ``m_run``: the row sum is the sum of the two
+        halves' sums (exchanged through ``l_smem``); normalise this warpgroup's 256 output columns and store
+        them (and, from warpgroup 0, the LSE) as final rows or as the work item's partial."""
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        HALF: gl.constexpr = 256
+        NW: gl.constexpr = 4
+        OTH: gl.constexpr = 1 - WG
+        ROW_S: gl.constexpr = b_l.type.layout
+        ROW_O: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        COL_O: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
+        o_ms = gl.arange(0, BLOCK_M, layout=ROW_S)
+        o_ts = i_q * Q_PER + o_ms // BLOCK_H
+        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        l_smem.index(WG).store(gl.convert_layout(b_l, VEC))
+        gl.thread_barrier()
+        mbarrier.arrive(lbar, count=1)
+        mbarrier.wait(lbar, 0)
+        b_l = b_l + gl.convert_layout(l_smem.index(OTH).load(VEC), ROW_S)
+
+        n_split = gl.load(num_splits + i_b)
+        empty_r = b_l == 0.0
+        b_lse = gl.where(empty_r, float("-inf"),
+                         (m_run + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)  # fmt: skip
+        b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_l))
+        b_o = acc * gl.expand_dims(gl.convert_layout(b_inv, ROW_O), 1)
+        o_mo = gl.arange(0, BLOCK_M, layout=ROW_O)
+        o_to = i_q * Q_PER + o_mo // BLOCK_H
+        o_ho = i_h * BLOCK_H + o_mo % BLOCK_H
+        m_o = gl.expand_dims((o_to < qlen) & (o_ho < H), 1)
+        o_v = gl.expand_dims(WG * HALF + gl.arange(0, HALF, layout=COL_O), 0)
+        o_hs = i_h * BLOCK_H + o_ms % BLOCK_H
+        m_s = (o_ts < qlen) & (o_hs < H) & (WG == 0)  # warpgroup 0 writes the LSE
+        if n_split == 1:
+            row = (q_start + o_to).to(gl.int64)
+            p_o = out + gl.expand_dims(row * stride_o_t + o_ho * stride_o_h, 1) + o_v
+            gl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
+            gl.store(lse + (q_start + o_ts).to(gl.int64) * H + o_hs, b_lse, mask=m_s)
+        else:
+            part = (i_w.to(gl.int64) * MAX_QLEN + o_to) * H + o_ho
+            gl.store(o_part + gl.expand_dims(part * 512, 1) + o_v, b_o, mask=m_o)
+            gl.store(lse_part + (i_w.to(gl.int64) * MAX_QLEN + o_ts) * H + o_hs, b_lse, mask=m_s)
+
+    @gluon.jit
+    def _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O: gl.constexpr):
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        b_alpha = gl.exp2(m_prev - m_use)
+        return acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1), b_l * b_alpha
+
+    @gluon.jit
+    def _seesaw_other_pv(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y, ph, WG: gl.constexpr,
+                         ROW_S: gl.constexpr, ROW_O: gl.constexpr):  # fmt: skip
+        """Once the other warpgroup's P and row max of its tile are stored (``pready``, phase ``ph``) and the
+        tile's Y group is there: rescales to that row max and issues the P V (its P over its rope columns x this
+        warpgroup's half of its V). Returns the accumulator with the MMA still running (the caller waits), the
+        rescaled row sums and the new row max."""
+        OTH: gl.constexpr = 1 - WG
+        mbarrier.wait(pready.index(OTH), ph)
+        mbarrier.wait(ready_y.index(OTH), ph)
+        m_new = m_smem.index(OTH).load(ROW_S)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
+        acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * 256, 256, dim=1), acc, is_async=True)
+        return acc, b_l, m_new
+
+    @gluon.jit
+    def _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, stage, r0, r1, LAT_HALF: gl.constexpr,
+                      ROPE: gl.constexpr):  # fmt: skip
+        """TMA of one refill group of a stage: latent half ``LAT_HALF`` (256 columns; + the rope columns when
+        ``ROPE``) for both 32-key boxes (rows ``r0``, ``r1``) of a 64-key tile, on barrier ``bar``. One copy per
+        box and half through ``lat_desc`` (``[32, 256]``: the lowering gives each of the partition's 4 warps one
+        ``[32, 64]`` message) and one per box through ``rope_desc`` (``[32, 64]``). The compiler puts a
+        partition-wide barrier between consecutive copies that share ``bar``: 6 a tile here, 18 with one copy
+        per ``[32, 64]`` chunk, which ran 3-5% slower (RESULTS.md run 32)."""
+        n_chunks: gl.constexpr = 5 if ROPE else 4
+        mbarrier.expect(bar, 2 * n_chunks * 32 * 64 * 2)
+        for h in gl.static_range(2):
+            row = r0 if h == 0 else r1
+            lat = lat_smem.index(stage).slice(h * 32, 32, dim=0)
+            tma.async_copy_global_to_shared(lat_desc, [row, LAT_HALF * 256], bar, lat.slice(LAT_HALF * 256, 256, dim=1))
+            if ROPE:
+                tma.async_copy_global_to_shared(rope_desc, [row, 512], bar,
+                                                rope_smem.index(stage).slice(h * 32, 32, dim=0))  # fmt: skip
+
+    @gluon.jit
+    def _seesaw_tile(k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
+                     empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
+                     max_blocks, PAGE: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
+                     FIRST: gl.constexpr):  # fmt: skip
+        """Tile ``t = WG + 2 k`` of warpgroup ``WG`` (steps 1-5 of the comment above ``_seesaw_wg``); ``FIRST``:
+        t = 0, no other tile before it. Returns the updated ``acc``, ``b_l``, ``m_prev``."""
+        BLOCK_N: gl.constexpr = 64
+        HALF: gl.constexpr = 256
+        NW: gl.constexpr = 4
+        OWN: gl.constexpr = WG
+        OTH: gl.constexpr = 1 - WG
+        ROW_S: gl.constexpr = gl.SliceLayout(1, s_zero.type.layout)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        t = WG + 2 * k  # this warpgroup's tile; t - 1 is the other's (none for t = 0)
+        n0 = kv_lo + t * BLOCK_N
+        if OPAQUE:
+            z = (L >> 31) & k  # a runtime 0 (seq_lens >= 0): descriptors rebuilt per iteration, not hoisted
+        else:
+            z = 0
+        own_lat = lat_smem.index(OWN + z)
+        own_rope = rope_smem.index(OWN + z)
+        oth_lat = lat_smem.index(OTH + z)
+        oth_rope = rope_smem.index(OTH + z)
+        # 1. P V of the other warpgroup's tile t - 1 (its P over its rope columns x this warpgroup's half of
+        #    its V, both in the other stage's Y group), issued and left running: the scores MMAs of step 2 queue
+        #    right behind it (no drain of the tensor pipe in between: 1.4-2.4% faster, RESULTS.md run 33); the
+        #    other stage's Y group goes back to its owner once both are done
+        if not FIRST:
+            acc, b_l, m_prev = _seesaw_other_pv(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y,
+                                                (k - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
+        # 2. S_t: the X chunks (this warpgroup's latent half), then the Y chunks (the other half, the rope)
+        ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
+        ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
+        mbarrier.wait(ready_x.index(OWN), k & 1)
+        b_s = s_zero
+        for c in gl.static_range(4):
+            b_s = warpgroup_mma(q_smem.index(OWN * 4 + c + z),
+                                own_lat.slice((OWN * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
+                                use_acc=c > 0, is_async=True)  # fmt: skip
+        mbarrier.wait(ready_y.index(OWN), k & 1)
+        for c in gl.static_range(4):
+            b_s = warpgroup_mma(q_smem.index(OTH * 4 + c + z),
+                                own_lat.slice((OTH * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
+                                is_async=True)  # fmt: skip
+        b_s = warpgroup_mma(q_smem.index(8 + z), own_rope.permute((1, 0)), b_s, is_async=True)
+        acc, b_s = warpgroup_mma_wait(0, deps=(acc, b_s))
+        if not FIRST:
+            gl.thread_barrier()  # every warp's MMAs are done before one thread releases the Y group
+            mbarrier.arrive(empty_y.index(OTH), count=1)
+        if n0 + BLOCK_N > L:  # rows past the sequence: zeros before any P V reads them (S masks them)
+            _zero_tail(own_lat, n0, L, BLOCK_N, NW)
+        # 3. softmax of S_t (keys masked as a range [lo, hi) per row: an invalid box is the first or the
+        #    second half of the tile); P_t over the rope columns, M_t
+        lo = gl.where(ok0, n0, n0 + 32)
+        hi = gl.minimum(limit, gl.where(ok1, n0 + BLOCK_N, n0 + 32))
+        key = key0 + n0
+        b_s = gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_prev, gl.max(b_s, axis=1))
+        acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
+        b_l = b_l + gl.sum(b_p, axis=1)
+        m_prev = m_new
+        own_rope.store(b_p.to(gl.bfloat16))
+        m_smem.index(OWN).store(m_new)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(pready.index(OWN), count=1)
+        # 4. own P_t V_t
+        acc = warpgroup_mma(own_rope, own_lat.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        gl.thread_barrier()  # every warp's P V is done before one thread refills the stage
+        # 5. refill with tile t + 2: X now, Y once the other warpgroup's P_t V_t released it
+        if k + 1 < n_own:
+            r0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
+            r1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
+            mbarrier.wait(empty_y.index(OWN), k & 1)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
+        return acc, b_l, m_prev
+
+    @gluon.jit
+    def _seesaw_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
+                   empty_y, pready, qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split,
+                   num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h,
+                   stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
+                   MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
+                   N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr,
+                   OPAQUE: gl.constexpr):  # fmt: skip
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        BLOCK_N: gl.constexpr = 64
+        HALF: gl.constexpr = 256  # output columns of this warpgroup
+        OWN: gl.constexpr = WG  # stage of this warpgroup's tiles
+        OTH: gl.constexpr = 1 - WG  # stage of the other warpgroup's tiles
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])  # fmt: skip
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+
+        i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi = _seesaw_item(
+            block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB)
+        n_tiles = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
+        n_own = gl.maximum(n_tiles - WG + 1, 0) // 2  # tiles WG, WG + 2, ...
+        p_bt = block_table + i_b * stride_bt_b
+
+        if n_own > 0:  # the first own tile, both groups
+            n0 = kv_lo + WG * BLOCK_N
+            r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
+            r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
+
+        _seesaw_load_q(q, q_smem, qbar, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
+        limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
+        m_prev = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
+        b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
+        acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_LAYOUT)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
+        key0 = gl.expand_dims(gl.arange(0, BLOCK_N, layout=COL_S), 0)
+
+        if WG == 0:  # its first tile has no tile of the other warpgroup before it
+            if n_own > 0:
+                acc, b_l, m_prev = _seesaw_tile(
+                    0, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
+                    empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
+                    max_blocks, PAGE, WG, OPAQUE, True)  # fmt: skip
+        for k in range(1 - WG, n_own):
+            acc, b_l, m_prev = _seesaw_tile(
+                k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
+                empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
+                max_blocks, PAGE, WG, OPAQUE, False)  # fmt: skip
+
+        t = WG + 2 * n_own - 1  # the other warpgroup's tile after this warpgroup's last one (at most one)
+        if (t >= 0) & (t < n_tiles):
+            acc, b_l, m_prev = _seesaw_other_pv(acc, b_l, m_prev, lat_smem.index(OTH), rope_smem.index(OTH), m_smem,
+                                                pready, ready_y, (n_own - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+
+        _seesaw_finish(acc, b_l, m_prev, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
+                       stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)
+
+    @gluon.jit
+    def _mla_decode_gluon_seesaw_kernel(
+        q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
+        split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks,
+        PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
+        CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
+        OPAQUE: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """``variant="seesaw"`` (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel
+        (see the comment above ``_seesaw_wg``). ``lat_desc`` / ``rope_desc``: ``[32, 256]`` / ``[32, 64]`` boxes
+        over the cache's 2-D view. ``OPAQUE=False``: compile-time stage indices (``"seesaw-const"``, spills)."""
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
+        gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
+        Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        VEC_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+        pid = gl.program_id(0)
+        i_w = pid // (N_HB * N_QB)
+        i_q = (pid // N_HB) % N_QB
+        i_b = gl.load(work_req + i_w)
+        if i_b < 0:
+            return
+        i_b = i_b.to(gl.int64)
+        q_start = gl.load(query_start_loc + i_b)
+        qlen = gl.load(query_start_loc + i_b + 1) - q_start
+        if i_q * Q_PER >= qlen:
+            return
+
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, BLOCK_M, 64], Q_SMEM)
+        lat_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], lat_desc.layout)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_desc.layout)
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
+        ready_x = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready_y = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty_y = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        sync = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(2):
+            mbarrier.init(ready_x.index(st), count=1)  # the owner's latent half landed (expect-tx)
+            mbarrier.init(ready_y.index(st), count=1)  # the other latent half + the rope landed (expect-tx)
+            mbarrier.init(empty_y.index(st), count=1)  # the other warpgroup is done with the stage's Y group
+            mbarrier.init(pready.index(st), count=1)  # the owner stored P and M of the stage's tile
+            mbarrier.init(sync.index(st), count=2)  # 0: Q stored (both halves); 1: row sums stored
+        fence_async_shared()
+
+        # (the partition list must be a literal: a JIT function cannot live in a variable here)
+        gl.warp_specialize([
+            (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
+                          empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
+                          work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
+                          v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
+                          max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE)),
+            (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
+                          empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
+                          work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
+                          v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
+                          max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE)),
+        ], [4], [WG_REGS])  # fmt: skip
+
+        for st in gl.static_range(2):
+            mbarrier.invalidate(ready_x.index(st))
+            mbarrier.invalidate(ready_y.index(st))
+            mbarrier.invalidate(empty_y.index(st))
+            mbarrier.invalidate(pready.index(st))
+            mbarrier.invalidate(sync.index(st))
+
+
+    # ---- "seesaw-pair" kernel (FlashMLA's published seesaw order): the tiles go in pairs, a = 2i in stage 0
+    # (scores by warpgroup 0), b = 2i + 1 in stage 1 (scores by warpgroup 1); warpgroup 0 holds output columns
+    # [0, 256) ("L"), warpgroup 1 [256, 512) ("R"). One shared running row max M. Per pair:
+    #   WG0: softmax of S_a with M_{b-1} -> M_a (rescales O_L once), publishes M_a; issues O_L += P_a V_aL with P_a
+    #        in registers; waits for M_b, stores P_a * exp(M_a - M_b) over stage 0's rope columns for WG1;
+    #        rescales O_L to M_b; issues O_L += P_b V_bL (P_b from stage 1's rope columns); issues the scores
+    #        of the next tile a + 2 (its L half first).
+    #   WG1: waits for M_a, softmax of S_b with it -> M_b (one rescale of O_R per pair), publishes M_b and P_b;
+    #        issues O_R += P_a V_aR (stored P) and O_R += P_b V_bR (P_b in registers); issues the scores of b + 2.
+    # Each softmax overlaps the other warpgroup's MMAs (WG1's scores of b + 2 under WG0's softmax, WG0's P_a V_aL
+    # under WG1's). Each stage is refilled in two TMA groups by the last warpgroup to read them, with no "empty"
+    # barrier: the L latent half by WG0 after its P V (stage 1: with the rope columns, where P_b lived), the R
+    # half by WG1 after its P V (stage 0: with the rope columns, where P_a lived). A missing tile b (an odd tile
+    # count) is loaded as zeros (out-of-bounds rows) and masked.
+
+    @gluon.jit
+    def _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE: gl.constexpr):
+        """Scores of the 64-key tile at ``n0`` in base 2, -inf where a key is not seen: masked as a range
+        ``[lo, hi)`` per row (an invalid 32-key box is the first or the second half of the tile)."""
+        ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
+        ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
+        lo = gl.where(ok0, n0, n0 + 32)
+        hi = gl.minimum(limit, gl.where(ok1, n0 + 64, n0 + 32))
+        key = key0 + n0
+        return gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
+
+    @gluon.jit
+    def _pair_qk_half(q_smem, lat, rope, b_s, bar, ph, z, HALF_IDX: gl.constexpr, ROPE: gl.constexpr,
+                      FIRST: gl.constexpr):  # fmt: skip
+        """Wait for one TMA group of a stage (latent half ``HALF_IDX``, + the rope when ``ROPE``) and issue its
+        scores MMAs (chained async onto ``b_s``; ``FIRST``: the first half of the tile)."""
+        mbarrier.wait(bar, ph)
+        for c in gl.static_range(4):
+            b_s = warpgroup_mma(q_smem.index(HALF_IDX * 4 + c + z),
+                                lat.slice((HALF_IDX * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
+                                use_acc=(c > 0) or not FIRST, is_async=True)  # fmt: skip
+        if ROPE:
+            b_s = warpgroup_mma(q_smem.index(8 + z), rope.permute((1, 0)), b_s, is_async=True)
+        return b_s
+
+    @gluon.jit
+    def _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bar, p_bt, n0, kv_hi, max_blocks, num_blocks,
+                     STAGE: gl.constexpr, HALF_IDX: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
+        """TMA of one group (latent half ``HALF_IDX`` [+ rope]) of the tile at key ``n0`` into ``STAGE``."""
+        r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
+        r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
+        _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, STAGE, r0, r1, HALF_IDX, ROPE)
+
+    @gluon.jit
+    def _pair_wg0(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
+                  ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks, max_blocks,
+                  PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr):  # fmt: skip
+        """Warpgroup 0, pair ``i`` (``b_s`` = the finished scores of tile a). Returns the scores of tile a + 2
+        (finished; unchanged when ``LAST``), O_L, its row sums and the running max M_b."""
+        O_LAYOUT: gl.constexpr = acc.type.layout
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        ROW_S: gl.constexpr = m_run.type.layout
+        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+        if OPAQUE:
+            z = (L >> 31) & i  # a runtime 0: descriptors rebuilt per iteration, not hoisted
+        else:
+            z = 0
+        lat0 = lat_smem.index(0 + z)
+        lat1 = lat_smem.index(1 + z)
+        rope0 = rope_smem.index(0 + z)
+        rope1 = rope_smem.index(1 + z)
+        ph = i & 1
+        n0 = kv_lo + i * 128  # tile a; tile b starts at n0 + 64
+        # softmax of S_a with M_{b-1}; publish M_a
+        b_s = _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE)
+        m_a = gl.maximum(m_run, gl.max(b_s, axis=1))
+        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
+        m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
+        b_p = gl.exp2(b_s - gl.expand_dims(m_a_use, 1))
+        b_l = b_l + gl.sum(b_p, axis=1)
+        m_smem.index(0).store(m_a)
+        gl.thread_barrier()
+        mbarrier.arrive(m_ready.index(0), count=1)
+        if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
+            _zero_tail(lat0, n0, L, 64, 4)
+        # O_L += P_a V_aL, P_a in registers
+        p_op = gl.convert_layout(b_p.to(gl.bfloat16), P_LAYOUT)
+        acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
+        # P_a at M_b for warpgroup 1, over stage 0's rope columns (the scores are done with them)
+        mbarrier.wait(m_ready.index(1), ph)
+        m_b = m_smem.index(1).load(ROW_S)
+        m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
+        b_sc = gl.where(m_a == float("-inf"), 1.0, gl.exp2(m_a - m_b_use))  # (P_a and O_L are 0 while M_a is -inf)
+        rope0.store((b_p * gl.expand_dims(b_sc, 1)).to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready.index(0), count=1)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        acc = acc * gl.expand_dims(gl.convert_layout(b_sc, ROW_O), 1)
+        b_l = b_l * b_sc
+        if not LAST:  # stage 0's L half: warpgroup 0 was its last reader
+            gl.thread_barrier()
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), p_bt, n0 + 128, kv_hi,
+                         max_blocks, num_blocks, 0, 0, False, PAGE)  # fmt: skip
+        # O_L += P_b V_bL
+        mbarrier.wait(p_ready.index(1), ph)
+        acc = warpgroup_mma(rope1, lat1.slice(0, 256, dim=1), acc, is_async=True)
+        if not LAST:
+            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l.index(0), ph ^ 1, z, 0, False, True)
+            acc = warpgroup_mma_wait(4, deps=(acc,))  # P_b V_bL done (the 4 scores MMAs may run on)
+            gl.thread_barrier()  # stage 1's L half and rope columns (P_b): warpgroup 0 was their last reader
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(1), p_bt, n0 + 192, kv_hi,
+                         max_blocks, num_blocks, 1, 0, True, PAGE)  # fmt: skip
+            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_r.index(0), ph ^ 1, z, 1, True, False)
+            b_s = warpgroup_mma_wait(0, deps=(b_s,))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        return b_s, acc, b_l, m_b
+
+    @gluon.jit
+    def _pair_wg1(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
+                  ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks, max_blocks,
+                  PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr):  # fmt: skip
+        """Warpgroup 1, pair ``i`` (``b_s`` = the finished scores of tile b). Returns the scores of tile b + 2
+        (finished; unchanged when ``LAST``), O_R, its row sums and the running max M_b."""
+        O_LAYOUT: gl.constexpr = acc.type.layout
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        ROW_S: gl.constexpr = m_run.type.layout
+        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+        if OPAQUE:
+            z = (L >> 31) & i
+        else:
+            z = 0
+        lat0 = lat_smem.index(0 + z)
+        lat1 = lat_smem.index(1 + z)
+        rope0 = rope_smem.index(0 + z)
+        rope1 = rope_smem.index(1 + z)
+        ph = i & 1
+        n0 = kv_lo + i * 128 + 64  # tile b
+        b_s = _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE)
+        # softmax of S_b with M_a (which already holds this warpgroup's M_{b-1}); publish M_b, then P_b
+        mbarrier.wait(m_ready.index(0), ph)
+        m_a = m_smem.index(0).load(ROW_S)
+        m_b = gl.maximum(m_a, gl.max(b_s, axis=1))
+        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_b, ROW_O)
+        m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
+        b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
+        b_l = b_l + gl.sum(b_p, axis=1)
+        m_smem.index(1).store(m_b)
+        gl.thread_barrier()
+        mbarrier.arrive(m_ready.index(1), count=1)
+        if n0 + 64 > L:
+            _zero_tail(lat1, n0, L, 64, 4)
+        p_bf = b_p.to(gl.bfloat16)
+        rope1.store(p_bf)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready.index(1), count=1)
+        p_op = gl.convert_layout(p_bf, P_LAYOUT)
+        # O_R += P_a V_aR (stage 0 first: its refill is on warpgroup 0's path), then O_R += P_b V_bR
+        mbarrier.wait(p_ready.index(0), ph)
+        acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
+        if not LAST:
+            p_op = warpgroup_mma_wait(1, deps=(p_op,))  # P_a V_aR done (P_b V_bR may run on)
+            gl.thread_barrier()  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
+                         max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            gl.thread_barrier()
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
+                         max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
+            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True)
+            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False)
+            b_s = warpgroup_mma_wait(0, deps=(b_s,))
+        else:
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        return b_s, acc, b_l, m_b
+
+    @gluon.jit
+    def _pair_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
+                 p_ready, qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
+                 split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
+                 stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
+                 BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
+                 N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr):  # fmt: skip
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 64, 16])  # fmt: skip
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 256, 16])  # fmt: skip
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+
+        i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi = _seesaw_item(
+            block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB)
+        n_pairs = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), 128)
+        p_bt = block_table + i_b * stride_bt_b
+        if n_pairs > 0:  # tiles 0 and 1: warpgroup 0 loads the L groups, warpgroup 1 the R groups
+            if WG == 0:
+                bars = ready_l
+            else:
+                bars = ready_r
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(0), p_bt, kv_lo, kv_hi, max_blocks,
+                         num_blocks, 0, WG, WG == 1, PAGE)  # fmt: skip
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(1), p_bt, kv_lo + 64, kv_hi,
+                         max_blocks, num_blocks, 1, WG, WG == 0, PAGE)  # fmt: skip
+
+        _seesaw_load_q(q, q_smem, qbar, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
+        limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
+        m_run = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
+        b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
+        acc = gl.zeros([BLOCK_M, 256], gl.float32, O_LAYOUT)
+        b_s = gl.zeros([BLOCK_M, 64], gl.float32, S_LAYOUT)
+        key0 = gl.expand_dims(gl.arange(0, 64, layout=COL_S), 0)
+
+        if n_pairs > 0:  # the scores of this warpgroup's first tile (stage WG)
+            z = (L >> 31) if OPAQUE else 0
+            lat = lat_smem.index(WG + z)
+            rope = rope_smem.index(WG + z)
+            b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_l.index(WG), 0, z, 0, WG == 1, True)
+            b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_r.index(WG), 0, z, 1, WG == 0, False)
+            b_s = warpgroup_mma_wait(0, deps=(b_s,))
+        for i in range(0, n_pairs - 1):
+            if WG == 0:
+                b_s, acc, b_l, m_run = _pair_wg0(
+                    i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
+                    ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
+                    max_blocks, PAGE, OPAQUE, False)  # fmt: skip
+            else:
+                b_s, acc, b_l, m_run = _pair_wg1(
+                    i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
+                    ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
+                    max_blocks, PAGE, OPAQUE, False)  # fmt: skip
+        if n_pairs > 0:
+            if WG == 0:
+                b_s, acc, b_l, m_run = _pair_wg0(
+                    n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
+                    ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                    num_blocks, max_blocks, PAGE, OPAQUE, True)  # fmt: skip
+            else:
+                b_s, acc, b_l, m_run = _pair_wg1(
+                    n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
+                    ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                    num_blocks, max_blocks, PAGE, OPAQUE, True)  # fmt: skip
+
+        _seesaw_finish(acc, b_l, m_run, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
+                       stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)
+
+    @gluon.jit
+    def _mla_decode_gluon_pair_kernel(
+        q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
+        split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks,
+        PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
+        CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
+        OPAQUE: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """``variant="seesaw-pair"`` (bf16 cache, 64-key tiles in pairs, 2 stages); same grid, arguments and
+        results as the seesaw kernel (see the comment above ``_pair_mask``)."""
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
+        gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
+        Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        VEC_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+        pid = gl.program_id(0)
+        i_w = pid // (N_HB * N_QB)
+        i_q = (pid // N_HB) % N_QB
+        i_b = gl.load(work_req + i_w)
+        if i_b < 0:
+            return
+        i_b = i_b.to(gl.int64)
+        q_start = gl.load(query_start_loc + i_b)
+        qlen = gl.load(query_start_loc + i_b + 1) - q_start
+        if i_q * Q_PER >= qlen:
+            return
+
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, BLOCK_M, 64], Q_SMEM)
+        lat_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], lat_desc.layout)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_desc.layout)
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
+        ready_l = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready_r = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        sync = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(2):
+            mbarrier.init(ready_l.index(st), count=1)  # stage st's L latent half landed (stage 1: + the rope)
+            mbarrier.init(ready_r.index(st), count=1)  # stage st's R latent half landed (stage 0: + the rope)
+            mbarrier.init(m_ready.index(st), count=1)  # warpgroup st stored its tile's row max
+            mbarrier.init(p_ready.index(st), count=1)  # warpgroup st stored its tile's P (at M_b)
+            mbarrier.init(sync.index(st), count=2)  # 0: Q stored (both halves); 1: row sums stored
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
+                        m_ready, p_ready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
+                        work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale,
+                        stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE,
+                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE)),
+            (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
+                        m_ready, p_ready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
+                        work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale,
+                        stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE,
+                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE)),
+        ], [4], [WG_REGS])  # fmt: skip
+
+        for st in gl.static_range(2):
+            mbarrier.invalidate(ready_l.index(st))
+            mbarrier.invalidate(ready_r.index(st))
+            mbarrier.invalidate(m_ready.index(st))
+            mbarrier.invalidate(p_ready.index(st))
+            mbarrier.invalidate(sync.index(st))
