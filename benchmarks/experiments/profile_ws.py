@@ -51,7 +51,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="h128b128,h128b1")
     ap.add_argument("--times", type=int, default=1)
-    ap.add_argument("--variant", default="ws", help="ws, seesaw, or both (ws then seesaw per shape)")
+    ap.add_argument("--variant", default="ws", help="a kernel variant (ws, seesaw, seesaw-pair), or both (ws then seesaw)")
     args = ap.parse_args()
     for name in args.shape.split(","):
         for v in ("ws", "seesaw") if args.variant == "both" else (args.variant,):
