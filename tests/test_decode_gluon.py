@@ -47,10 +47,13 @@ ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc
        "o_part": "*fp32", "lse_part": "*fp32"}
 report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
-    if block_n in ("seesaw", "seesaw-pair"):
-        fn = gs._mla_decode_gluon_pair_kernel if block_n == "seesaw-pair" else gs._mla_decode_gluon_seesaw_kernel
+    if str(block_n).startswith("seesaw"):
+        pair = block_n.startswith("seesaw-pair")
+        fn = gs._mla_decode_gluon_pair_kernel if pair else gs._mla_decode_gluon_seesaw_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, OPAQUE=stages != "const", num_warps=4)
+        if pair:
+            cons["NAMED"] = block_n.endswith("-nb")
     else:
         fn = g._mla_decode_gluon_ws_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
@@ -101,14 +104,20 @@ def test_gluon_seesaw_compiles_for_sm90():
     # the seesaw variants compile with wgmma + TMA, two 4-warp partitions, fit the shared memory and do
     # not spill: their stage and Q-chunk indices are a runtime 0 per iteration ("opaque"). With compile-time
     # indices ("seesaw-const") every operand descriptor is computed before the loop and kept live: it spills.
+    # seesaw-pair / seesaw-pair-nb: the pair kernel with mbarrier / named-barrier handoffs; the named barriers take
+    # away the partition-wide barrier before (and the one the compiler adds after) each handoff's arrive.
     reports = _compile_report([["seesaw", "opaque", True, 16, False], ["seesaw", "opaque", False, 64, False],
-                               ["seesaw", "const", False, 64, False]])  # fmt: skip
+                               ["seesaw", "const", False, 64, False], ["seesaw-pair", "opaque", True, 16, False],
+                               ["seesaw-pair", "opaque", False, 64, False],
+                               ["seesaw-pair-nb", "opaque", False, 64, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
         assert r["num_warps"] == 8 and r["setmaxnreg"], r
-    assert all(r["stack"] == 0 and r["local"] == 0 for r in reports[:2]), reports[:2]
+    spill_free = reports[:2] + reports[3:]
+    assert all(r["stack"] == 0 and r["local"] == 0 for r in spill_free), spill_free
     assert reports[2]["stack"] > 0, "the compile-time-index variant no longer spills: the opaque index may be moot"
+    assert reports[5]["partition_barriers"] < reports[4]["partition_barriers"], reports[4:]
 
 
 def test_gluon_decode_unsupported_on_cpu():

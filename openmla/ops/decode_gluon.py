@@ -109,7 +109,7 @@ WS_PRODUCER_REGS = 32
 SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
 # "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
-SEESAW_VARIANTS = ("seesaw", "seesaw-pair")
+SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb")
 
 
 if GLUON_AVAILABLE:
@@ -472,7 +472,8 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             must keep their defaults; the faster one, see RESULTS.md run 33).
             ``"seesaw-pair"``: ``_mla_decode_gluon_pair_kernel``, the tiles in pairs in FlashMLA's seesaw order
             (same restrictions; faster than seesaw when 4+ programs read each KV tile, slower otherwise: RESULTS.md
-            runs 39-41; ``mla_decode`` picks between the two).
+            runs 39-41; ``mla_decode`` picks between the two). ``"seesaw-pair-nb"``: the same with the
+            warpgroups' handoffs on hardware named barriers (opt-in; compiled offline, not yet measured).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
     """
@@ -509,12 +510,13 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             H, num_blocks, block_table.shape[1])  # fmt: skip
     if variant.startswith("seesaw"):
         half_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 256], _kv_layout())  # half a latent row a copy
-        kernel = _mla_decode_gluon_pair_kernel if variant == "seesaw-pair" else _mla_decode_gluon_seesaw_kernel
-        kernel[grid](
-            q, half_desc, rope_desc, *args[3:], PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h,
-            Q_PER=q_per, CAUSAL=causal, WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb,
-            OPAQUE=variant != "seesaw-const", num_warps=4,
-        )  # fmt: skip
+        kw = dict(PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
+                  WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const", num_warps=4)
+        if variant.startswith("seesaw-pair"):
+            _mla_decode_gluon_pair_kernel[grid](q, half_desc, rope_desc, *args[3:], NAMED=variant.endswith("-nb"),
+                                                **kw)  # fmt: skip
+        else:
+            _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], **kw)
         return
     _mla_decode_gluon_ws_kernel[grid](
         *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,

@@ -18,6 +18,9 @@ from openmla.ops._gluon import (
     warpgroup_mma_wait,
 )
 
+# first hardware (named) barrier id of seesaw-pair-nb's handoffs (Triton's warp-specialised partitions use 0-2)
+NAMED_BASE = gl.constexpr(8)
+
 if GLUON_AVAILABLE:
     from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _zero_tail
 
@@ -420,6 +423,29 @@ if GLUON_AVAILABLE:
     # count) is loaded as zeros (out-of-bounds rows) and masked.
 
     @gluon.jit
+    def _pair_signal(bar, nb, NAMED: gl.constexpr):
+        """This warpgroup's shared-memory writes so far go to the other warpgroup: one handoff. ``NAMED``: every
+        thread arrives on hardware barrier ``nb`` (``bar.arrive nb, 256``; no wait, and PTX orders each thread's
+        earlier shared-memory accesses before the other warpgroup's ``bar.sync``); else a partition barrier and
+        one arrive on the mbarrier ``bar``."""
+        if NAMED:
+            gl.inline_asm_elementwise("bar.arrive $1, 256;\n\tmov.u32 $0, 0;", "=r,r", [nb], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+        else:
+            gl.thread_barrier()
+            mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
+    def _pair_await(bar, ph, nb, NAMED: gl.constexpr):
+        """Wait for the other warpgroup's handoff (``_pair_signal``): ``bar.sync nb, 256``, or phase ``ph`` of the
+        mbarrier ``bar``."""
+        if NAMED:
+            gl.inline_asm_elementwise("bar.sync $1, 256;\n\tmov.u32 $0, 0;", "=r,r", [nb], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+        else:
+            mbarrier.wait(bar, ph)
+
+    @gluon.jit
     def _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE: gl.constexpr):
         """Scores of the 64-key tile at ``n0`` in base 2, -inf where a key is not seen: masked as a range
         ``[lo, hi)`` per row (an invalid 32-key box is the first or the second half of the tile)."""
@@ -454,8 +480,9 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _pair_wg0(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
-                  ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks, max_blocks,
-                  PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr):  # fmt: skip
+                  ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
+                  max_blocks, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
+                  NAMED: gl.constexpr):  # fmt: skip
         """Warpgroup 0, pair ``i`` (``b_s`` = the finished scores of tile a). Returns the scores of tile a + 2
         (finished; unchanged when ``LAST``), O_L, its row sums and the running max M_b."""
         O_LAYOUT: gl.constexpr = acc.type.layout
@@ -480,22 +507,20 @@ if GLUON_AVAILABLE:
         b_p = gl.exp2(b_s - gl.expand_dims(m_a_use, 1))
         b_l = b_l + gl.sum(b_p, axis=1)
         m_smem.index(0).store(m_a)
-        gl.thread_barrier()
-        mbarrier.arrive(m_ready.index(0), count=1)
+        _pair_signal(m_ready.index(0), nb, NAMED)
         if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
             _zero_tail(lat0, n0, L, 64, 4)
         # O_L += P_a V_aL, P_a in registers
         p_op = gl.convert_layout(b_p.to(gl.bfloat16), P_LAYOUT)
         acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
         # P_a at M_b for warpgroup 1, over stage 0's rope columns (the scores are done with them)
-        mbarrier.wait(m_ready.index(1), ph)
+        _pair_await(m_ready.index(1), ph, nb + 1, NAMED)
         m_b = m_smem.index(1).load(ROW_S)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
         b_sc = gl.where(m_a == float("-inf"), 1.0, gl.exp2(m_a - m_b_use))  # (P_a and O_L are 0 while M_a is -inf)
         rope0.store((b_p * gl.expand_dims(b_sc, 1)).to(gl.bfloat16))
         fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(p_ready.index(0), count=1)
+        _pair_signal(p_ready.index(0), nb + 2, NAMED)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         acc = acc * gl.expand_dims(gl.convert_layout(b_sc, ROW_O), 1)
         b_l = b_l * b_sc
@@ -504,7 +529,7 @@ if GLUON_AVAILABLE:
             _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), p_bt, n0 + 128, kv_hi,
                          max_blocks, num_blocks, 0, 0, False, PAGE)  # fmt: skip
         # O_L += P_b V_bL
-        mbarrier.wait(p_ready.index(1), ph)
+        _pair_await(p_ready.index(1), ph, nb + 3, NAMED)
         acc = warpgroup_mma(rope1, lat1.slice(0, 256, dim=1), acc, is_async=True)
         if not LAST:
             b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l.index(0), ph ^ 1, z, 0, False, True)
@@ -520,8 +545,9 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _pair_wg1(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
-                  ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks, max_blocks,
-                  PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr):  # fmt: skip
+                  ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
+                  max_blocks, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
+                  NAMED: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` (``b_s`` = the finished scores of tile b). Returns the scores of tile b + 2
         (finished; unchanged when ``LAST``), O_R, its row sums and the running max M_b."""
         O_LAYOUT: gl.constexpr = acc.type.layout
@@ -540,7 +566,7 @@ if GLUON_AVAILABLE:
         n0 = kv_lo + i * 128 + 64  # tile b
         b_s = _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE)
         # softmax of S_b with M_a (which already holds this warpgroup's M_{b-1}); publish M_b, then P_b
-        mbarrier.wait(m_ready.index(0), ph)
+        _pair_await(m_ready.index(0), ph, nb, NAMED)
         m_a = m_smem.index(0).load(ROW_S)
         m_b = gl.maximum(m_a, gl.max(b_s, axis=1))
         acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_b, ROW_O)
@@ -548,18 +574,16 @@ if GLUON_AVAILABLE:
         b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
         b_l = b_l + gl.sum(b_p, axis=1)
         m_smem.index(1).store(m_b)
-        gl.thread_barrier()
-        mbarrier.arrive(m_ready.index(1), count=1)
+        _pair_signal(m_ready.index(1), nb + 1, NAMED)
         if n0 + 64 > L:
             _zero_tail(lat1, n0, L, 64, 4)
         p_bf = b_p.to(gl.bfloat16)
         rope1.store(p_bf)
         fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(p_ready.index(1), count=1)
+        _pair_signal(p_ready.index(1), nb + 3, NAMED)
         p_op = gl.convert_layout(p_bf, P_LAYOUT)
         # O_R += P_a V_aR (stage 0 first: its refill is on warpgroup 0's path), then O_R += P_b V_bR
-        mbarrier.wait(p_ready.index(0), ph)
+        _pair_await(p_ready.index(0), ph, nb + 2, NAMED)
         acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
         acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
         if not LAST:
@@ -584,7 +608,7 @@ if GLUON_AVAILABLE:
                  split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
                  stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
                  BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
-                 N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr):  # fmt: skip
+                 N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # fmt: skip
@@ -597,6 +621,9 @@ if GLUON_AVAILABLE:
             block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB)
         n_pairs = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), 128)
         p_bt = block_table + i_b * stride_bt_b
+        # NAMED: hardware barriers NAMED_BASE .. + 3 carry the 4 handoffs of a pair (m_ready 0 / 1, p_ready 0 / 1;
+        # Triton's partitions use 0-2); a runtime value (seq_lens >= 0), as the asm takes it in a register
+        nb = (L >> 31) + NAMED_BASE
         if n_pairs > 0:  # tiles 0 and 1: warpgroup 0 loads the L groups, warpgroup 1 the R groups
             if WG == 0:
                 bars = ready_l
@@ -626,24 +653,24 @@ if GLUON_AVAILABLE:
             if WG == 0:
                 b_s, acc, b_l, m_run = _pair_wg0(
                     i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
-                    ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                    max_blocks, PAGE, OPAQUE, False)  # fmt: skip
+                    ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                    num_blocks, max_blocks, PAGE, OPAQUE, False, NAMED)  # fmt: skip
             else:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
-                    ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                    max_blocks, PAGE, OPAQUE, False)  # fmt: skip
+                    ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                    num_blocks, max_blocks, PAGE, OPAQUE, False, NAMED)  # fmt: skip
         if n_pairs > 0:
             if WG == 0:
                 b_s, acc, b_l, m_run = _pair_wg0(
                     n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
-                    ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, True)  # fmt: skip
+                    ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                    num_blocks, max_blocks, PAGE, OPAQUE, True, NAMED)  # fmt: skip
             else:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
-                    ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, True)  # fmt: skip
+                    ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                    num_blocks, max_blocks, PAGE, OPAQUE, True, NAMED)  # fmt: skip
 
         _seesaw_finish(acc, b_l, m_run, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
                        stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)
@@ -655,10 +682,11 @@ if GLUON_AVAILABLE:
         stride_o_t, stride_o_h, H, num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        OPAQUE: gl.constexpr, num_warps: gl.constexpr,
+        OPAQUE: gl.constexpr, NAMED: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """``variant="seesaw-pair"`` (bf16 cache, 64-key tiles in pairs, 2 stages); same grid, arguments and
-        results as the seesaw kernel (see the comment above ``_pair_mask``)."""
+        results as the seesaw kernel (see the comment above ``_pair_mask``). ``NAMED`` (``"seesaw-pair-nb"``):
+        the warpgroups hand the row maxima and P over with hardware named barriers instead of mbarriers."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
         gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
@@ -700,12 +728,12 @@ if GLUON_AVAILABLE:
                         m_ready, p_ready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                         work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale,
                         stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE,
-                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE)),
+                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED)),
             (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
                         m_ready, p_ready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                         work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale,
                         stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE,
-                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE)),
+                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED)),
         ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):
