@@ -48,12 +48,10 @@ ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc
 report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     if str(block_n).startswith("seesaw"):
-        pair = block_n.startswith("seesaw-pair")
-        fn = gs._mla_decode_gluon_pair_kernel if pair else gs._mla_decode_gluon_seesaw_kernel
+        fn = gs._mla_decode_gluon_seesaw_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
-                    WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, OPAQUE=stages != "const", num_warps=4)
-        if pair:
-            cons["NAMED"] = block_n.endswith("-nb")
+                    WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=block_n.startswith("seesaw-pair"),
+                    NAMED=block_n.endswith("-nb"), OPAQUE=stages != "const", num_warps=4)
     else:
         fn = g._mla_decode_gluon_ws_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,

@@ -40,7 +40,7 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
   (full-width scores, P over the tile's rope columns, both add every tile's P V to their output half; each stage
   refilled in two TMA groups); see the comment above ``_seesaw_wg``. 12-22% faster than ws at h32-h128
   (RESULTS.md run 33: h128 b128 s8k 498 vs 407 TFLOPS).
-* ``variant="seesaw-pair"`` (``_mla_decode_gluon_pair_kernel``, bf16 caches): the same two partitions in
+* ``variant="seesaw-pair"`` (the same kernel with ``PAIR=True``, bf16 caches): the same two partitions in
   FlashMLA's published seesaw order: tiles in pairs, each softmax under the other warpgroup's MMAs, one rescale
   of the right output half per pair, each stage refilled by its last reader; see the comment above
   ``_pair_mask``. Faster from L2 (583 vs 555 TFLOPS L2-resident at h128), slower from HBM (it hides less
@@ -113,8 +113,8 @@ SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb")
 
 
 if GLUON_AVAILABLE:
-    from openmla.ops.decode_gluon_seesaw import _mla_decode_gluon_pair_kernel, _mla_decode_gluon_seesaw_kernel
-    from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _zero_tail
+    from openmla.ops.decode_gluon_seesaw import _mla_decode_gluon_seesaw_kernel
+    from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
 
     @gluon.jit
     def _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, bars, stage, row0, row1, NSUB: gl.constexpr,
@@ -204,7 +204,6 @@ if GLUON_AVAILABLE:
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
         COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
         LD_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
         ROW_LD: gl.constexpr = gl.SliceLayout(1, LD_LAYOUT)
         COL_LD: gl.constexpr = gl.SliceLayout(0, LD_LAYOUT)
@@ -279,29 +278,8 @@ if GLUON_AVAILABLE:
             if not FP8:
                 mbarrier.arrive(empty.index(stage), count=1)  # the producer may refill it
 
-        b_l = gl.sum(b_lv, axis=1)
-        n_split = gl.load(num_splits + i_b)
-        empty_r = b_l == 0.0
-        b_lse = gl.where(empty_r, float("-inf"),
-                         (b_m + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)  # fmt: skip
-        b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_l))
-        b_o = acc * gl.expand_dims(gl.convert_layout(b_inv, ROW_O), 1)
-        o_mo = gl.arange(0, BLOCK_M, layout=ROW_O)
-        o_to = i_q * Q_PER + o_mo // BLOCK_H
-        o_ho = i_h * BLOCK_H + o_mo % BLOCK_H
-        m_o = gl.expand_dims((o_to < qlen) & (o_ho < H), 1)
-        o_v = gl.expand_dims(gl.arange(0, D_V, layout=COL_O), 0)
-        o_hs = i_h * BLOCK_H + o_ms % BLOCK_H
-        m_s = (o_ts < qlen) & (o_hs < H)
-        if n_split == 1:
-            row = (q_start + o_to).to(gl.int64)
-            p_o = out + gl.expand_dims(row * stride_o_t + o_ho * stride_o_h, 1) + o_v
-            gl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
-            gl.store(lse + (q_start + o_ts).to(gl.int64) * H + o_hs, b_lse, mask=m_s)
-        else:
-            part = (i_w.to(gl.int64) * MAX_QLEN + o_to) * H + o_ho
-            gl.store(o_part + gl.expand_dims(part * D_V, 1) + o_v, b_o, mask=m_o)
-            gl.store(lse_part + (i_w.to(gl.int64) * MAX_QLEN + o_ts) * H + o_hs, b_lse, mask=m_s)
+        _store_result(acc, gl.sum(b_lv, axis=1), b_m, v_scale, num_splits, out, lse, o_part, lse_part, stride_o_t,
+                      stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, 0, True)  # fmt: skip
 
     @gluon.jit
     def _mla_decode_gluon_ws_kernel(
@@ -470,7 +448,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         variant (str): ``"ws"`` (``_mla_decode_gluon_ws_kernel``) or ``"seesaw"``
             (``_mla_decode_gluon_seesaw_kernel``: bf16 cache, 64-key tiles, 2 stages; ``block_n``/``stages``
             must keep their defaults; the faster one, see RESULTS.md run 33).
-            ``"seesaw-pair"``: ``_mla_decode_gluon_pair_kernel``, the tiles in pairs in FlashMLA's seesaw order
+            ``"seesaw-pair"``: the same kernel with ``PAIR=True``, the tiles in pairs in FlashMLA's seesaw order
             (same restrictions; faster than seesaw when 4+ programs read each KV tile, slower otherwise: RESULTS.md
             runs 39-41; ``mla_decode`` picks between the two). ``"seesaw-pair-nb"``: the same with the
             warpgroups' handoffs on hardware named barriers (opt-in; compiled offline, not yet measured).
@@ -512,11 +490,9 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         half_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 256], _kv_layout())  # half a latent row a copy
         kw = dict(PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
                   WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const", num_warps=4)
-        if variant.startswith("seesaw-pair"):
-            _mla_decode_gluon_pair_kernel[grid](q, half_desc, rope_desc, *args[3:], NAMED=variant.endswith("-nb"),
-                                                **kw)  # fmt: skip
-        else:
-            _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], **kw)
+        pair = variant.startswith("seesaw-pair")
+        _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], PAIR=pair,
+                                              NAMED=variant.endswith("-nb"), **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
         *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,

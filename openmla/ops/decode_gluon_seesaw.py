@@ -22,7 +22,7 @@ from openmla.ops._gluon import (
 NAMED_BASE = gl.constexpr(8)
 
 if GLUON_AVAILABLE:
-    from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _zero_tail
+    from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
 
     # ---- "seesaw" kernel: two 4-warp partitions (warpgroup 0 = the default partition, warpgroup 1 a worker),
     # no producer warp. Tile t of a work item lives in stage t % 2 and belongs to warpgroup t % 2, which loads it
@@ -113,44 +113,15 @@ if GLUON_AVAILABLE:
         """Both warpgroups saw every tile at the same running max ``m_run``: the row sum is the sum of the two
         halves' sums (exchanged through ``l_smem``); normalise this warpgroup's 256 output columns and store
         them (and, from warpgroup 0, the LSE) as final rows or as the work item's partial."""
-        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
-        HALF: gl.constexpr = 256
-        NW: gl.constexpr = 4
-        OTH: gl.constexpr = 1 - WG
         ROW_S: gl.constexpr = b_l.type.layout
-        ROW_O: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-        COL_O: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
-        o_ms = gl.arange(0, BLOCK_M, layout=ROW_S)
-        o_ts = i_q * Q_PER + o_ms // BLOCK_H
-        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         l_smem.index(WG).store(gl.convert_layout(b_l, VEC))
         gl.thread_barrier()
         mbarrier.arrive(lbar, count=1)
         mbarrier.wait(lbar, 0)
-        b_l = b_l + gl.convert_layout(l_smem.index(OTH).load(VEC), ROW_S)
-
-        n_split = gl.load(num_splits + i_b)
-        empty_r = b_l == 0.0
-        b_lse = gl.where(empty_r, float("-inf"),
-                         (m_run + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)  # fmt: skip
-        b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_l))
-        b_o = acc * gl.expand_dims(gl.convert_layout(b_inv, ROW_O), 1)
-        o_mo = gl.arange(0, BLOCK_M, layout=ROW_O)
-        o_to = i_q * Q_PER + o_mo // BLOCK_H
-        o_ho = i_h * BLOCK_H + o_mo % BLOCK_H
-        m_o = gl.expand_dims((o_to < qlen) & (o_ho < H), 1)
-        o_v = gl.expand_dims(WG * HALF + gl.arange(0, HALF, layout=COL_O), 0)
-        o_hs = i_h * BLOCK_H + o_ms % BLOCK_H
-        m_s = (o_ts < qlen) & (o_hs < H) & (WG == 0)  # warpgroup 0 writes the LSE
-        if n_split == 1:
-            row = (q_start + o_to).to(gl.int64)
-            p_o = out + gl.expand_dims(row * stride_o_t + o_ho * stride_o_h, 1) + o_v
-            gl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
-            gl.store(lse + (q_start + o_ts).to(gl.int64) * H + o_hs, b_lse, mask=m_s)
-        else:
-            part = (i_w.to(gl.int64) * MAX_QLEN + o_to) * H + o_ho
-            gl.store(o_part + gl.expand_dims(part * 512, 1) + o_v, b_o, mask=m_o)
-            gl.store(lse_part + (i_w.to(gl.int64) * MAX_QLEN + o_ts) * H + o_hs, b_lse, mask=m_s)
+        b_l = b_l + gl.convert_layout(l_smem.index(1 - WG).load(VEC), ROW_S)
+        _store_result(acc, b_l, m_run, v_scale, num_splits, out, lse, o_part, lse_part, stride_o_t, stride_o_h, H,
+                      i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG * 256, WG == 0)  # fmt: skip
 
     @gluon.jit
     def _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O: gl.constexpr):
@@ -280,8 +251,8 @@ if GLUON_AVAILABLE:
                    num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h,
                    stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
                    MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
-                   N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr,
-                   OPAQUE: gl.constexpr):  # fmt: skip
+                   N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
+                   NAMED: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
         HALF: gl.constexpr = 256  # output columns of this warpgroup
@@ -336,76 +307,6 @@ if GLUON_AVAILABLE:
 
         _seesaw_finish(acc, b_l, m_prev, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
                        stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)
-
-    @gluon.jit
-    def _mla_decode_gluon_seesaw_kernel(
-        q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
-        split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-        stride_o_t, stride_o_h, H, num_blocks, max_blocks,
-        PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
-        CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        OPAQUE: gl.constexpr, num_warps: gl.constexpr,
-    ):  # fmt: skip
-        """``variant="seesaw"`` (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel
-        (see the comment above ``_seesaw_wg``). ``lat_desc`` / ``rope_desc``: ``[32, 256]`` / ``[32, 64]`` boxes
-        over the cache's 2-D view. ``OPAQUE=False``: compile-time stage indices (``"seesaw-const"``, spills)."""
-        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
-        gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
-        gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
-        Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        VEC_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-
-        pid = gl.program_id(0)
-        i_w = pid // (N_HB * N_QB)
-        i_q = (pid // N_HB) % N_QB
-        i_b = gl.load(work_req + i_w)
-        if i_b < 0:
-            return
-        i_b = i_b.to(gl.int64)
-        q_start = gl.load(query_start_loc + i_b)
-        qlen = gl.load(query_start_loc + i_b + 1) - q_start
-        if i_q * Q_PER >= qlen:
-            return
-
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, BLOCK_M, 64], Q_SMEM)
-        lat_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], lat_desc.layout)
-        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_desc.layout)
-        m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
-        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
-        ready_x = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ready_y = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        empty_y = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        sync = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(2):
-            mbarrier.init(ready_x.index(st), count=1)  # the owner's latent half landed (expect-tx)
-            mbarrier.init(ready_y.index(st), count=1)  # the other latent half + the rope landed (expect-tx)
-            mbarrier.init(empty_y.index(st), count=1)  # the other warpgroup is done with the stage's Y group
-            mbarrier.init(pready.index(st), count=1)  # the owner stored P and M of the stage's tile
-            mbarrier.init(sync.index(st), count=2)  # 0: Q stored (both halves); 1: row sums stored
-        fence_async_shared()
-
-        # (the partition list must be a literal: a JIT function cannot live in a variable here)
-        gl.warp_specialize([
-            (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
-                          empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
-                          work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
-                          v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                          max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE)),
-            (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
-                          empty_y, pready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
-                          work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
-                          v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                          max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE)),
-        ], [4], [WG_REGS])  # fmt: skip
-
-        for st in gl.static_range(2):
-            mbarrier.invalidate(ready_x.index(st))
-            mbarrier.invalidate(ready_y.index(st))
-            mbarrier.invalidate(empty_y.index(st))
-            mbarrier.invalidate(pready.index(st))
-            mbarrier.invalidate(sync.index(st))
-
 
     # ---- "seesaw-pair" kernel (FlashMLA's published seesaw order): the tiles go in pairs, a = 2i in stage 0
     # (scores by warpgroup 0), b = 2i + 1 in stage 1 (scores by warpgroup 1); warpgroup 0 holds output columns
@@ -676,20 +577,24 @@ if GLUON_AVAILABLE:
                        stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)
 
     @gluon.jit
-    def _mla_decode_gluon_pair_kernel(
+    def _mla_decode_gluon_seesaw_kernel(
         q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
         split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
         stride_o_t, stride_o_h, H, num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        OPAQUE: gl.constexpr, NAMED: gl.constexpr, num_warps: gl.constexpr,
+        PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """``variant="seesaw-pair"`` (bf16 cache, 64-key tiles in pairs, 2 stages); same grid, arguments and
-        results as the seesaw kernel (see the comment above ``_pair_mask``). ``NAMED`` (``"seesaw-pair-nb"``):
-        the warpgroups hand the row maxima and P over with hardware named barriers instead of mbarriers."""
+        """The seesaw kernels (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel.
+        ``PAIR=False``: ``variant="seesaw"`` (the comment above ``_seesaw_wg``); ``PAIR=True``: ``"seesaw-pair"``
+        (the comment above ``_pair_mask``), with ``NAMED`` (``"seesaw-pair-nb"``) its warpgroups' handoffs on
+        hardware named barriers instead of mbarriers. ``lat_desc`` / ``rope_desc``: ``[32, 256]`` / ``[32, 64]``
+        boxes over the cache's 2-D view. ``OPAQUE=False``: compile-time stage indices (``"seesaw-const"``,
+        spills)."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
         gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
+        gl.static_assert(PAIR or not NAMED, "named-barrier handoffs: the pair schedule only")
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VEC_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
@@ -710,35 +615,58 @@ if GLUON_AVAILABLE:
         rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_desc.layout)
         m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
         l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC_SMEM)
-        ready_l = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ready_r = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # four pairs of mbarriers, per stage / warpgroup st (all count 1):
+        #   seesaw: bar_a = ready_x (the owner's latent half landed), bar_b = ready_y (the other half + the rope
+        #           landed), bar_c = empty_y (the other warpgroup is done with the Y group), bar_d = pready (the
+        #           owner stored P and M of the stage's tile);
+        #   pair:   bar_a = ready_l (stage st's L half landed; stage 1: + the rope), bar_b = ready_r (the R half;
+        #           stage 0: + the rope), bar_c = m_ready (warpgroup st stored its row max), bar_d = p_ready
+        #           (warpgroup st stored its P); the last two unused with NAMED
+        bar_a = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        bar_b = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        bar_c = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        bar_d = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         sync = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(2):
-            mbarrier.init(ready_l.index(st), count=1)  # stage st's L latent half landed (stage 1: + the rope)
-            mbarrier.init(ready_r.index(st), count=1)  # stage st's R latent half landed (stage 0: + the rope)
-            mbarrier.init(m_ready.index(st), count=1)  # warpgroup st stored its tile's row max
-            mbarrier.init(p_ready.index(st), count=1)  # warpgroup st stored its tile's P (at M_b)
+            mbarrier.init(bar_a.index(st), count=1)
+            mbarrier.init(bar_b.index(st), count=1)
+            mbarrier.init(bar_c.index(st), count=1)
+            mbarrier.init(bar_d.index(st), count=1)
             mbarrier.init(sync.index(st), count=2)  # 0: Q stored (both halves); 1: row sums stored
         fence_async_shared()
 
-        gl.warp_specialize([
-            (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
-                        m_ready, p_ready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
-                        work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale,
-                        stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE,
-                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED)),
-            (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
-                        m_ready, p_ready, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
-                        work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale,
-                        stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE,
-                        MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED)),
-        ], [4], [WG_REGS])  # fmt: skip
+        # (the partition list and the argument tuples must be literals: a JIT function in a variable, or a tuple
+        # in a variable, loses the compile-time values the partitions need)
+        if PAIR:
+            gl.warp_specialize([
+                (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
+                            bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
+                            work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
+                            v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
+                            max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED)),
+                (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
+                            bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
+                            work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
+                            v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
+                            max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED)),
+            ], [4], [WG_REGS])  # fmt: skip
+        else:
+            gl.warp_specialize([
+                (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
+                              bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
+                              work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
+                              v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
+                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED)),
+                (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
+                              bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
+                              work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
+                              v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
+                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED)),
+            ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):
-            mbarrier.invalidate(ready_l.index(st))
-            mbarrier.invalidate(ready_r.index(st))
-            mbarrier.invalidate(m_ready.index(st))
-            mbarrier.invalidate(p_ready.index(st))
+            mbarrier.invalidate(bar_a.index(st))
+            mbarrier.invalidate(bar_b.index(st))
+            mbarrier.invalidate(bar_c.index(st))
+            mbarrier.invalidate(bar_d.index(st))
             mbarrier.invalidate(sync.index(st))

@@ -1,6 +1,6 @@
 """Gluon helpers shared by the Hopper decode kernels (:mod:`openmla.ops.decode_gluon`,
-:mod:`openmla.ops.decode_gluon_seesaw`): page lookups of 32-key boxes for TMA, and zeroing the rows of a landed
-tile that lie past the sequence end."""
+:mod:`openmla.ops.decode_gluon_seesaw`): page lookups of 32-key boxes for TMA, zeroing the rows of a landed
+tile that lie past the sequence end, and storing a program's normalised output rows and LSE."""
 
 from __future__ import annotations
 
@@ -37,3 +37,41 @@ if GLUON_AVAILABLE:
             buf.store(gl.where(keep, x, gl.zeros_like(x)))
         fence_async_shared()  # generic-proxy writes before the async-proxy (wgmma) reads
         gl.thread_barrier()
+
+    @gluon.jit
+    def _store_result(acc, b_l, m_run, v_scale, num_splits, out, lse, o_part, lse_part, stride_o_t, stride_o_h, H,
+                      i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr,
+                      Q_PER: gl.constexpr, COL0: gl.constexpr, WRITE_LSE: gl.constexpr):  # fmt: skip
+        """Normalise the program's output columns ``[COL0, COL0 + acc.shape[1])`` (fp32 ``acc``; row sums ``b_l``
+        and running row max ``m_run``, base 2; times ``v_scale``) and store them, with the natural-log LSE when
+        ``WRITE_LSE`` (-inf and zeros for a row that saw no key): the final rows of a single-split request in
+        ``out`` / ``lse``, else the work item's partial in ``o_part`` / ``lse_part``."""
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        NCOL: gl.constexpr = acc.shape[1]
+        ROW_S: gl.constexpr = b_l.type.layout
+        ROW_O: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        COL_O: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
+        n_split = gl.load(num_splits + i_b)
+        empty_r = b_l == 0.0
+        b_lse = gl.where(empty_r, float("-inf"),
+                         (m_run + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)  # fmt: skip
+        b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_l))
+        b_o = acc * gl.expand_dims(gl.convert_layout(b_inv, ROW_O), 1)
+        o_mo = gl.arange(0, BLOCK_M, layout=ROW_O)
+        o_to = i_q * Q_PER + o_mo // BLOCK_H
+        o_ho = i_h * BLOCK_H + o_mo % BLOCK_H
+        m_o = gl.expand_dims((o_to < qlen) & (o_ho < H), 1)
+        o_v = gl.expand_dims(COL0 + gl.arange(0, NCOL, layout=COL_O), 0)
+        o_ms = gl.arange(0, BLOCK_M, layout=ROW_S)
+        o_ts = i_q * Q_PER + o_ms // BLOCK_H
+        o_hs = i_h * BLOCK_H + o_ms % BLOCK_H
+        m_s = (o_ts < qlen) & (o_hs < H) & WRITE_LSE
+        if n_split == 1:
+            row = (q_start + o_to).to(gl.int64)
+            p_o = out + gl.expand_dims(row * stride_o_t + o_ho * stride_o_h, 1) + o_v
+            gl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
+            gl.store(lse + (q_start + o_ts).to(gl.int64) * H + o_hs, b_lse, mask=m_s)
+        else:
+            part = (i_w.to(gl.int64) * MAX_QLEN + o_to) * H + o_ho
+            gl.store(o_part + gl.expand_dims(part * 512, 1) + o_v, b_o, mask=m_o)
+            gl.store(lse_part + (i_w.to(gl.int64) * MAX_QLEN + o_ts) * H + o_hs, b_lse, mask=m_s)
