@@ -340,13 +340,18 @@ def test_gluon_variant_env(device, monkeypatch):
             monkeypatch.delenv("OPENMLA_DECODE_GLUON_VARIANT", raising=False)
         else:
             monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", env)
-        assert _gluon_variant("auto", 128, 1) == "seesaw" and _gluon_variant("auto", 128, 2) == "seesaw-pair"
-        assert _gluon_variant("auto", 64, 2) == "seesaw" and _gluon_variant("auto", 64, 4) == "seesaw-pair"
-        assert _gluon_variant("auto", 16, 4) == "seesaw" and _gluon_variant("auto", 32, 1) == "seesaw"
-        assert _gluon_variant("fp8", 128, 2) == "ws"
+        # (kv dtype, heads, max query len, batch, SMs); pair also needs two waves of such programs (batch x 4)
+        assert _gluon_variant("auto", 128, 1, 128, 132) == "seesaw"
+        assert _gluon_variant("auto", 128, 2, 128, 132) == "seesaw-pair"
+        assert _gluon_variant("auto", 128, 2, 1, 132) == "seesaw"  # batch 1: short splits, not measured
+        assert _gluon_variant("auto", 64, 2, 128, 132) == "seesaw"
+        assert _gluon_variant("auto", 64, 4, 128, 132) == "seesaw-pair"
+        assert _gluon_variant("auto", 16, 4, 128, 132) == "seesaw"
+        assert _gluon_variant("auto", 32, 1, 128, 132) == "seesaw"
+        assert _gluon_variant("fp8", 128, 2, 128, 132) == "ws"
     for variant in ("ws", *SEESAW_VARIANTS):  # forced
         monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", variant)
-        assert _gluon_variant("auto", 128, 2) == variant and _gluon_variant("fp8", 128, 2) == "ws"
+        assert _gluon_variant("auto", 128, 2, 128, 132) == variant and _gluon_variant("fp8", 128, 2, 128, 132) == "ws"
     monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "fast")
     q = torch.zeros(1, 16, 576, dtype=torch.bfloat16, device=device)
     cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16, device=device)

@@ -467,13 +467,14 @@ def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtyp
     return ok and (plan.tiling.block_m >= _GLUON_AUTO_MIN_ROWS or kv_cache_dtype == "fp8")
 
 
-def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int) -> str:
+def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int, batch_size: int, num_sms: int) -> str:
     """The Gluon kernel variant (``OPENMLA_DECODE_GLUON_VARIANT``, read per call: ``auto``, the default, ``ws`` or
     one of ``decode_gluon.SEESAW_VARIANTS``). fp8 caches always run ``ws`` (the seesaw kernels take bf16 caches
     only). ``auto``: ``seesaw-pair`` when at least 4 programs of 64 rows read each KV tile (head blocks x query
-    blocks: h128 with 2+ query tokens, h64 with 4+), so that most tiles come from L2; ``seesaw`` otherwise. On the
-    H200 seesaw-pair's schedule is the faster one from L2 (583 vs 555 TFLOPS with every tile L2-resident) but
-    hides HBM latency worse: h128 q2 +2%, h128 q1 -4%, h32 -6% (RESULTS.md runs 39-41). seesaw measured 12-22%
+    blocks: h128 with 2+ query tokens, h64 with 4+), so that most tiles come from L2, and the batch alone gives
+    two waves of such programs (long splits, as measured); ``seesaw`` otherwise. On the H200 seesaw-pair's
+    schedule is the faster one from L2 (583 vs 555 TFLOPS with every tile L2-resident) but hides HBM latency
+    worse: h128 b128 q2 +2%, q1 -4%, h32 -6%, h128 b1 s32k -10% (RESULTS.md runs 39-41). seesaw measured 12-22%
     faster than ws at h32-h128 (run 33)."""
     variant = os.environ.get("OPENMLA_DECODE_GLUON_VARIANT", "auto")
     if variant not in ("auto", "ws") + SEESAW_VARIANTS:
@@ -484,7 +485,7 @@ def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int) -> s
     if variant == "auto":
         block_h, q_per = gluon_decode_config(num_heads, max_query_len)
         readers = -(-num_heads // block_h) * -(-max_query_len // q_per)
-        return "seesaw-pair" if readers >= 4 else "seesaw"
+        return "seesaw-pair" if readers >= 4 and batch_size * readers >= 2 * num_sms else "seesaw"
     return variant
 
 
@@ -612,7 +613,7 @@ def mla_decode(
             raise ValueError("lse must be contiguous")
     if T and B:
         scale_log2 = sm_scale * q_s * kv_s * _LOG2E
-        variant = _gluon_variant(kv_cache_dtype, H, plan.max_query_len)
+        variant = _gluon_variant(kv_cache_dtype, H, plan.max_query_len, B, plan.num_sms)
         if _use_gluon(backend, q, kv_cache, plan, kv_cache_dtype):
             mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse,
                                    scale_log2, kv_s, causal, d_v, variant=variant)  # fmt: skip

@@ -323,8 +323,9 @@ if GLUON_AVAILABLE:
     # half by WG1 after its P V (stage 0: with the rope columns, where P_a lived). A missing tile b (an odd tile
     # count) is loaded as zeros (out-of-bounds rows) and masked. Measured (RESULTS.md runs 39-41): with every tile
     # in L2 it beats the seesaw schedule (583 vs 555 TFLOPS at h128), from HBM it hides less latency (h128 q1 -4%,
-    # h32 -6%, h128 q2 +2%): mla_decode runs it when 4+ programs read each KV tile. Measured and dropped: P_a
-    # published at M_a right after WG0's softmax, WG1 adding P_a V_aR during its own softmax (run 41, no gain).
+    # h32 -6%, h128 q2 +2%, b1 -10%): mla_decode runs it when 4+ programs read each KV tile and the batch fills
+    # two waves of them. Measured and dropped: P_a published at M_a right after WG0's softmax, WG1 adding P_a V_aR
+    # during its own softmax (run 41, no gain).
     # NAMED ("seesaw-pair-nb", not yet measured): the four handoffs of a pair on hardware named barriers.
 
     @gluon.jit
