@@ -385,6 +385,16 @@ if GLUON_AVAILABLE:
         _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, STAGE, r0, r1, HALF_IDX, ROPE)
 
     @gluon.jit
+    def _pair_stages(lat_smem, rope_smem, L, i, OPAQUE: gl.constexpr):
+        """``(z, lat0, lat1, rope0, rope1)``: the two stages' latent and rope buffers, indexed with a runtime zero
+        ``z`` when ``OPAQUE`` (the descriptors are rebuilt per iteration, not hoisted out of the loop)."""
+        if OPAQUE:
+            z = (L >> 31) & i
+        else:
+            z = 0
+        return z, lat_smem.index(0 + z), lat_smem.index(1 + z), rope_smem.index(0 + z), rope_smem.index(1 + z)
+
+    @gluon.jit
     def _pair_wg0(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                   ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
                   max_blocks, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
@@ -395,14 +405,7 @@ if GLUON_AVAILABLE:
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         ROW_S: gl.constexpr = m_run.type.layout
         P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-        if OPAQUE:
-            z = (L >> 31) & i  # a runtime 0: descriptors rebuilt per iteration, not hoisted
-        else:
-            z = 0
-        lat0 = lat_smem.index(0 + z)
-        lat1 = lat_smem.index(1 + z)
-        rope0 = rope_smem.index(0 + z)
-        rope1 = rope_smem.index(1 + z)
+        z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i, OPAQUE)
         ph = i & 1
         n0 = kv_lo + i * 128  # tile a; tile b starts at n0 + 64
         # softmax of S_a with M_{b-1}; publish M_a
@@ -460,14 +463,7 @@ if GLUON_AVAILABLE:
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         ROW_S: gl.constexpr = m_run.type.layout
         P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-        if OPAQUE:
-            z = (L >> 31) & i
-        else:
-            z = 0
-        lat0 = lat_smem.index(0 + z)
-        lat1 = lat_smem.index(1 + z)
-        rope0 = rope_smem.index(0 + z)
-        rope1 = rope_smem.index(1 + z)
+        z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i, OPAQUE)
         ph = i & 1
         n0 = kv_lo + i * 128 + 64  # tile b
         b_s = _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE)
