@@ -484,7 +484,7 @@ def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int, batc
         return "ws"
     if variant == "auto":
         block_h, q_per = gluon_decode_config(num_heads, max_query_len)
-        readers = -(-num_heads // block_h) * -(-max_query_len // q_per)
+        readers = triton.cdiv(num_heads, block_h) * triton.cdiv(max_query_len, q_per)
         return "seesaw-pair" if readers >= 4 and batch_size * readers >= 2 * num_sms else "seesaw"
     return variant
 
