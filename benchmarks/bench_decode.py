@@ -101,10 +101,12 @@ def run_shape(h, b, s, qlen, fp8, bw, args):
     scale_log2 = SCALE * 1.4426950408889634
     compute = dec.compute_dtype(torch.float16 if fp8 else torch.bfloat16)
 
+    variant = dec._gluon_variant("fp8" if fp8 else "auto", h, qlen, b, plan.num_sms)
+
     def split():
         args = (q, cache, bt, sl, qsl, plan, out, lse, scale_log2, 1.0, True, 512)
         if use_gluon:
-            dec.mla_decode_split_gluon(*args, variant=dec._gluon_variant("fp8" if fp8 else "auto"))
+            dec.mla_decode_split_gluon(*args, variant=variant)
         else:
             dec._mla_decode_split(*args, compute)
 
