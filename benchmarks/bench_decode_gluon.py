@@ -91,16 +91,8 @@ def run_shape(h, b, s, qlen, variants, args):
         print(f"{head} gluon: not supported here")
         return
     for v in variants:
-        if v[0].startswith("seesaw"):  # "seesaw-pair[+pfN][+bfirst]": the pair kernel's experimental knobs
-            base, *opts = v[0].split("+")
-            kw = {"variant": base}
-            for o in opts:
-                if o.startswith("pf"):
-                    kw["l2_prefetch"] = int(o[2:])
-                elif o == "bfirst":
-                    kw["pair_b_first"] = True
-                else:
-                    raise SystemExit(f"unknown variant option {o!r} in {v[0]!r}")
+        if v[0].startswith("seesaw"):
+            kw = {"variant": v[0]}
             name = f"gluon {v[0]}"
         else:
             block_n, stages = (int(x) for x in v)

@@ -44,17 +44,14 @@ def nvmma(swizzle, bits):
             "fp4_padded=False, cga_layout=[])")
 ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc": "*i32", "work_req": "*i32",
        "work_split": "*i32", "num_splits": "*i32", "split_len": "*i32", "out": "*bf16", "lse": "*fp32",
-       "o_part": "*fp32", "lse_part": "*fp32", "kv": "*bf16"}
+       "o_part": "*fp32", "lse_part": "*fp32"}
 report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
-    if str(block_n).startswith("seesaw"):  # "seesaw-pair[-nb][+pfN][+bfirst]"
+    if str(block_n).startswith("seesaw"):
         fn = gs._mla_decode_gluon_seesaw_kernel
-        name, *opts = block_n.split("+")
-        pf = int(next((o[2:] for o in opts if o.startswith("pf")), 0))
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
-                    WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name.startswith("seesaw-pair"),
-                    NAMED=name.endswith("-nb"), OPAQUE=stages != "const", PF=pf, B_FIRST="bfirst" in opts,
-                    num_warps=4)
+                    WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=block_n.startswith("seesaw-pair"),
+                    NAMED=block_n.endswith("-nb"), OPAQUE=stages != "const", num_warps=4)
     else:
         fn = g._mla_decode_gluon_ws_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
@@ -107,13 +104,10 @@ def test_gluon_seesaw_compiles_for_sm90():
     # indices ("seesaw-const") every operand descriptor is computed before the loop and kept live: it spills.
     # seesaw-pair / seesaw-pair-nb: the pair kernel with mbarrier / named-barrier handoffs; the named barriers take
     # away the partition-wide barrier before (and the one the compiler adds after) each handoff's arrive.
-    # "+pf2" / "+bfirst": the experimental L2 prefetch and warpgroup 1's P V order (launcher keywords).
     reports = _compile_report([["seesaw", "opaque", True, 16, False], ["seesaw", "opaque", False, 64, False],
                                ["seesaw", "const", False, 64, False], ["seesaw-pair", "opaque", True, 16, False],
                                ["seesaw-pair", "opaque", False, 64, False],
-                               ["seesaw-pair-nb", "opaque", False, 64, False],
-                               ["seesaw+pf2", "opaque", True, 16, False],
-                               ["seesaw-pair+pf2+bfirst", "opaque", False, 64, False]])  # fmt: skip
+                               ["seesaw-pair-nb", "opaque", False, 64, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
@@ -121,9 +115,7 @@ def test_gluon_seesaw_compiles_for_sm90():
     spill_free = reports[:2] + reports[3:]
     assert all(r["stack"] == 0 and r["local"] == 0 for r in spill_free), spill_free
     assert reports[2]["stack"] > 0, "the compile-time-index variant no longer spills: the opaque index may be moot"
-    assert reports[5]["partition_barriers"] < reports[4]["partition_barriers"], reports[4:6]
-    # the L2 prefetch knob: one bulk prefetch site in the prologue and one in the loop per warpgroup that asks
-    assert all(r["l2_prefetch"] == 0 for r in reports[:6]) and all(r["l2_prefetch"] > 0 for r in reports[6:]), reports
+    assert reports[5]["partition_barriers"] < reports[4]["partition_barriers"], reports[4:]
 
 
 def test_gluon_decode_unsupported_on_cpu():
@@ -170,21 +162,14 @@ VARIANTS = [
     {"block_n": 32, "stages": 3},
     # two warpgroup partitions, alternate 64-key tiles, P over the rope columns
     *({"variant": v} for v in dg.SEESAW_VARIANTS),
-    # the experimental knobs: L2 prefetch ahead of the refills, warpgroup 1's P V order
-    {"variant": "seesaw", "l2_prefetch": 1},
-    {"variant": "seesaw-pair", "l2_prefetch": 2, "pair_b_first": True},
 ]
 KERNEL_KW = {"ws": {}, "ws-n32": {"block_n": 32, "stages": 3}, "fp8": {}}
-KERNEL_KW.update({_name: kw for kw in VARIANTS if "variant" in kw
-                  for _name in ["+".join([kw["variant"]] + ([f"pf{kw['l2_prefetch']}"] if "l2_prefetch" in kw else [])
-                                         + (["bfirst"] if kw.get("pair_b_first") else []))]})  # fmt: skip
-SEESAW_KERNELS = [k for k in KERNEL_KW if k.startswith("seesaw")]
+KERNEL_KW.update({v: {"variant": v} for v in dg.SEESAW_VARIANTS})
 
 
 def _variant_id(i):
     v = VARIANTS[i]
-    return next(k for k, kw in KERNEL_KW.items() if kw == v) if "variant" in v else "n{}s{}".format(v["block_n"],
-                                                                                                    v["stages"])
+    return v["variant"] if "variant" in v else "n{}s{}".format(v["block_n"], v["stages"])
 
 
 def _batch(device, heads, qlens, lens, page, bad_tail=False, fp8=False):
@@ -269,7 +254,7 @@ def test_gluon_decode_splits(num_sms, variant, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "ws-n32", *SEESAW_KERNELS, "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", "ws-n32", *dg.SEESAW_VARIANTS, "fp8"])
 def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
     # splits of 32-token granularity start at multiples of 32 that are not multiples of the 64-token page:
     # a 64-key tile is then two boxes on two pages, and a split's last tile can be half empty. The GPU
@@ -290,7 +275,7 @@ def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", *SEESAW_KERNELS, "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", *dg.SEESAW_VARIANTS, "fp8"])
 @pytest.mark.parametrize("page", [32, 64])
 @pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4)])
 def test_gluon_decode_tile_counts(heads, qlen, page, kernel, device):
@@ -317,7 +302,7 @@ def test_gluon_matches_portable(heads, qlen, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", *SEESAW_KERNELS, "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", *dg.SEESAW_VARIANTS, "fp8"])
 def test_gluon_decode_empty_rows(kernel, device):
     # causal rows that see no key (seq_len < qlen) give out 0 and lse -inf, never NaN
     lens = [2, 0, 40]

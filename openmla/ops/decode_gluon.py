@@ -424,8 +424,7 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
 
 def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                            scale_log2: float, v_scale: float, causal: bool, d_v: int, *, block_n: int = 64,
-                           stages: int | None = None, variant: str = "ws", l2_prefetch: int = 0,
-                           pair_b_first: bool = False) -> None:  # fmt: skip
+                           stages: int | None = None, variant: str = "ws") -> None:  # fmt: skip
     r"""Launch the Gluon split-KV kernel (same meaning as ``_mla_decode_split`` in ``ops/decode.py``).
 
     Writes the final rows of single-split requests into ``out``/``lse`` and the normalised fp32
@@ -456,10 +455,6 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             warpgroups' handoffs on hardware named barriers (opt-in; compiled offline, not yet measured).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
-        l2_prefetch (int): seesaw variants: ask L2 for the KV tiles ``l2_prefetch`` pairs of tiles ahead of the
-            TMA refills (one ``cp.async.bulk.prefetch.L2`` per 32-key box; 0: none). Experimental, see RESULTS.md.
-        pair_b_first (bool): seesaw-pair only: warpgroup 1 adds its own ``P_b V_bR`` before ``P_a V_aR``, so stage 1's
-            R half is refilled first. Experimental, see RESULTS.md.
     """
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if variant not in SEESAW_VARIANTS + ("ws", "seesaw-const"):
@@ -467,12 +462,6 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     if variant.startswith("seesaw") and (fp8 or block_n != 64 or stages not in (None, 2)):
         raise ValueError("variant='seesaw' takes a bf16 cache, 64-key tiles and 2 stages; got "
                          f"{kv_cache.dtype}, block_n={block_n}, stages={stages}")  # fmt: skip
-    if l2_prefetch and not variant.startswith("seesaw"):
-        raise ValueError(f"l2_prefetch applies to the seesaw variants; got variant={variant!r}")
-    if pair_b_first and not variant.startswith("seesaw-pair"):
-        raise ValueError(f"pair_b_first applies to the seesaw-pair variants; got variant={variant!r}")
-    if not 0 <= l2_prefetch <= 8:
-        raise ValueError(f"l2_prefetch must be 0 .. 8 pairs; got {l2_prefetch}")
     if fp8 and block_n != 64:
         # 32-key fp8 tiles compile with a few spilled scalars in the consumers (sm90, 240 registers)
         raise ValueError(f"an fp8 cache runs with 64-key tiles only; got block_n={block_n}")
@@ -503,9 +492,8 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         kw = dict(PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
                   WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const", num_warps=4)
         pair = variant.startswith("seesaw-pair")
-        _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], kv_cache, kv_cache.stride(1),
-                                              PAIR=pair, NAMED=variant.endswith("-nb"), PF=l2_prefetch,
-                                              B_FIRST=pair_b_first, **kw)  # fmt: skip
+        _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], PAIR=pair,
+                                              NAMED=variant.endswith("-nb"), **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
         *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,

@@ -22,7 +22,7 @@ from openmla.ops._gluon import (
 NAMED_BASE = gl.constexpr(8)
 
 if GLUON_AVAILABLE:
-    from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _l2_prefetch, _store_result, _zero_tail
+    from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
 
     # ---- "seesaw" kernel: two 4-warp partitions (warpgroup 0 = the default partition, warpgroup 1 a worker),
     # no producer warp. Tile t of a work item lives in stage t % 2 and belongs to warpgroup t % 2, which loads it
@@ -166,8 +166,8 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _seesaw_tile(k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
                      empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
-                     max_blocks, kv, stride_kv, PAGE: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
-                     FIRST: gl.constexpr, PF: gl.constexpr):  # fmt: skip
+                     max_blocks, PAGE: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
+                     FIRST: gl.constexpr):  # fmt: skip
         """Tile ``t = WG + 2 k`` of warpgroup ``WG`` (steps 1-5 of the comment above ``_seesaw_wg``); ``FIRST``:
         t = 0, no other tile before it. Returns the updated ``acc``, ``b_l``, ``m_prev``."""
         BLOCK_N: gl.constexpr = 64
@@ -241,9 +241,6 @@ if GLUON_AVAILABLE:
             r0 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 0)
             r1 = _kv_rows(p_bt, n0 + 2 * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE, 1)
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
-            if PF > 0:  # own tile t + 2 + 2 PF into L2 (before a wait)
-                _l2_prefetch(kv, stride_kv, p_bt, n0 + (2 + 2 * PF) * BLOCK_N, kv_hi, max_blocks, num_blocks, PAGE,
-                             2, NW)  # fmt: skip
             mbarrier.wait(empty_y.index(OWN), k & 1)
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
         return acc, b_l, m_prev
@@ -255,7 +252,7 @@ if GLUON_AVAILABLE:
                    stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
                    MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
                    N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
-                   NAMED: gl.constexpr, kv, stride_kv, PF: gl.constexpr):  # fmt: skip
+                   NAMED: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
         HALF: gl.constexpr = 256  # output columns of this warpgroup
@@ -281,9 +278,6 @@ if GLUON_AVAILABLE:
             r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
-            if PF > 0:
-                if WG == 0:  # tiles 2 .. 2 PF + 1 into L2 (tile t asks for t + 2 + 2 PF)
-                    _l2_prefetch(kv, stride_kv, p_bt, kv_lo + 128, kv_hi, max_blocks, num_blocks, PAGE, 4 * PF, 4)
 
         _seesaw_load_q(q, q_smem, qbar, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
         limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
@@ -298,12 +292,12 @@ if GLUON_AVAILABLE:
                 acc, b_l, m_prev = _seesaw_tile(
                     0, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
                     empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
-                    max_blocks, kv, stride_kv, PAGE, WG, OPAQUE, True, PF)  # fmt: skip
+                    max_blocks, PAGE, WG, OPAQUE, True)  # fmt: skip
         for k in range(1 - WG, n_own):
             acc, b_l, m_prev = _seesaw_tile(
                 k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
                 empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
-                max_blocks, kv, stride_kv, PAGE, WG, OPAQUE, False, PF)  # fmt: skip
+                max_blocks, PAGE, WG, OPAQUE, False)  # fmt: skip
 
         t = WG + 2 * n_own - 1  # the other warpgroup's tile after this warpgroup's last one (at most one)
         if (t >= 0) & (t < n_tiles):
@@ -461,8 +455,8 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _pair_wg1(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                   ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                  max_blocks, kv, stride_kv, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
-                  NAMED: gl.constexpr, PF: gl.constexpr, B_FIRST: gl.constexpr):  # fmt: skip
+                  max_blocks, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
+                  NAMED: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` (``b_s`` = the finished scores of tile b). Returns the scores of tile b + 2
         (finished; unchanged when ``LAST``), O_R, its row sums and the running max M_b."""
         O_LAYOUT: gl.constexpr = acc.type.layout
@@ -490,34 +484,19 @@ if GLUON_AVAILABLE:
         fence_async_shared()
         _pair_signal(p_ready.index(1), nb + 3, NAMED)
         p_op = gl.convert_layout(p_bf, P_LAYOUT)
-        if B_FIRST:  # O_R += P_b V_bR (no wait: P_b is in registers), then O_R += P_a V_aR
-            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
-            _pair_await(p_ready.index(0), ph, nb + 2, NAMED)
-            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
-        else:  # O_R += P_a V_aR (stage 0 first: its refill is on warpgroup 0's path), then O_R += P_b V_bR
-            _pair_await(p_ready.index(0), ph, nb + 2, NAMED)
-            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
-            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
+        # O_R += P_a V_aR (stage 0 first: its refill is on warpgroup 0's path), then O_R += P_b V_bR
+        _pair_await(p_ready.index(0), ph, nb + 2, NAMED)
+        acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
         if not LAST:
-            p_op = warpgroup_mma_wait(1, deps=(p_op,))  # the first P V done (the second may run on)
-            gl.thread_barrier()  # warpgroup 1 was the last reader of that stage's R half (+ rope: P_a)
-            if B_FIRST:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
-                             max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
-            else:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
-                             max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
+            p_op = warpgroup_mma_wait(1, deps=(p_op,))  # P_a V_aR done (P_b V_bR may run on)
+            gl.thread_barrier()  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
+                         max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             gl.thread_barrier()
-            if B_FIRST:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
-                             max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
-            else:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
-                             max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
-            if PF > 0:  # pair i + 1 + PF into L2 (this warpgroup waits for stage 1's L half next anyway)
-                _l2_prefetch(kv, stride_kv, p_bt, n0 - 64 + (1 + PF) * 128, kv_hi, max_blocks, num_blocks, PAGE, 4,
-                             4)  # fmt: skip
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
+                         max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
             b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True)
             b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
@@ -531,8 +510,7 @@ if GLUON_AVAILABLE:
                  split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
                  stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
                  BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
-                 N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
-                 kv, stride_kv, PF: gl.constexpr, B_FIRST: gl.constexpr):  # fmt: skip
+                 N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # fmt: skip
@@ -557,9 +535,6 @@ if GLUON_AVAILABLE:
                          num_blocks, 0, WG, WG == 1, PAGE)  # fmt: skip
             _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(1), p_bt, kv_lo + 64, kv_hi,
                          max_blocks, num_blocks, 1, WG, WG == 0, PAGE)  # fmt: skip
-            if PF > 0:
-                if WG == 0:  # pairs 1 .. PF into L2 (the loop asks for pair i + 1 + PF)
-                    _l2_prefetch(kv, stride_kv, p_bt, kv_lo + 128, kv_hi, max_blocks, num_blocks, PAGE, 4 * PF, 4)
 
         _seesaw_load_q(q, q_smem, qbar, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
         limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
@@ -586,7 +561,7 @@ if GLUON_AVAILABLE:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                     ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, kv, stride_kv, PAGE, OPAQUE, False, NAMED, PF, B_FIRST)  # fmt: skip
+                    num_blocks, max_blocks, PAGE, OPAQUE, False, NAMED)  # fmt: skip
         if n_pairs > 0:
             if WG == 0:
                 b_s, acc, b_l, m_run = _pair_wg0(
@@ -597,7 +572,7 @@ if GLUON_AVAILABLE:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
                     ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, kv, stride_kv, PAGE, OPAQUE, True, NAMED, PF, B_FIRST)  # fmt: skip
+                    num_blocks, max_blocks, PAGE, OPAQUE, True, NAMED)  # fmt: skip
 
         _seesaw_finish(acc, b_l, m_run, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
                        stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)
@@ -606,11 +581,10 @@ if GLUON_AVAILABLE:
     def _mla_decode_gluon_seesaw_kernel(
         q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
         split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-        stride_o_t, stride_o_h, H, num_blocks, max_blocks, kv, stride_kv,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, PF: gl.constexpr, B_FIRST: gl.constexpr,
-        num_warps: gl.constexpr,
+        PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The seesaw kernels (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel.
         ``PAIR=False``: ``variant="seesaw"`` (the comment above ``_seesaw_wg``); ``PAIR=True``: ``"seesaw-pair"``
@@ -670,14 +644,12 @@ if GLUON_AVAILABLE:
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                             work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                             v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                            max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED, kv,
-                            stride_kv, PF, B_FIRST)),
+                            max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED)),
                 (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                             work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                             v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                            max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED, kv,
-                            stride_kv, PF, B_FIRST)),
+                            max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED)),
             ], [4], [WG_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
@@ -685,14 +657,12 @@ if GLUON_AVAILABLE:
                               bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                               work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                               v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED,
-                              kv, stride_kv, PF)),
+                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED)),
                 (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                               bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                               work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                               v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED,
-                              kv, stride_kv, PF)),
+                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED)),
             ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):

@@ -26,27 +26,6 @@ if GLUON_AVAILABLE:
         return gl.where(ok, blk * PAGE + n % PAGE, num_blocks * PAGE)
 
     @gluon.jit
-    def _l2_prefetch(kv, stride_kv, p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE: gl.constexpr,
-                     N_BOX: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-        """Ask L2 for the ``N_BOX`` 32-key boxes from key ``n0`` (``cp.async.bulk.prefetch.L2``: no shared memory,
-        no completion to wait for): thread ``j < N_BOX`` of the partition sends one bulk prefetch of box ``j``'s
-        rows (``32`` rows of ``stride_kv`` elements, the last one cut at its 576 values). Boxes outside the split
-        or with an invalid block id are skipped: nothing outside the cache is named."""
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        j = gl.arange(0, 32 * num_warps, layout=layout)
-        n = n0 + j * 32
-        i_pg = n // PAGE
-        live = (j < N_BOX) & (n < kv_hi) & (i_pg < max_blocks)
-        blk = gl.load(p_bt + i_pg, mask=live, other=-1)
-        ok = live & (blk >= 0) & (blk < num_blocks)
-        row = gl.where(ok, blk.to(gl.int64) * PAGE + n % PAGE, 0)
-        span = gl.full_like(j, 0) + (31 * stride_kv + 576) * 2  # bytes, a multiple of 16 (16-byte rows)
-        gl.inline_asm_elementwise(
-            "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $3;\n\t}"
-            "\n\tmov.u32 $0, 0;", "=r,l,r,r", [kv + row * stride_kv, ok.to(gl.int32), span], dtype=gl.int32,
-            is_pure=False, pack=1)  # fmt: skip
-
-    @gluon.jit
     def _zero_tail(lat, n0, L, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
         """Zero the rows of a landed latent tile whose keys are >= L (they are not part of the sequence)."""
         z_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])

@@ -22,7 +22,6 @@ def resource_report(kernel) -> dict:
 
     Returns a dict: ``regs``, ``stack``, ``local`` (bytes), ``static_shared``, ``shared`` (dynamic bytes),
     ``num_warps``, and PTX counts: ``wgmma`` (``wgmma.mma_async``), ``tma`` (``cp.async.bulk.tensor``),
-    ``l2_prefetch`` (``cp.async.bulk.prefetch.L2``),
     ``setmaxnreg`` (the register counts warp-specialised partitions move to), ``cta_barrier``
     (``bar.sync 0`` / ``barrier.sync 0``), ``partition_barriers`` (``bar.sync id, threads``: barriers of a
     warp-specialised partition).
@@ -47,7 +46,6 @@ def resource_report(kernel) -> dict:
         "num_warps": kernel.metadata.num_warps,
         "wgmma": ptx.count("wgmma.mma_async"),
         "tma": ptx.count("cp.async.bulk.tensor"),
-        "l2_prefetch": ptx.count("cp.async.bulk.prefetch.L2"),
         "setmaxnreg": sorted(set(re.findall(r"setmaxnreg[.](?:inc|dec)[.]sync[.]aligned[.]u32\s+(\d+)", ptx))),
         "cta_barrier": len(re.findall(r"\bbar[.]sync\s+0;|\bbarrier[.]sync\s+0;", ptx)),
         "partition_barriers": len(re.findall(r"\bbar[.]sync\s+\d+,\s*\d+;", ptx)),
