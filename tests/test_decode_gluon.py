@@ -47,11 +47,15 @@ ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc
        "o_part": "*fp32", "lse_part": "*fp32"}
 report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
-    if str(block_n).startswith("seesaw"):
+    box = 32
+    if str(block_n).startswith("seesaw"):  # "seesaw[-pair[-nb|-r]][+box64]"
         fn = gs._mla_decode_gluon_seesaw_kernel
+        name, _, opt = block_n.partition("+")
+        box = 64 if opt == "box64" else 32
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
-                    WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=block_n.startswith("seesaw-pair"),
-                    NAMED=block_n.endswith("-nb"), OPAQUE=stages != "const", num_warps=4)
+                    WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name.startswith("seesaw-pair"),
+                    NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"), OPAQUE=stages != "const",
+                    num_warps=4)
     else:
         fn = g._mla_decode_gluon_ws_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
@@ -62,10 +66,10 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
             sig[name] = "constexpr"
         elif name == "lat_desc":  # the seesaw kernel copies half a latent row per box
             width = 256 if str(block_n).startswith("seesaw") else 512
-            bf16 = f"tensordesc<bf16[32, {width}],{nvmma(128, 16)}>"
+            bf16 = f"tensordesc<bf16[{box}, {width}],{nvmma(128, 16)}>"
             sig[name] = f"tensordesc<fp8e4nv[32, 512],{nvmma(128, 8)}>" if fp8 else bf16
         elif name == "rope_desc":
-            bf16 = f"tensordesc<bf16[32, 64],{nvmma(128, 16)}>"
+            bf16 = f"tensordesc<bf16[{box}, 64],{nvmma(128, 16)}>"
             sig[name] = f"tensordesc<fp8e4nv[32, 64],{nvmma(64, 8)}>" if fp8 else bf16
         elif name in ptr:
             sig[name] = ptr[name]
@@ -104,10 +108,14 @@ def test_gluon_seesaw_compiles_for_sm90():
     # indices ("seesaw-const") every operand descriptor is computed before the loop and kept live: it spills.
     # seesaw-pair / seesaw-pair-nb: the pair kernel with mbarrier / named-barrier handoffs; the named barriers take
     # away the partition-wide barrier before (and the one the compiler adds after) each handoff's arrive.
+    # seesaw-pair-r: warpgroup 1 in FlashMLA's order. "+box64": one 64-row TMA box per tile (box_rows=64).
     reports = _compile_report([["seesaw", "opaque", True, 16, False], ["seesaw", "opaque", False, 64, False],
                                ["seesaw", "const", False, 64, False], ["seesaw-pair", "opaque", True, 16, False],
                                ["seesaw-pair", "opaque", False, 64, False],
-                               ["seesaw-pair-nb", "opaque", False, 64, False]])  # fmt: skip
+                               ["seesaw-pair-nb", "opaque", False, 64, False],
+                               ["seesaw-pair-r", "opaque", True, 16, False],
+                               ["seesaw+box64", "opaque", False, 64, False],
+                               ["seesaw-pair+box64", "opaque", True, 16, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
@@ -115,7 +123,9 @@ def test_gluon_seesaw_compiles_for_sm90():
     spill_free = reports[:2] + reports[3:]
     assert all(r["stack"] == 0 and r["local"] == 0 for r in spill_free), spill_free
     assert reports[2]["stack"] > 0, "the compile-time-index variant no longer spills: the opaque index may be moot"
-    assert reports[5]["partition_barriers"] < reports[4]["partition_barriers"], reports[4:]
+    assert reports[5]["partition_barriers"] < reports[4]["partition_barriers"], reports[4:6]
+    # 64-row boxes: half the TMA copies of 32-row boxes (seesaw: 30 -> 15 in the PTX)
+    assert reports[7]["tma"] * 2 == reports[1]["tma"] and reports[8]["tma"] * 2 == reports[3]["tma"], reports
 
 
 def test_gluon_decode_unsupported_on_cpu():
@@ -138,6 +148,11 @@ def test_gluon_decode_unsupported_on_cpu():
     with pytest.raises(ValueError, match="seesaw"):
         dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512, block_n=32,
                                   variant="seesaw")
+    with pytest.raises(ValueError, match="box_rows"):  # 64-row boxes: seesaw kernels, 64-token pages
+        dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512, box_rows=64)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        dg.mla_decode_split_gluon(q, cache[:, :32], None, None, None, None, None, None, 1.0, 1.0, True, 512,
+                                  variant="seesaw", box_rows=64)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,14 +177,22 @@ VARIANTS = [
     {"block_n": 32, "stages": 3},
     # two warpgroup partitions, alternate 64-key tiles, P over the rope columns
     *({"variant": v} for v in dg.SEESAW_VARIANTS),
+    # one 64-row TMA box per 64-key tile (pages and splits multiples of 64: every plan here)
+    {"variant": "seesaw", "box_rows": 64},
+    {"variant": "seesaw-pair", "box_rows": 64},
 ]
 KERNEL_KW = {"ws": {}, "ws-n32": {"block_n": 32, "stages": 3}, "fp8": {}}
 KERNEL_KW.update({v: {"variant": v} for v in dg.SEESAW_VARIANTS})
+KERNEL_KW.update({"seesaw+box64": {"variant": "seesaw", "box_rows": 64},
+                  "seesaw-pair+box64": {"variant": "seesaw-pair", "box_rows": 64}})
+SEESAW_KERNELS = [k for k in KERNEL_KW if k.startswith("seesaw")]
 
 
 def _variant_id(i):
     v = VARIANTS[i]
-    return v["variant"] if "variant" in v else "n{}s{}".format(v["block_n"], v["stages"])
+    if "variant" not in v:
+        return "n{}s{}".format(v["block_n"], v["stages"])
+    return v["variant"] + ("+box64" if v.get("box_rows") == 64 else "")
 
 
 def _batch(device, heads, qlens, lens, page, bad_tail=False, fp8=False):
@@ -254,7 +277,7 @@ def test_gluon_decode_splits(num_sms, variant, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "ws-n32", *dg.SEESAW_VARIANTS, "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", "ws-n32", *dg.SEESAW_VARIANTS, "fp8"])  # (box64 needs 64-aligned splits)
 def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
     # splits of 32-token granularity start at multiples of 32 that are not multiples of the 64-token page:
     # a 64-key tile is then two boxes on two pages, and a split's last tile can be half empty. The GPU
@@ -275,13 +298,15 @@ def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", *dg.SEESAW_VARIANTS, "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", *SEESAW_KERNELS, "fp8"])
 @pytest.mark.parametrize("page", [32, 64])
 @pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4)])
 def test_gluon_decode_tile_counts(heads, qlen, page, kernel, device):
     # 0 to 5 tiles per work item (short requests are not split): a single tile, none; page 32: the two
     # boxes of a 64-key tile on two pages, block ids past the sequence invalid; the sequence end at every
     # offset of a tile
+    if page % 64 and KERNEL_KW[kernel].get("box_rows") == 64:
+        pytest.skip("64-row boxes need 64-token pages")
     lens = [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 192, 193, 256, 257, 320]
     q, cache, bt, sl, qsl = _batch(device, heads, [qlen] * len(lens), lens, page, bad_tail=True, fp8=kernel == "fp8")
     for causal in (True, False):
@@ -302,7 +327,7 @@ def test_gluon_matches_portable(heads, qlen, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", *dg.SEESAW_VARIANTS, "fp8"])
+@pytest.mark.parametrize("kernel", ["ws", *SEESAW_KERNELS, "fp8"])
 def test_gluon_decode_empty_rows(kernel, device):
     # causal rows that see no key (seq_len < qlen) give out 0 and lse -inf, never NaN
     lens = [2, 0, 40]

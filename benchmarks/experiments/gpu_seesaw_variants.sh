@@ -5,7 +5,8 @@
 #   bash benchmarks/experiments/gpu_seesaw_variants.sh [PYTEST_K [VARIANTS [MLA_DECODE_VARIANT]]]
 # PYTEST_K selects the tests of tests/test_decode_gluon.py (default "seesaw"); VARIANTS the kernels benchmarked
 # (default "64,2;seesaw"); MLA_DECODE_VARIANT, when given, also runs tests/test_decode.py with it as
-# mla_decode's kernel (OPENMLA_DECODE_GLUON_VARIANT).
+# mla_decode's kernel (OPENMLA_DECODE_GLUON_VARIANT). BENCH_TIMEOUT (default 180 s) bounds the benchmark: about
+# 10 s per variant and shape with --check (compiles included).
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp}
@@ -15,7 +16,7 @@ export PYTHONPATH=$PWD:$PWD/benchmarks
 OPENMLA_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -n 14 -p no:cacheprovider tests/test_decode_gluon.py \
     -k "$k" 2>&1 | tail -25 > "$out/seesaw_variants_tests.log"
 tail -25 "$out/seesaw_variants_tests.log"
-timeout 180 python3 -u benchmarks/bench_decode_gluon.py --check --variants "$variants" \
+timeout ${BENCH_TIMEOUT:-180} python3 -u benchmarks/bench_decode_gluon.py --check --variants "$variants" \
     --shapes "128,128,8192,1;128,128,8192,2;32,128,8192,1;16,128,8192,2;128,1,32768,1" \
     > "$out/seesaw_variants_bench.log" 2>&1
 cat "$out/seesaw_variants_bench.log"

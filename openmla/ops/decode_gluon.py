@@ -110,7 +110,7 @@ WS_PRODUCER_REGS = 32
 SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
 # "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
-SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb")
+SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r")
 
 
 if GLUON_AVAILABLE:
@@ -424,7 +424,7 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
 
 def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                            scale_log2: float, v_scale: float, causal: bool, d_v: int, *, block_n: int = 64,
-                           stages: int | None = None, variant: str = "ws") -> None:  # fmt: skip
+                           stages: int | None = None, variant: str = "ws", box_rows: int = SUB_N) -> None:  # fmt: skip
     r"""Launch the Gluon split-KV kernel (same meaning as ``_mla_decode_split`` in ``ops/decode.py``).
 
     Writes the final rows of single-split requests into ``out``/``lse`` and the normalised fp32
@@ -452,9 +452,14 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             ``"seesaw-pair"``: the same kernel with ``PAIR=True``, the tiles in pairs in FlashMLA's seesaw order
             (same restrictions; faster than seesaw when 4+ programs read each KV tile, slower otherwise: RESULTS.md
             runs 39-41; ``mla_decode`` picks between the two). ``"seesaw-pair-nb"``: the same with the
-            warpgroups' handoffs on hardware named barriers (opt-in; compiled offline, not yet measured).
+            warpgroups' handoffs on hardware named barriers (opt-in; slower, RESULTS.md run 42).
+            ``"seesaw-pair-r"``: seesaw-pair with warpgroup 1 in FlashMLA's order (its own P_b V_bR first, then
+            P_a V_aR; the next scores from stage 1's R half first; opt-in, not yet measured).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
+        box_rows (int): seesaw variants: rows of a TMA box, 32 (the default) or 64 (one box per 64-key tile: needs
+            a page size and split lengths that are multiples of 64, so a tile never crosses a page; half the
+            copies). Opt-in until measured on the H200.
     """
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if variant not in SEESAW_VARIANTS + ("ws", "seesaw-const"):
@@ -462,6 +467,13 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     if variant.startswith("seesaw") and (fp8 or block_n != 64 or stages not in (None, 2)):
         raise ValueError("variant='seesaw' takes a bf16 cache, 64-key tiles and 2 stages; got "
                          f"{kv_cache.dtype}, block_n={block_n}, stages={stages}")  # fmt: skip
+    if box_rows not in (SUB_N, 64) or (box_rows != SUB_N and not variant.startswith("seesaw")):
+        raise ValueError(f"box_rows must be {SUB_N}, or 64 with a seesaw variant; got {box_rows} ({variant!r})")
+    if box_rows == 64 and kv_cache.shape[1] % 64:
+        raise ValueError(f"box_rows=64 needs a page size that is a multiple of 64; got {kv_cache.shape[1]}")
+    if box_rows == 64 and plan.tiling.block_n % 64:
+        raise ValueError(f"box_rows=64 needs split lengths that are multiples of 64; got plan.tiling.block_n "
+                         f"{plan.tiling.block_n}")  # fmt: skip
     if fp8 and block_n != 64:
         # 32-key fp8 tiles compile with a few spilled scalars in the consumers (sm90, 240 registers)
         raise ValueError(f"an fp8 cache runs with 64-key tiles only; got block_n={block_n}")
@@ -488,12 +500,14 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
             H, num_blocks, block_table.shape[1])  # fmt: skip
     if variant.startswith("seesaw"):
-        half_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, 256], _kv_layout())  # half a latent row a copy
+        half_desc = TensorDescriptor(kv2d, shape, strides, [box_rows, 256], _kv_layout())  # half a latent row a copy
+        rope_desc = TensorDescriptor(kv2d, shape, strides, [box_rows, D_R], _kv_layout(fp8, D_R))
         kw = dict(PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
                   WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const", num_warps=4)
         pair = variant.startswith("seesaw-pair")
         _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], PAIR=pair,
-                                              NAMED=variant.endswith("-nb"), **kw)  # fmt: skip
+                                              NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
+                                              **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
         *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,

@@ -31,8 +31,9 @@ if GLUON_AVAILABLE:
     # warpgroup's tile, and writes P_t over the tile's rope columns (the scores are done with them) and M_t.
     # Both warpgroups add P_t V_t to their half of the output columns. Per own tile t a warpgroup
     #   1. waits for P_{t-1} / M_{t-1} of the other warpgroup's tile, rescales, issues P_{t-1} V_{t-1},
-    #   2. issues S_t right behind it (it overlaps the other warpgroup's softmax of tile t - 1 or t + 1), waits
-    #      for both and releases tile t - 1's "Y" half (see 5),
+    #   2. issues S_t right behind it (it overlaps the other warpgroup's softmax of tile t - 1 or t + 1): the X
+    #      chunks, then a wait for the P V alone and the release of tile t - 1's "Y" half (see 5), then the Y
+    #      chunks,
     #   3. runs the softmax of S_t, writes P_t / M_t,
     #   4. adds its own P_t V_t,
     #   5. refills its stage with tile t + 2 in two TMA groups with their own barriers: X = its own half of the
@@ -148,20 +149,22 @@ if GLUON_AVAILABLE:
     def _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, stage, r0, r1, LAT_HALF: gl.constexpr,
                       ROPE: gl.constexpr):  # fmt: skip
         """TMA of one refill group of a stage: latent half ``LAT_HALF`` (256 columns; + the rope columns when
-        ``ROPE``) for both 32-key boxes (rows ``r0``, ``r1``) of a 64-key tile, on barrier ``bar``. One copy per
-        box and half through ``lat_desc`` (``[32, 256]``: the lowering gives each of the partition's 4 warps one
-        ``[32, 64]`` message) and one per box through ``rope_desc`` (``[32, 64]``). The compiler puts a
-        partition-wide barrier between consecutive copies that share ``bar``: 6 a tile here, 18 with one copy
-        per ``[32, 64]`` chunk, which ran 3-5% slower (RESULTS.md run 32)."""
+        ``ROPE``) of a 64-key tile, on barrier ``bar``. The descriptors' boxes are ``[BOX, 256]`` / ``[BOX, 64]``:
+        ``BOX`` 32 (rows ``r0``, ``r1`` of the tile's two 32-key boxes; a page may hold 32 keys) or 64 (rows ``r0``:
+        the whole tile on one page). One copy per box through ``lat_desc`` (the lowering gives each of the
+        partition's 4 warps one message) and one per box through ``rope_desc``. The compiler puts a
+        partition-wide barrier between consecutive copies that share ``bar``: 6 a tile with 32-row boxes, 3 with
+        64; 18 with one copy per ``[32, 64]`` chunk, which ran 3-5% slower (RESULTS.md run 32)."""
+        BOX: gl.constexpr = lat_desc.block_shape[0]
         n_chunks: gl.constexpr = 5 if ROPE else 4
-        mbarrier.expect(bar, 2 * n_chunks * 32 * 64 * 2)
-        for h in gl.static_range(2):
+        mbarrier.expect(bar, n_chunks * 64 * 64 * 2)
+        for h in gl.static_range(64 // BOX):
             row = r0 if h == 0 else r1
-            lat = lat_smem.index(stage).slice(h * 32, 32, dim=0)
+            lat = lat_smem.index(stage).slice(h * BOX, BOX, dim=0)
             tma.async_copy_global_to_shared(lat_desc, [row, LAT_HALF * 256], bar, lat.slice(LAT_HALF * 256, 256, dim=1))
             if ROPE:
                 tma.async_copy_global_to_shared(rope_desc, [row, 512], bar,
-                                                rope_smem.index(stage).slice(h * 32, 32, dim=0))  # fmt: skip
+                                                rope_smem.index(stage).slice(h * BOX, BOX, dim=0))  # fmt: skip
 
     @gluon.jit
     def _seesaw_tile(k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
@@ -190,7 +193,9 @@ if GLUON_AVAILABLE:
         # 1. P V of the other warpgroup's tile t - 1 (its P over its rope columns x this warpgroup's half of
         #    its V, both in the other stage's Y group), issued and left running: the scores MMAs of step 2 queue
         #    right behind it (no drain of the tensor pipe in between: 1.4-2.4% faster, RESULTS.md run 33); the
-        #    other stage's Y group goes back to its owner once both are done
+        #    other stage's Y group goes back to its owner once the P V is done, before the Y chunks of step 2
+        #    (run 47: 0-1.5% faster than after the whole of S_t; its owner waited for that release in 21% of the
+        #    stall samples, run 46)
         if not FIRST:
             acc, b_l, m_prev = _seesaw_other_pv(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y,
                                                 (k - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
@@ -203,6 +208,10 @@ if GLUON_AVAILABLE:
             b_s = warpgroup_mma(q_smem.index(OWN * 4 + c + z),
                                 own_lat.slice((OWN * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
                                 use_acc=c > 0, is_async=True)  # fmt: skip
+        if not FIRST:  # step 1's P V done (the 4 X MMAs run on): the other stage's Y group goes back to its owner
+            acc = warpgroup_mma_wait(4, deps=(acc,))
+            gl.thread_barrier()  # every warp's P V is done before one thread releases the Y group
+            mbarrier.arrive(empty_y.index(OTH), count=1)
         mbarrier.wait(ready_y.index(OWN), k & 1)
         for c in gl.static_range(4):
             b_s = warpgroup_mma(q_smem.index(OTH * 4 + c + z),
@@ -210,9 +219,6 @@ if GLUON_AVAILABLE:
                                 is_async=True)  # fmt: skip
         b_s = warpgroup_mma(q_smem.index(8 + z), own_rope.permute((1, 0)), b_s, is_async=True)
         acc, b_s = warpgroup_mma_wait(0, deps=(acc, b_s))
-        if not FIRST:
-            gl.thread_barrier()  # every warp's MMAs are done before one thread releases the Y group
-            mbarrier.arrive(empty_y.index(OTH), count=1)
         if n0 + BLOCK_N > L:  # rows past the sequence: zeros before any P V reads them (S masks them)
             _zero_tail(own_lat, n0, L, BLOCK_N, NW)
         # 3. softmax of S_t (keys masked as a range [lo, hi) per row: an invalid box is the first or the
@@ -456,9 +462,11 @@ if GLUON_AVAILABLE:
     def _pair_wg1(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                   ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
                   max_blocks, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
-                  NAMED: gl.constexpr):  # fmt: skip
+                  NAMED: gl.constexpr, R_FIRST: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` (``b_s`` = the finished scores of tile b). Returns the scores of tile b + 2
-        (finished; unchanged when ``LAST``), O_R, its row sums and the running max M_b."""
+        (finished; unchanged when ``LAST``), O_R, its row sums and the running max M_b. ``R_FIRST``
+        (``"seesaw-pair-r"``, FlashMLA's order for this warpgroup): its own P_b V_bR first (no wait), so stage 1's
+        R half is refilled first, and the scores of tile b + 2 start with that R half."""
         O_LAYOUT: gl.constexpr = acc.type.layout
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         ROW_S: gl.constexpr = m_run.type.layout
@@ -484,21 +492,37 @@ if GLUON_AVAILABLE:
         fence_async_shared()
         _pair_signal(p_ready.index(1), nb + 3, NAMED)
         p_op = gl.convert_layout(p_bf, P_LAYOUT)
-        # O_R += P_a V_aR (stage 0 first: its refill is on warpgroup 0's path), then O_R += P_b V_bR
-        _pair_await(p_ready.index(0), ph, nb + 2, NAMED)
-        acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
-        acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
+        if R_FIRST:  # O_R += P_b V_bR (P_b in registers, no wait), then O_R += P_a V_aR
+            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
+            _pair_await(p_ready.index(0), ph, nb + 2, NAMED)
+            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
+        else:  # O_R += P_a V_aR (stage 0 first: its refill is on warpgroup 0's path), then O_R += P_b V_bR
+            _pair_await(p_ready.index(0), ph, nb + 2, NAMED)
+            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
+            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
         if not LAST:
-            p_op = warpgroup_mma_wait(1, deps=(p_op,))  # P_a V_aR done (P_b V_bR may run on)
-            gl.thread_barrier()  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
-            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
-                         max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
+            # the first P V done (the second may run on): warpgroup 1 was the last reader of that stage's R half
+            # (stage 0: and of its rope columns, P_a); refill it, then the other stage's once both are done
+            p_op = warpgroup_mma_wait(1, deps=(p_op,))
+            gl.thread_barrier()
+            if R_FIRST:
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
+                             max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
+            else:
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
+                             max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             gl.thread_barrier()
-            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
-                         max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
-            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True)
-            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False)
+            if R_FIRST:
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
+                             max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
+                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, True)
+                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, False)
+            else:
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
+                             max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
+                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True)
+                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
         else:
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
@@ -510,7 +534,8 @@ if GLUON_AVAILABLE:
                  split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
                  stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
                  BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
-                 N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr):  # fmt: skip
+                 N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
+                 R_FIRST: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # fmt: skip
@@ -561,7 +586,7 @@ if GLUON_AVAILABLE:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                     ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, False, NAMED)  # fmt: skip
+                    num_blocks, max_blocks, PAGE, OPAQUE, False, NAMED, R_FIRST)  # fmt: skip
         if n_pairs > 0:
             if WG == 0:
                 b_s, acc, b_l, m_run = _pair_wg0(
@@ -572,7 +597,7 @@ if GLUON_AVAILABLE:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
                     ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, True, NAMED)  # fmt: skip
+                    num_blocks, max_blocks, PAGE, OPAQUE, True, NAMED, R_FIRST)  # fmt: skip
 
         _seesaw_finish(acc, b_l, m_run, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
                        stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)
@@ -584,7 +609,8 @@ if GLUON_AVAILABLE:
         stride_o_t, stride_o_h, H, num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, num_warps: gl.constexpr,
+        PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, R_FIRST: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
         """The seesaw kernels (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel.
         ``PAIR=False``: ``variant="seesaw"`` (the comment above ``_seesaw_wg``); ``PAIR=True``: ``"seesaw-pair"``
@@ -644,12 +670,14 @@ if GLUON_AVAILABLE:
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                             work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                             v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                            max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED)),
+                            max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED,
+                            R_FIRST)),
                 (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                             work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                             v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                            max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED)),
+                            max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED,
+                            R_FIRST)),
             ], [4], [WG_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
