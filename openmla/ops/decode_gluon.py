@@ -45,7 +45,9 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
   of the right output half per pair, each stage refilled by its last reader; see the comment above
   ``_pair_mask``. Faster from L2 (583 vs 555 TFLOPS L2-resident at h128), slower from HBM (it hides less
   latency): ``mla_decode`` runs it when 4+ programs read each KV tile and the batch fills two waves of them
-  (RESULTS.md runs 39-41).
+  (RESULTS.md runs 39-41). Opt-in, for measurement: ``"seesaw-pair-nb"`` (handoffs on named barriers; 1-2%
+  slower, run 42), ``"seesaw-pair-r"`` (warpgroup 1 in FlashMLA's order: its own P V and stage 1's R half
+  first; not yet measured) and ``box_rows=64`` (one TMA box per 64-key tile; not yet measured).
 * Measured and dropped (RESULTS.md run 8): the same loop without warp specialisation (4-8% slower), a
   variant issuing the next tile's scores MMA before this tile's softmax, and 32-key tiles as default.
 * fp8 cache (``kv_cache_dtype="fp8"``, float8_e4m3fn, selected by the cache dtype; 64-key tiles,
