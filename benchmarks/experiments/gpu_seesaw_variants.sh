@@ -5,15 +5,16 @@
 #   bash benchmarks/experiments/gpu_seesaw_variants.sh [PYTEST_K [VARIANTS [MLA_DECODE_VARIANT]]]
 # PYTEST_K selects the tests of tests/test_decode_gluon.py (default "seesaw"); VARIANTS the kernels benchmarked
 # (default "64,2;seesaw"); MLA_DECODE_VARIANT, when given, also runs tests/test_decode.py with it as
-# mla_decode's kernel (OPENMLA_DECODE_GLUON_VARIANT). BENCH_TIMEOUT (default 180 s) bounds the benchmark: about
-# 10 s per variant and shape with --check (compiles included).
+# mla_decode's kernel (OPENMLA_DECODE_GLUON_VARIANT). TEST_TIMEOUT (default 200 s) bounds the -k tests (about
+# 1.3 s a test on 14 workers, compiles included), BENCH_TIMEOUT (default 180 s) the benchmark (about 8-10 s per
+# variant and shape with --check).
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp}
 k=${1:-seesaw}
 variants=${2:-64,2;seesaw}
 export PYTHONPATH=$PWD:$PWD/benchmarks
-OPENMLA_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -n 14 -p no:cacheprovider tests/test_decode_gluon.py \
+OPENMLA_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -n 14 -p no:cacheprovider tests/test_decode_gluon.py \
     -k "$k" 2>&1 | tail -25 > "$out/seesaw_variants_tests.log"
 tail -25 "$out/seesaw_variants_tests.log"
 timeout ${BENCH_TIMEOUT:-180} python3 -u benchmarks/bench_decode_gluon.py --check --variants "$variants" \
