@@ -455,8 +455,9 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             (same restrictions; faster than seesaw when 4+ programs read each KV tile, slower otherwise: RESULTS.md
             runs 39-41; ``mla_decode`` picks between the two). ``"seesaw-pair-nb"``: the same with the
             warpgroups' handoffs on hardware named barriers (opt-in; slower, RESULTS.md run 42).
-            ``"seesaw-pair-r"``: seesaw-pair with warpgroup 1 in FlashMLA's order (its own P_b V_bR first, then
-            P_a V_aR; the next scores from stage 1's R half first; opt-in, not yet measured).
+            ``"seesaw-pair-r"``: seesaw-pair in FlashMLA's refill order (warpgroup 1: its own P_b V_bR first,
+            then P_a V_aR, the next scores from stage 1's R half first; warpgroup 0: stage 0's L half refilled
+            before P_a is stored; opt-in, not yet measured).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
         box_rows (int): seesaw variants: rows of a TMA box, 32 (the default) or 64 (one box per 64-key tile: needs

@@ -332,7 +332,11 @@ if GLUON_AVAILABLE:
     # h32 -6%, h128 q2 +2%, b1 -10%): mla_decode runs it when 4+ programs read each KV tile and the batch fills
     # two waves of them. Measured and dropped: P_a published at M_a right after WG0's softmax, WG1 adding P_a V_aR
     # during its own softmax (run 41, no gain).
-    # NAMED ("seesaw-pair-nb", not yet measured): the four handoffs of a pair on hardware named barriers.
+    # NAMED ("seesaw-pair-nb"; 1-2% slower, run 42): the four handoffs of a pair on hardware named barriers.
+    # R_FIRST ("seesaw-pair-r", not yet measured): FlashMLA's sm90 order. WG1 adds P_b V_bR before P_a V_aR,
+    # refills stage 1's R half first and starts the scores of b + 2 on it (the L half, refilled last by WG0 after
+    # P_b V_bL, is needed last: run 46's largest wait, 16% of the stall samples, is WG1 waiting for that L half);
+    # WG0 refills stage 0's L half before it stores P_a.
 
     @gluon.jit
     def _pair_signal(bar, nb, NAMED: gl.constexpr):
@@ -404,9 +408,11 @@ if GLUON_AVAILABLE:
     def _pair_wg0(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                   ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
                   max_blocks, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
-                  NAMED: gl.constexpr):  # fmt: skip
+                  NAMED: gl.constexpr, R_FIRST: gl.constexpr):  # fmt: skip
         """Warpgroup 0, pair ``i`` (``b_s`` = the finished scores of tile a). Returns the scores of tile a + 2
-        (finished; unchanged when ``LAST``), O_L, its row sums and the running max M_b."""
+        (finished; unchanged when ``LAST``), O_L, its row sums and the running max M_b. ``R_FIRST``
+        (``"seesaw-pair-r"``, FlashMLA's placement): stage 0's L half is refilled as soon as M_b is known and
+        P_a V_aL is done, before P_a is stored for warpgroup 1."""
         O_LAYOUT: gl.constexpr = acc.type.layout
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         ROW_S: gl.constexpr = m_run.type.layout
@@ -430,16 +436,23 @@ if GLUON_AVAILABLE:
         acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
         # P_a at M_b for warpgroup 1, over stage 0's rope columns (the scores are done with them)
         _pair_await(m_ready.index(1), ph, nb + 1, NAMED)
+        if R_FIRST:
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            if not LAST:  # stage 0's L half: warpgroup 0 was its last reader
+                gl.thread_barrier()
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), p_bt, n0 + 128, kv_hi,
+                             max_blocks, num_blocks, 0, 0, False, PAGE)  # fmt: skip
         m_b = m_smem.index(1).load(ROW_S)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
         b_sc = gl.where(m_a == float("-inf"), 1.0, gl.exp2(m_a - m_b_use))  # (P_a and O_L are 0 while M_a is -inf)
         rope0.store((b_p * gl.expand_dims(b_sc, 1)).to(gl.bfloat16))
         fence_async_shared()
         _pair_signal(p_ready.index(0), nb + 2, NAMED)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        if not R_FIRST:
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         acc = acc * gl.expand_dims(gl.convert_layout(b_sc, ROW_O), 1)
         b_l = b_l * b_sc
-        if not LAST:  # stage 0's L half: warpgroup 0 was its last reader
+        if (not LAST) and (not R_FIRST):  # stage 0's L half: warpgroup 0 was its last reader
             gl.thread_barrier()
             _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), p_bt, n0 + 128, kv_hi,
                          max_blocks, num_blocks, 0, 0, False, PAGE)  # fmt: skip
@@ -581,7 +594,7 @@ if GLUON_AVAILABLE:
                 b_s, acc, b_l, m_run = _pair_wg0(
                     i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                     ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, False, NAMED)  # fmt: skip
+                    num_blocks, max_blocks, PAGE, OPAQUE, False, NAMED, R_FIRST)  # fmt: skip
             else:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
@@ -592,7 +605,7 @@ if GLUON_AVAILABLE:
                 b_s, acc, b_l, m_run = _pair_wg0(
                     n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
                     ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, True, NAMED)  # fmt: skip
+                    num_blocks, max_blocks, PAGE, OPAQUE, True, NAMED, R_FIRST)  # fmt: skip
             else:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
