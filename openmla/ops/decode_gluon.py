@@ -46,7 +46,7 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
   ``_pair_mask``. Faster from L2 (583 vs 555 TFLOPS L2-resident at h128), slower from HBM (it hides less
   latency): ``mla_decode`` runs it when 4+ programs read each KV tile and the batch fills two waves of them
   (RESULTS.md runs 39-41). Opt-in, for measurement: ``"seesaw-pair-nb"`` (handoffs on named barriers; 1-2%
-  slower, run 42), ``"seesaw-pair-r"`` (warpgroup 1 in FlashMLA's order: its own P V and stage 1's R half
+  slower, run 42), ``"seesaw-pair-r"`` (FlashMLA's refill order: warpgroup 1's own P V and stage 1's R half
   first; not yet measured) and ``box_rows=64`` (one TMA box per 64-key tile; not yet measured).
 * Measured and dropped (RESULTS.md run 8): the same loop without warp specialisation (4-8% slower), a
   variant issuing the next tile's scores MMA before this tile's softmax, and 32-key tiles as default.
