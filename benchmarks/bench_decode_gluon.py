@@ -1,8 +1,8 @@
 """Time the Hopper (Gluon) split-KV decode kernel against the portable one (sm90 GPU only).
 
 For each shape: the split kernel alone (CUDA-graph replay median, us) for every Gluon variant
-("BLOCK_N,STAGES" of the warp-specialised kernel; a seesaw variant, "+box64" for 64-row TMA boxes; or
-"seesaw-const": the seesaw kernel with compile-time stage indices, which spills; kept as a diagnostic) and for the portable kernel with the same plan,
+("BLOCK_N,STAGES" of the warp-specialised kernel; a seesaw variant, with "+box32" / "+box64" for 32- / 64-row
+TMA boxes (default: 64 where pages allow); or "seesaw-const": the seesaw kernel with compile-time stage indices, which spills; kept as a diagnostic) and for the portable kernel with the same plan,
 the reduce alone, and TFLOPS = 2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64 tokens scattered over a pool larger than L2; causal; the plan is built once outside
 the timed region.
 
@@ -91,11 +91,11 @@ def run_shape(h, b, s, qlen, variants, args):
         print(f"{head} gluon: not supported here")
         return
     for v in variants:
-        if v[0].startswith("seesaw"):  # "seesaw...[+box64]": one 64-row TMA box per tile (box_rows=64)
+        if v[0].startswith("seesaw"):  # "seesaw...[+box32|+box64]": TMA box rows (default: 64 where pages allow)
             base, _, opt = v[0].partition("+")
-            if opt not in ("", "box64"):
+            if opt not in ("", "box32", "box64"):
                 raise SystemExit(f"unknown variant option {opt!r} in {v[0]!r}")
-            kw = {"variant": base, **({"box_rows": 64} if opt else {})}
+            kw = {"variant": base, **({"box_rows": int(opt[3:])} if opt else {})}
             name = f"gluon {v[0]}"
         else:
             block_n, stages = (int(x) for x in v)

@@ -177,14 +177,15 @@ VARIANTS = [
     {"block_n": 32, "stages": 3},
     # two warpgroup partitions, alternate 64-key tiles, P over the rope columns
     *({"variant": v} for v in dg.SEESAW_VARIANTS),
-    # one 64-row TMA box per 64-key tile (pages and splits multiples of 64: every plan here)
-    {"variant": "seesaw", "box_rows": 64},
-    {"variant": "seesaw-pair", "box_rows": 64},
+    # (these pick one 64-row TMA box per 64-key tile where pages and splits are multiples of 64, as every plan
+    # here at page 64; two 32-row boxes at page 32 or on forced 32-token tilings); two 32-row boxes forced:
+    {"variant": "seesaw", "box_rows": 32},
+    {"variant": "seesaw-pair-r", "box_rows": 32},
 ]
 KERNEL_KW = {"ws": {}, "ws-n32": {"block_n": 32, "stages": 3}, "fp8": {}}
 KERNEL_KW.update({v: {"variant": v} for v in dg.SEESAW_VARIANTS})
-KERNEL_KW.update({"seesaw+box64": {"variant": "seesaw", "box_rows": 64},
-                  "seesaw-pair+box64": {"variant": "seesaw-pair", "box_rows": 64}})
+KERNEL_KW.update({"seesaw+box32": {"variant": "seesaw", "box_rows": 32},
+                  "seesaw-pair-r+box32": {"variant": "seesaw-pair-r", "box_rows": 32}})
 SEESAW_KERNELS = [k for k in KERNEL_KW if k.startswith("seesaw")]
 
 
@@ -192,7 +193,7 @@ def _variant_id(i):
     v = VARIANTS[i]
     if "variant" not in v:
         return "n{}s{}".format(v["block_n"], v["stages"])
-    return v["variant"] + ("+box64" if v.get("box_rows") == 64 else "")
+    return v["variant"] + ("+box32" if v.get("box_rows") == 32 else "")
 
 
 def _batch(device, heads, qlens, lens, page, bad_tail=False, fp8=False):
@@ -277,7 +278,7 @@ def test_gluon_decode_splits(num_sms, variant, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "ws-n32", *dg.SEESAW_VARIANTS, "fp8"])  # (box64 needs 64-aligned splits)
+@pytest.mark.parametrize("kernel", ["ws", "ws-n32", *dg.SEESAW_VARIANTS, "fp8"])  # (32-row boxes: 32-token splits)
 def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
     # splits of 32-token granularity start at multiples of 32 that are not multiples of the 64-token page:
     # a 64-key tile is then two boxes on two pages, and a split's last tile can be half empty. The GPU
@@ -305,8 +306,6 @@ def test_gluon_decode_tile_counts(heads, qlen, page, kernel, device):
     # 0 to 5 tiles per work item (short requests are not split): a single tile, none; page 32: the two
     # boxes of a 64-key tile on two pages, block ids past the sequence invalid; the sequence end at every
     # offset of a tile
-    if page % 64 and KERNEL_KW[kernel].get("box_rows") == 64:
-        pytest.skip("64-row boxes need 64-token pages")
     lens = [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 192, 193, 256, 257, 320]
     q, cache, bt, sl, qsl = _batch(device, heads, [qlen] * len(lens), lens, page, bad_tail=True, fp8=kernel == "fp8")
     for causal in (True, False):

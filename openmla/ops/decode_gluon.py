@@ -45,9 +45,11 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
   of the right output half per pair, each stage refilled by its last reader; see the comment above
   ``_pair_mask``. Faster from L2 (583 vs 555 TFLOPS L2-resident at h128), slower from HBM (it hides less
   latency): ``mla_decode`` runs it when 4+ programs read each KV tile and the batch fills two waves of them
-  (RESULTS.md runs 39-41). Opt-in, for measurement: ``"seesaw-pair-nb"`` (handoffs on named barriers; 1-2%
-  slower, run 42), ``"seesaw-pair-r"`` (FlashMLA's refill order: warpgroup 1's own P V and stage 1's R half
-  first; not yet measured) and ``box_rows=64`` (one TMA box per 64-key tile; not yet measured).
+  (RESULTS.md runs 39-41). ``"seesaw-pair-r"``: FlashMLA's refill order (warpgroup 1's own P V and stage 1's
+  R half first); 3-5% faster than seesaw-pair at h128 b128 (run 48), ``mla_decode``'s kernel at h128 with a
+  full batch. Opt-in, for measurement: ``"seesaw-pair-nb"`` (handoffs on named barriers; 1-2% slower, run 42).
+  Every seesaw variant copies one 64-row TMA box per 64-key tile where pages and splits allow
+  (``box_rows``; 0.3-2.2% faster than two 32-row boxes, run 48).
 * Measured and dropped (RESULTS.md run 8): the same loop without warp specialisation (4-8% slower), a
   variant issuing the next tile's scores MMA before this tile's softmax, and 32-key tiles as default.
 * fp8 cache (``kv_cache_dtype="fp8"``, float8_e4m3fn, selected by the cache dtype; 64-key tiles,
@@ -426,7 +428,7 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
 
 def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                            scale_log2: float, v_scale: float, causal: bool, d_v: int, *, block_n: int = 64,
-                           stages: int | None = None, variant: str = "ws", box_rows: int = SUB_N) -> None:  # fmt: skip
+                           stages: int | None = None, variant: str = "ws", box_rows: int | None = None) -> None:  # fmt: skip
     r"""Launch the Gluon split-KV kernel (same meaning as ``_mla_decode_split`` in ``ops/decode.py``).
 
     Writes the final rows of single-split requests into ``out``/``lse`` and the normalised fp32
@@ -457,12 +459,13 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             warpgroups' handoffs on hardware named barriers (opt-in; slower, RESULTS.md run 42).
             ``"seesaw-pair-r"``: seesaw-pair in FlashMLA's refill order (warpgroup 1: its own P_b V_bR first,
             then P_a V_aR, the next scores from stage 1's R half first; warpgroup 0: stage 0's L half refilled
-            before P_a is stored; opt-in, not yet measured).
+            before P_a is stored; 3-5% faster than seesaw-pair at h128 b128, RESULTS.md run 48; ``mla_decode``
+            runs it at h128).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
-        box_rows (int): seesaw variants: rows of a TMA box, 32 (the default) or 64 (one box per 64-key tile: needs
-            a page size and split lengths that are multiples of 64, so a tile never crosses a page; half the
-            copies). Opt-in until measured on the H200.
+        box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
+            size and split lengths that are multiples of 64, so a tile never crosses a page; half the copies,
+            0.3-2.2% faster, RESULTS.md run 48). None: 64 where it applies, else 32.
     """
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if variant not in SEESAW_VARIANTS + ("ws", "seesaw-const"):
@@ -470,6 +473,9 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     if variant.startswith("seesaw") and (fp8 or block_n != 64 or stages not in (None, 2)):
         raise ValueError("variant='seesaw' takes a bf16 cache, 64-key tiles and 2 stages; got "
                          f"{kv_cache.dtype}, block_n={block_n}, stages={stages}")  # fmt: skip
+    if box_rows is None:  # one box per tile where a tile never crosses a page
+        seesaw = variant.startswith("seesaw")
+        box_rows = 64 if seesaw and kv_cache.shape[1] % 64 == 0 and plan.tiling.block_n % 64 == 0 else SUB_N
     if box_rows not in (SUB_N, 64) or (box_rows != SUB_N and not variant.startswith("seesaw")):
         raise ValueError(f"box_rows must be {SUB_N}, or 64 with a seesaw variant; got {box_rows} ({variant!r})")
     if box_rows == 64 and kv_cache.shape[1] % 64:
