@@ -22,15 +22,7 @@ from openmla.ops._gluon import (
 NAMED_BASE = gl.constexpr(8)
 
 if GLUON_AVAILABLE:
-    from openmla.ops.decode_gluon_tiles import (
-        _box_ok,
-        _kv_rows,
-        _page_ok,
-        _page_row,
-        _store_result,
-        _tile_pages,
-        _zero_tail,
-    )
+    from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
 
     # ---- "seesaw" kernel: two 4-warp partitions (warpgroup 0 = the default partition, warpgroup 1 a worker),
     # no producer warp. Tile t of a work item lives in stage t % 2 and belongs to warpgroup t % 2, which loads it
@@ -370,12 +362,13 @@ if GLUON_AVAILABLE:
             mbarrier.wait(bar, ph)
 
     @gluon.jit
-    def _pair_mask(b_s, pg0, pg1, n0, kv_hi, limit, key0, scale_log2, num_blocks):
-        """Scores of the 64-key tile at ``n0`` (block ids ``pg0``, ``pg1`` of its boxes) in base 2, -inf where a key
-        is not seen: masked as a range ``[lo, hi)`` per row (an invalid 32-key box is the first or the second half
-        of the tile)."""
-        lo = gl.where(_page_ok(pg0, n0, kv_hi, num_blocks), n0, n0 + 32)
-        hi = gl.minimum(limit, gl.where(_page_ok(pg1, n0 + 32, kv_hi, num_blocks), n0 + 64, n0 + 32))
+    def _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE: gl.constexpr):
+        """Scores of the 64-key tile at ``n0`` in base 2, -inf where a key is not seen: masked as a range
+        ``[lo, hi)`` per row (an invalid 32-key box is the first or the second half of the tile)."""
+        ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
+        ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
+        lo = gl.where(ok0, n0, n0 + 32)
+        hi = gl.minimum(limit, gl.where(ok1, n0 + 64, n0 + 32))
         key = key0 + n0
         return gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
 
@@ -394,12 +387,11 @@ if GLUON_AVAILABLE:
         return b_s
 
     @gluon.jit
-    def _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bar, pg0, pg1, n0, kv_hi, num_blocks,
+    def _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bar, p_bt, n0, kv_hi, max_blocks, num_blocks,
                      STAGE: gl.constexpr, HALF_IDX: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
-        """TMA of one group (latent half ``HALF_IDX`` [+ rope]) of the tile at key ``n0`` (block ids ``pg0``,
-        ``pg1`` of its boxes, looked up ahead) into ``STAGE``."""
-        r0 = _page_row(pg0, n0, kv_hi, num_blocks, PAGE)
-        r1 = _page_row(pg1, n0 + 32, kv_hi, num_blocks, PAGE)
+        """TMA of one group (latent half ``HALF_IDX`` [+ rope]) of the tile at key ``n0`` into ``STAGE``."""
+        r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
+        r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
         _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, STAGE, r0, r1, HALF_IDX, ROPE)
 
     @gluon.jit
@@ -413,16 +405,14 @@ if GLUON_AVAILABLE:
         return z, lat_smem.index(0 + z), lat_smem.index(1 + z), rope_smem.index(0 + z), rope_smem.index(1 + z)
 
     @gluon.jit
-    def _pair_wg0(i, b_s, acc, b_l, m_run, pg0, pg1, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
-                  ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                  max_blocks, PAGE: gl.constexpr, ONE_PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
+    def _pair_wg0(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
+                  ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
+                  max_blocks, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
                   NAMED: gl.constexpr, R_FIRST: gl.constexpr):  # fmt: skip
-        """Warpgroup 0, pair ``i`` (``b_s`` = the finished scores of tile a, ``pg0`` / ``pg1`` its boxes' block
-        ids). Returns the scores of tile a + 2 (finished; unchanged when ``LAST``), O_L, its row sums, the running
-        max M_b and the block ids of tile a + 2. The block ids of the two tiles this pair refills are loaded at its
-        start, so no lookup sits between a P V and the copy behind it. ``R_FIRST`` (``"seesaw-pair-r"``,
-        FlashMLA's placement): stage 0's L half is refilled as soon as P_a V_aL is done, before warpgroup 0 waits
-        for M_b and stores P_a for warpgroup 1."""
+        """Warpgroup 0, pair ``i`` (``b_s`` = the finished scores of tile a). Returns the scores of tile a + 2
+        (finished; unchanged when ``LAST``), O_L, its row sums and the running max M_b. ``R_FIRST``
+        (``"seesaw-pair-r"``, FlashMLA's placement): stage 0's L half is refilled as soon as M_b is known and
+        P_a V_aL is done, before P_a is stored for warpgroup 1."""
         O_LAYOUT: gl.constexpr = acc.type.layout
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         ROW_S: gl.constexpr = m_run.type.layout
@@ -430,13 +420,8 @@ if GLUON_AVAILABLE:
         z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i, OPAQUE)
         ph = i & 1
         n0 = kv_lo + i * 128  # tile a; tile b starts at n0 + 64
-        if LAST:
-            na0, na1, nb0, nb1 = pg0, pg1, pg0, pg1  # (unused)
-        else:  # tiles a + 2 and b + 2
-            na0, na1 = _tile_pages(p_bt, n0 + 128, kv_hi, max_blocks, PAGE, ONE_PAGE)
-            nb0, nb1 = _tile_pages(p_bt, n0 + 192, kv_hi, max_blocks, PAGE, ONE_PAGE)
         # softmax of S_a with M_{b-1}; publish M_a
-        b_s = _pair_mask(b_s, pg0, pg1, n0, kv_hi, limit, key0, scale_log2, num_blocks)
+        b_s = _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE)
         m_a = gl.maximum(m_run, gl.max(b_s, axis=1))
         acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
         m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
@@ -449,14 +434,14 @@ if GLUON_AVAILABLE:
         # O_L += P_a V_aL, P_a in registers
         p_op = gl.convert_layout(b_p.to(gl.bfloat16), P_LAYOUT)
         acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
+        # P_a at M_b for warpgroup 1, over stage 0's rope columns (the scores are done with them)
+        _pair_await(m_ready.index(1), ph, nb + 1, NAMED)
         if R_FIRST:
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             if not LAST:  # stage 0's L half: warpgroup 0 was its last reader
                 gl.thread_barrier()
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), na0, na1, n0 + 128, kv_hi,
-                             num_blocks, 0, 0, False, PAGE)  # fmt: skip
-        # P_a at M_b for warpgroup 1, over stage 0's rope columns (the scores are done with them)
-        _pair_await(m_ready.index(1), ph, nb + 1, NAMED)
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), p_bt, n0 + 128, kv_hi,
+                             max_blocks, num_blocks, 0, 0, False, PAGE)  # fmt: skip
         m_b = m_smem.index(1).load(ROW_S)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
         b_sc = gl.where(m_a == float("-inf"), 1.0, gl.exp2(m_a - m_b_use))  # (P_a and O_L are 0 while M_a is -inf)
@@ -469,8 +454,8 @@ if GLUON_AVAILABLE:
         b_l = b_l * b_sc
         if (not LAST) and (not R_FIRST):  # stage 0's L half: warpgroup 0 was its last reader
             gl.thread_barrier()
-            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), na0, na1, n0 + 128, kv_hi,
-                         num_blocks, 0, 0, False, PAGE)  # fmt: skip
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), p_bt, n0 + 128, kv_hi,
+                         max_blocks, num_blocks, 0, 0, False, PAGE)  # fmt: skip
         # O_L += P_b V_bL
         _pair_await(p_ready.index(1), ph, nb + 3, NAMED)
         acc = warpgroup_mma(rope1, lat1.slice(0, 256, dim=1), acc, is_async=True)
@@ -478,23 +463,21 @@ if GLUON_AVAILABLE:
             b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l.index(0), ph ^ 1, z, 0, False, True)
             acc = warpgroup_mma_wait(4, deps=(acc,))  # P_b V_bL done (the 4 scores MMAs may run on)
             gl.thread_barrier()  # stage 1's L half and rope columns (P_b): warpgroup 0 was their last reader
-            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(1), nb0, nb1, n0 + 192, kv_hi,
-                         num_blocks, 1, 0, True, PAGE)  # fmt: skip
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(1), p_bt, n0 + 192, kv_hi,
+                         max_blocks, num_blocks, 1, 0, True, PAGE)  # fmt: skip
             b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_r.index(0), ph ^ 1, z, 1, True, False)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
         else:
             acc = warpgroup_mma_wait(0, deps=(acc,))
-        return b_s, acc, b_l, m_b, na0, na1
+        return b_s, acc, b_l, m_b
 
     @gluon.jit
-    def _pair_wg1(i, b_s, acc, b_l, m_run, pg0, pg1, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
-                  ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                  max_blocks, PAGE: gl.constexpr, ONE_PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
+    def _pair_wg1(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
+                  ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
+                  max_blocks, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
                   NAMED: gl.constexpr, R_FIRST: gl.constexpr):  # fmt: skip
-        """Warpgroup 1, pair ``i`` (``b_s`` = the finished scores of tile b, ``pg0`` / ``pg1`` its boxes' block
-        ids). Returns the scores of tile b + 2 (finished; unchanged when ``LAST``), O_R, its row sums, the running
-        max M_b and the block ids of tile b + 2 (looked up at the start of the pair, as in ``_pair_wg0``).
-        ``R_FIRST``
+        """Warpgroup 1, pair ``i`` (``b_s`` = the finished scores of tile b). Returns the scores of tile b + 2
+        (finished; unchanged when ``LAST``), O_R, its row sums and the running max M_b. ``R_FIRST``
         (``"seesaw-pair-r"``, FlashMLA's order for this warpgroup): its own P_b V_bR first (no wait), so stage 1's
         R half is refilled first, and the scores of tile b + 2 start with that R half."""
         O_LAYOUT: gl.constexpr = acc.type.layout
@@ -504,12 +487,7 @@ if GLUON_AVAILABLE:
         z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i, OPAQUE)
         ph = i & 1
         n0 = kv_lo + i * 128 + 64  # tile b
-        if LAST:
-            na0, na1, nb0, nb1 = pg0, pg1, pg0, pg1  # (unused)
-        else:  # tiles a + 2 and b + 2
-            na0, na1 = _tile_pages(p_bt, n0 + 64, kv_hi, max_blocks, PAGE, ONE_PAGE)
-            nb0, nb1 = _tile_pages(p_bt, n0 + 128, kv_hi, max_blocks, PAGE, ONE_PAGE)
-        b_s = _pair_mask(b_s, pg0, pg1, n0, kv_hi, limit, key0, scale_log2, num_blocks)
+        b_s = _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE)
         # softmax of S_b with M_a (which already holds this warpgroup's M_{b-1}); publish M_b, then P_b
         _pair_await(m_ready.index(0), ph, nb, NAMED)
         m_a = m_smem.index(0).load(ROW_S)
@@ -541,27 +519,27 @@ if GLUON_AVAILABLE:
             p_op = warpgroup_mma_wait(1, deps=(p_op,))
             gl.thread_barrier()
             if R_FIRST:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), nb0, nb1, n0 + 128, kv_hi,
-                             num_blocks, 1, 1, False, PAGE)  # fmt: skip
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
+                             max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
             else:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), na0, na1, n0 + 64, kv_hi,
-                             num_blocks, 0, 1, True, PAGE)  # fmt: skip
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
+                             max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             gl.thread_barrier()
             if R_FIRST:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), na0, na1, n0 + 64, kv_hi,
-                             num_blocks, 0, 1, True, PAGE)  # fmt: skip
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
+                             max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
                 b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, True)
                 b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, False)
             else:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), nb0, nb1, n0 + 128, kv_hi,
-                             num_blocks, 1, 1, False, PAGE)  # fmt: skip
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
+                             max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
                 b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True)
                 b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
         else:
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        return b_s, acc, b_l, m_b, nb0, nb1
+        return b_s, acc, b_l, m_b
 
     @gluon.jit
     def _pair_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
@@ -586,22 +564,15 @@ if GLUON_AVAILABLE:
         # NAMED: hardware barriers NAMED_BASE .. + 3 carry the 4 handoffs of a pair (m_ready 0 / 1, p_ready 0 / 1;
         # Triton's partitions use 0-2); a runtime value (seq_lens >= 0), as the asm takes it in a register
         nb = (L >> 31) + NAMED_BASE
-        ONE_PAGE: gl.constexpr = lat_desc.block_shape[0] == 64  # one 64-row box per tile: a tile is on one page
-        pa0, pa1 = _tile_pages(p_bt, kv_lo, kv_hi, max_blocks, PAGE, ONE_PAGE)  # tiles 0 and 1
-        pb0, pb1 = _tile_pages(p_bt, kv_lo + 64, kv_hi, max_blocks, PAGE, ONE_PAGE)
         if n_pairs > 0:  # tiles 0 and 1: warpgroup 0 loads the L groups, warpgroup 1 the R groups
             if WG == 0:
                 bars = ready_l
             else:
                 bars = ready_r
-            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(0), pa0, pa1, kv_lo, kv_hi, num_blocks,
-                         0, WG, WG == 1, PAGE)  # fmt: skip
-            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(1), pb0, pb1, kv_lo + 64, kv_hi,
-                         num_blocks, 1, WG, WG == 0, PAGE)  # fmt: skip
-        if WG == 0:  # the block ids of this warpgroup's current tile (its mask)
-            pg0, pg1 = pa0, pa1
-        else:
-            pg0, pg1 = pb0, pb1
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(0), p_bt, kv_lo, kv_hi, max_blocks,
+                         num_blocks, 0, WG, WG == 1, PAGE)  # fmt: skip
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(1), p_bt, kv_lo + 64, kv_hi,
+                         max_blocks, num_blocks, 1, WG, WG == 0, PAGE)  # fmt: skip
 
         _seesaw_load_q(q, q_smem, qbar, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
         limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
@@ -620,26 +591,26 @@ if GLUON_AVAILABLE:
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
         for i in range(0, n_pairs - 1):
             if WG == 0:
-                b_s, acc, b_l, m_run, pg0, pg1 = _pair_wg0(
-                    i, b_s, acc, b_l, m_run, pg0, pg1, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
-                    ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, ONE_PAGE, OPAQUE, False, NAMED, R_FIRST)  # fmt: skip
+                b_s, acc, b_l, m_run = _pair_wg0(
+                    i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
+                    ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                    num_blocks, max_blocks, PAGE, OPAQUE, False, NAMED, R_FIRST)  # fmt: skip
             else:
-                b_s, acc, b_l, m_run, pg0, pg1 = _pair_wg1(
-                    i, b_s, acc, b_l, m_run, pg0, pg1, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
-                    ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, ONE_PAGE, OPAQUE, False, NAMED, R_FIRST)  # fmt: skip
+                b_s, acc, b_l, m_run = _pair_wg1(
+                    i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
+                    ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                    num_blocks, max_blocks, PAGE, OPAQUE, False, NAMED, R_FIRST)  # fmt: skip
         if n_pairs > 0:
             if WG == 0:
-                b_s, acc, b_l, m_run, pg0, pg1 = _pair_wg0(
-                    n_pairs - 1, b_s, acc, b_l, m_run, pg0, pg1, lat_desc, rope_desc, q_smem, lat_smem, rope_smem,
-                    m_smem, ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, ONE_PAGE, OPAQUE, True, NAMED, R_FIRST)  # fmt: skip
+                b_s, acc, b_l, m_run = _pair_wg0(
+                    n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
+                    ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                    num_blocks, max_blocks, PAGE, OPAQUE, True, NAMED, R_FIRST)  # fmt: skip
             else:
-                b_s, acc, b_l, m_run, pg0, pg1 = _pair_wg1(
-                    n_pairs - 1, b_s, acc, b_l, m_run, pg0, pg1, lat_desc, rope_desc, q_smem, lat_smem, rope_smem,
-                    m_smem, ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, ONE_PAGE, OPAQUE, True, NAMED, R_FIRST)  # fmt: skip
+                b_s, acc, b_l, m_run = _pair_wg1(
+                    n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
+                    ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                    num_blocks, max_blocks, PAGE, OPAQUE, True, NAMED, R_FIRST)  # fmt: skip
 
         _seesaw_finish(acc, b_l, m_run, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
                        stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)

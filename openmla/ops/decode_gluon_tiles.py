@@ -16,29 +16,6 @@ if GLUON_AVAILABLE:
         return (n < kv_hi) & (blk >= 0) & (blk < num_blocks)
 
     @gluon.jit
-    def _tile_pages(p_bt, n0, kv_hi, max_blocks, PAGE: gl.constexpr, ONE_PAGE: gl.constexpr):
-        """Block ids of the two 32-key boxes of the 64-key tile at key ``n0`` (-1 past the split or the table),
-        loaded ahead of their use; ``ONE_PAGE``: the tile lies on one page (one load)."""
-        i_pg = n0 // PAGE
-        b0 = gl.load(p_bt + i_pg, mask=(n0 < kv_hi) & (i_pg < max_blocks), other=-1)
-        if ONE_PAGE:
-            b1 = b0
-        else:
-            j_pg = (n0 + 32) // PAGE
-            b1 = gl.load(p_bt + j_pg, mask=(n0 + 32 < kv_hi) & (j_pg < max_blocks), other=-1)
-        return b0, b1
-
-    @gluon.jit
-    def _page_ok(blk, n, kv_hi, num_blocks):
-        """Whether the 32-key box at key ``n`` with block id ``blk`` (from ``_tile_pages``) is read."""
-        return (n < kv_hi) & (blk >= 0) & (blk < num_blocks)
-
-    @gluon.jit
-    def _page_row(blk, n, kv_hi, num_blocks, PAGE: gl.constexpr):
-        """TMA row of the 32-key box at key ``n`` with block id ``blk`` (an out-of-bounds row when not read)."""
-        return gl.where(_page_ok(blk, n, kv_hi, num_blocks), blk * PAGE + n % PAGE, num_blocks * PAGE)
-
-    @gluon.jit
     def _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE: gl.constexpr, SUB: gl.constexpr):
         """TMA row of the 32-key box starting at key ``n0 + SUB * 32`` (an out-of-bounds row when masked)."""
         n = n0 + SUB * 32
