@@ -48,18 +48,16 @@ ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc
 report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     box = 32
-    if str(block_n).startswith("seesaw"):  # "seesaw[-pair[-nb|-r|-rf|-rf4]][+box64]"
+    if str(block_n).startswith("seesaw"):  # "seesaw[-pair[-nb|-r]][+box64]"
         fn = gs._mla_decode_gluon_seesaw_kernel
         name, _, opt = block_n.partition("+")
         box = 64 if opt == "box64" else 32
-        lat_w = {"seesaw-pair-rf": 128, "seesaw-pair-rf4": 64}.get(name, 256)  # latent columns per copy
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name.startswith("seesaw-pair"),
-                    NAMED=name.endswith("-nb"), R_FIRST=name.endswith(("-r", "-rf", "-rf4")),
-                    OPAQUE=stages != "const", num_warps=4)
+                    NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"), OPAQUE=stages != "const",
+                    num_warps=4)
     else:
         fn = g._mla_decode_gluon_ws_kernel
-        lat_w = 512
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
                     CAUSAL=causal, PRODUCER_REGS=g.WS_PRODUCER_REGS, FP8=fp8, N_HB=2, N_QB=1, num_warps=8)
     sig, attrs = {}, {}
@@ -67,7 +65,8 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
         if name in cons:
             sig[name] = "constexpr"
         elif name == "lat_desc":  # the seesaw kernel copies half a latent row per box
-            bf16 = f"tensordesc<bf16[{box}, {lat_w}],{nvmma(128, 16)}>"
+            width = 256 if str(block_n).startswith("seesaw") else 512
+            bf16 = f"tensordesc<bf16[{box}, {width}],{nvmma(128, 16)}>"
             sig[name] = f"tensordesc<fp8e4nv[32, 512],{nvmma(128, 8)}>" if fp8 else bf16
         elif name == "rope_desc":
             bf16 = f"tensordesc<bf16[{box}, 64],{nvmma(128, 16)}>"
@@ -110,16 +109,13 @@ def test_gluon_seesaw_compiles_for_sm90():
     # seesaw-pair / seesaw-pair-nb: the pair kernel with mbarrier / named-barrier handoffs; the named barriers take
     # away the partition-wide barrier before (and the one the compiler adds after) each handoff's arrive.
     # seesaw-pair-r: warpgroup 1 in FlashMLA's order. "+box64": one 64-row TMA box per tile (box_rows=64).
-    # seesaw-pair-rf / -rf4: seesaw-pair-r with each refill group in 2 / 4 column slices on their own barriers.
     reports = _compile_report([["seesaw", "opaque", True, 16, False], ["seesaw", "opaque", False, 64, False],
                                ["seesaw", "const", False, 64, False], ["seesaw-pair", "opaque", True, 16, False],
                                ["seesaw-pair", "opaque", False, 64, False],
                                ["seesaw-pair-nb", "opaque", False, 64, False],
                                ["seesaw-pair-r", "opaque", True, 16, False],
                                ["seesaw+box64", "opaque", False, 64, False],
-                               ["seesaw-pair+box64", "opaque", True, 16, False],
-                               ["seesaw-pair-rf+box64", "opaque", False, 64, False],
-                               ["seesaw-pair-rf4+box64", "opaque", False, 64, False]])  # fmt: skip
+                               ["seesaw-pair+box64", "opaque", True, 16, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
@@ -130,8 +126,6 @@ def test_gluon_seesaw_compiles_for_sm90():
     assert reports[5]["partition_barriers"] < reports[4]["partition_barriers"], reports[4:6]
     # 64-row boxes: half the TMA copies of 32-row boxes (seesaw: 30 -> 15 in the PTX)
     assert reports[7]["tma"] * 2 == reports[1]["tma"] and reports[8]["tma"] * 2 == reports[3]["tma"], reports
-    # seesaw-pair-rf / -rf4: each latent half in 2 / 4 column slices, one copy and one barrier each
-    assert reports[8]["tma"] < reports[9]["tma"] < reports[10]["tma"], reports[8:]
 
 
 def test_gluon_decode_unsupported_on_cpu():

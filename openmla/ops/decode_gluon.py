@@ -113,10 +113,8 @@ WS_PRODUCER_REGS = 32
 # registers of the second warpgroup (the worker partition) of ``variant="seesaw"``
 SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
-# "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2,
-# "seesaw-pair-r" its FlashMLA refill order, "seesaw-pair-rf" / "-rf4" the same with each refill group in 2 / 4
-# column slices on their own barriers
-SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-rf", "seesaw-pair-rf4")
+# "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
+SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r")
 
 
 if GLUON_AVAILABLE:
@@ -462,9 +460,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             ``"seesaw-pair-r"``: seesaw-pair in FlashMLA's refill order (warpgroup 1: its own P_b V_bR first,
             then P_a V_aR, the next scores from stage 1's R half first; warpgroup 0: stage 0's L half refilled
             before P_a is stored; 3-5% faster than seesaw-pair at h128 b128, RESULTS.md run 48; ``mla_decode``
-            runs it at h128). ``"seesaw-pair-rf"`` / ``"seesaw-pair-rf4"``: seesaw-pair-r with each refill group in
-            2 / 4 column slices on their own barriers, so the scores MMAs start on the first slice (FlashMLA uses
-            one barrier per 64 columns); opt-in.
+            runs it at h128).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
         box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
@@ -513,16 +509,14 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
             H, num_blocks, block_table.shape[1])  # fmt: skip
     if variant.startswith("seesaw"):
-        # a copy: half a latent row, or a slice of it (-rf: 2 slices, -rf4: 4)
-        width = {"seesaw-pair-rf": 128, "seesaw-pair-rf4": 64}.get(variant, 256)
-        half_desc = TensorDescriptor(kv2d, shape, strides, [box_rows, width], _kv_layout())
+        half_desc = TensorDescriptor(kv2d, shape, strides, [box_rows, 256], _kv_layout())  # half a latent row a copy
         rope_desc = TensorDescriptor(kv2d, shape, strides, [box_rows, D_R], _kv_layout(fp8, D_R))
         kw = dict(PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
                   WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const", num_warps=4)
         pair = variant.startswith("seesaw-pair")
-        r_first = variant in ("seesaw-pair-r", "seesaw-pair-rf", "seesaw-pair-rf4")
         _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], PAIR=pair,
-                                              NAMED=variant.endswith("-nb"), R_FIRST=r_first, **kw)  # fmt: skip
+                                              NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
+                                              **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
         *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,

@@ -373,16 +373,12 @@ if GLUON_AVAILABLE:
         return gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
 
     @gluon.jit
-    def _pair_qk_half(q_smem, lat, rope, b_s, bars, STAGE: gl.constexpr, ph, z, HALF_IDX: gl.constexpr,
-                      ROPE: gl.constexpr, FIRST: gl.constexpr):  # fmt: skip
-        """Issue the scores MMAs of one TMA group of stage ``STAGE`` (latent half ``HALF_IDX``, + the rope when
-        ``ROPE``), chained async onto ``b_s`` (``FIRST``: the first half of the tile), each column slice once its
-        barrier (``_pair_issue``) has phase ``ph``."""
-        NS: gl.constexpr = bars.type.shape[0] // 2  # barriers (column slices) per group
-        PER: gl.constexpr = 4 // NS  # 64-column chunks per slice
+    def _pair_qk_half(q_smem, lat, rope, b_s, bar, ph, z, HALF_IDX: gl.constexpr, ROPE: gl.constexpr,
+                      FIRST: gl.constexpr):  # fmt: skip
+        """Wait for one TMA group of a stage (latent half ``HALF_IDX``, + the rope when ``ROPE``) and issue its
+        scores MMAs (chained async onto ``b_s``; ``FIRST``: the first half of the tile)."""
+        mbarrier.wait(bar, ph)
         for c in gl.static_range(4):
-            if c % PER == 0:
-                mbarrier.wait(bars.index(STAGE * NS + c // PER), ph)
             b_s = warpgroup_mma(q_smem.index(HALF_IDX * 4 + c + z),
                                 lat.slice((HALF_IDX * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
                                 use_acc=(c > 0) or not FIRST, is_async=True)  # fmt: skip
@@ -391,38 +387,12 @@ if GLUON_AVAILABLE:
         return b_s
 
     @gluon.jit
-    def _pair_issue(lat_desc, rope_desc, lat_smem, rope_smem, bars, STAGE: gl.constexpr, r0, r1,
-                    HALF_IDX: gl.constexpr, ROPE: gl.constexpr):  # fmt: skip
-        """TMA of one refill group of stage ``STAGE`` (latent half ``HALF_IDX``, + the rope columns when ``ROPE``)
-        of a 64-key tile with rows ``r0`` / ``r1`` (see ``_seesaw_issue``). ``lat_desc``'s box is ``[BOX, W]``:
-        the half arrives in ``NS = 256 / W`` column slices, slice j on barrier ``bars.index(STAGE * NS + j)``,
-        the rope with the last one, so the scores MMAs can start on the first slice (``"seesaw-pair-rf"``:
-        W = 128; FlashMLA has one barrier per 64 columns)."""
-        BOX: gl.constexpr = lat_desc.block_shape[0]
-        W: gl.constexpr = lat_desc.block_shape[1]
-        NS: gl.constexpr = 256 // W
-        for j in gl.static_range(NS):
-            bar = bars.index(STAGE * NS + j)
-            if ROPE and j == NS - 1:
-                mbarrier.expect(bar, 64 * (W + 64) * 2)
-            else:
-                mbarrier.expect(bar, 64 * W * 2)
-            for h in gl.static_range(64 // BOX):
-                row = r0 if h == 0 else r1
-                lat = lat_smem.index(STAGE).slice(h * BOX, BOX, dim=0)
-                tma.async_copy_global_to_shared(lat_desc, [row, HALF_IDX * 256 + j * W], bar,
-                                                lat.slice(HALF_IDX * 256 + j * W, W, dim=1))  # fmt: skip
-                if ROPE and j == NS - 1:
-                    tma.async_copy_global_to_shared(rope_desc, [row, 512], bar,
-                                                    rope_smem.index(STAGE).slice(h * BOX, BOX, dim=0))  # fmt: skip
-
-    @gluon.jit
-    def _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars, p_bt, n0, kv_hi, max_blocks, num_blocks,
+    def _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bar, p_bt, n0, kv_hi, max_blocks, num_blocks,
                      STAGE: gl.constexpr, HALF_IDX: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
         """TMA of one group (latent half ``HALF_IDX`` [+ rope]) of the tile at key ``n0`` into ``STAGE``."""
         r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
         r1 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 1)
-        _pair_issue(lat_desc, rope_desc, lat_smem, rope_smem, bars, STAGE, r0, r1, HALF_IDX, ROPE)
+        _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, STAGE, r0, r1, HALF_IDX, ROPE)
 
     @gluon.jit
     def _pair_stages(lat_smem, rope_smem, L, i, OPAQUE: gl.constexpr):
@@ -470,7 +440,7 @@ if GLUON_AVAILABLE:
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             if not LAST:  # stage 0's L half: warpgroup 0 was its last reader
                 gl.thread_barrier()
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l, p_bt, n0 + 128, kv_hi,
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), p_bt, n0 + 128, kv_hi,
                              max_blocks, num_blocks, 0, 0, False, PAGE)  # fmt: skip
         m_b = m_smem.index(1).load(ROW_S)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
@@ -484,18 +454,18 @@ if GLUON_AVAILABLE:
         b_l = b_l * b_sc
         if (not LAST) and (not R_FIRST):  # stage 0's L half: warpgroup 0 was its last reader
             gl.thread_barrier()
-            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l, p_bt, n0 + 128, kv_hi,
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), p_bt, n0 + 128, kv_hi,
                          max_blocks, num_blocks, 0, 0, False, PAGE)  # fmt: skip
         # O_L += P_b V_bL
         _pair_await(p_ready.index(1), ph, nb + 3, NAMED)
         acc = warpgroup_mma(rope1, lat1.slice(0, 256, dim=1), acc, is_async=True)
         if not LAST:
-            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l, 0, ph ^ 1, z, 0, False, True)
+            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l.index(0), ph ^ 1, z, 0, False, True)
             acc = warpgroup_mma_wait(4, deps=(acc,))  # P_b V_bL done (the 4 scores MMAs may run on)
             gl.thread_barrier()  # stage 1's L half and rope columns (P_b): warpgroup 0 was their last reader
-            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l, p_bt, n0 + 192, kv_hi,
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(1), p_bt, n0 + 192, kv_hi,
                          max_blocks, num_blocks, 1, 0, True, PAGE)  # fmt: skip
-            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_r, 0, ph ^ 1, z, 1, True, False)
+            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_r.index(0), ph ^ 1, z, 1, True, False)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
         else:
             acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -549,23 +519,23 @@ if GLUON_AVAILABLE:
             p_op = warpgroup_mma_wait(1, deps=(p_op,))
             gl.thread_barrier()
             if R_FIRST:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r, p_bt, n0 + 128, kv_hi,
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
                              max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
             else:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r, p_bt, n0 + 64, kv_hi,
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
                              max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             gl.thread_barrier()
             if R_FIRST:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r, p_bt, n0 + 64, kv_hi,
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
                              max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
-                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r, 1, ph ^ 1, z, 1, False, True)
-                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l, 1, ph ^ 1, z, 0, True, False)
+                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, True)
+                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, False)
             else:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r, p_bt, n0 + 128, kv_hi,
+                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
                              max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
-                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l, 1, ph ^ 1, z, 0, True, True)
-                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r, 1, ph ^ 1, z, 1, False, False)
+                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True)
+                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
         else:
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
@@ -599,9 +569,9 @@ if GLUON_AVAILABLE:
                 bars = ready_l
             else:
                 bars = ready_r
-            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars, p_bt, kv_lo, kv_hi, max_blocks,
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(0), p_bt, kv_lo, kv_hi, max_blocks,
                          num_blocks, 0, WG, WG == 1, PAGE)  # fmt: skip
-            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars, p_bt, kv_lo + 64, kv_hi,
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(1), p_bt, kv_lo + 64, kv_hi,
                          max_blocks, num_blocks, 1, WG, WG == 0, PAGE)  # fmt: skip
 
         _seesaw_load_q(q, q_smem, qbar, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
@@ -616,8 +586,8 @@ if GLUON_AVAILABLE:
             z = (L >> 31) if OPAQUE else 0
             lat = lat_smem.index(WG + z)
             rope = rope_smem.index(WG + z)
-            b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_l, WG, 0, z, 0, WG == 1, True)
-            b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_r, WG, 0, z, 1, WG == 0, False)
+            b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_l.index(WG), 0, z, 0, WG == 1, True)
+            b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_r.index(WG), 0, z, 1, WG == 0, False)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
         for i in range(0, n_pairs - 1):
             if WG == 0:
@@ -692,17 +662,14 @@ if GLUON_AVAILABLE:
         #   pair:   bar_a = ready_l (stage st's L half landed; stage 1: + the rope), bar_b = ready_r (the R half;
         #           stage 0: + the rope), bar_c = m_ready (warpgroup st stored its row max), bar_d = p_ready
         #           (warpgroup st stored its P); the last two unused with NAMED
-        NS: gl.constexpr = 256 // lat_desc.block_shape[1]  # pair: barriers (column slices) per refill group
-        gl.static_assert(PAIR or NS == 1, "column slices: the pair schedule only")
-        bar_a = gl.allocate_shared_memory(gl.int64, [2 * NS, 1], mbarrier.MBarrierLayout())
-        bar_b = gl.allocate_shared_memory(gl.int64, [2 * NS, 1], mbarrier.MBarrierLayout())
+        bar_a = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        bar_b = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         bar_c = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         bar_d = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         sync = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(2 * NS):
+        for st in gl.static_range(2):
             mbarrier.init(bar_a.index(st), count=1)
             mbarrier.init(bar_b.index(st), count=1)
-        for st in gl.static_range(2):
             mbarrier.init(bar_c.index(st), count=1)
             mbarrier.init(bar_d.index(st), count=1)
             mbarrier.init(sync.index(st), count=2)  # 0: Q stored (both halves); 1: row sums stored
@@ -739,10 +706,9 @@ if GLUON_AVAILABLE:
                               max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED)),
             ], [4], [WG_REGS])  # fmt: skip
 
-        for st in gl.static_range(2 * NS):
+        for st in gl.static_range(2):
             mbarrier.invalidate(bar_a.index(st))
             mbarrier.invalidate(bar_b.index(st))
-        for st in gl.static_range(2):
             mbarrier.invalidate(bar_c.index(st))
             mbarrier.invalidate(bar_d.index(st))
             mbarrier.invalidate(sync.index(st))
