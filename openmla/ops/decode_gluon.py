@@ -36,16 +36,15 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
   query blocks) of a work item adjacent, so the programs that read the same KV tiles run together and all
   but the first read them from L2 (h128: 800 -> 720 us; RESULTS.md run 24). Both kernels use it.
 * ``variant="seesaw"`` (``_mla_decode_gluon_seesaw_kernel``, bf16 caches, in :mod:`openmla.ops.decode_gluon_seesaw`
-  like the next one; ``mla_decode``'s default for them): two 4-warp partitions that own alternate 64-key tiles
-  (full-width scores, P over the tile's rope columns, both add every tile's P V to their output half; each stage
-  refilled in two TMA groups); see the comment above ``_seesaw_wg``. 12-22% faster than ws at h32-h128
-  (RESULTS.md run 33: h128 b128 s8k 498 vs 407 TFLOPS).
+  like the next one; ``mla_decode``'s kernel for them where seesaw-pair-r does not apply): two 4-warp partitions
+  that own alternate 64-key tiles (full-width scores, P over the tile's rope columns, both add every tile's P V
+  to their output half; each stage refilled in two TMA groups); see the comment above ``_seesaw_wg``. 12-22%
+  faster than ws at h32-h128 (RESULTS.md run 33: h128 b128 s8k 498 vs 407 TFLOPS).
 * ``variant="seesaw-pair"`` (the same kernel with ``PAIR=True``, bf16 caches): the same two partitions in
   FlashMLA's published seesaw order: tiles in pairs, each softmax under the other warpgroup's MMAs, one rescale
   of the right output half per pair, each stage refilled by its last reader; see the comment above
   ``_pair_mask``. Faster from L2 (583 vs 555 TFLOPS L2-resident at h128), slower from HBM (it hides less
-  latency): ``mla_decode`` runs it when 4+ programs read each KV tile and the batch fills two waves of them
-  (RESULTS.md runs 39-41). ``"seesaw-pair-r"``: FlashMLA's refill order (warpgroup 1's own P V and stage 1's
+  latency; RESULTS.md runs 39-41). ``"seesaw-pair-r"``: FlashMLA's refill order (warpgroup 1's own P V and stage 1's
   R half first); 3-5% faster than seesaw-pair at h128 b128 (run 48), ``mla_decode``'s kernel at h128 with a
   full batch. Opt-in, for measurement: ``"seesaw-pair-nb"`` (handoffs on named barriers; 1-2% slower, run 42).
   Every seesaw variant copies one 64-row TMA box per 64-key tile where pages and splits allow
@@ -428,7 +427,8 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
 
 def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                            scale_log2: float, v_scale: float, causal: bool, d_v: int, *, block_n: int = 64,
-                           stages: int | None = None, variant: str = "ws", box_rows: int | None = None) -> None:  # fmt: skip
+                           stages: int | None = None, variant: str = "ws",
+                           box_rows: int | None = None) -> None:  # fmt: skip
     r"""Launch the Gluon split-KV kernel (same meaning as ``_mla_decode_split`` in ``ops/decode.py``).
 
     Writes the final rows of single-split requests into ``out``/``lse`` and the normalised fp32
@@ -454,9 +454,9 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             (``_mla_decode_gluon_seesaw_kernel``: bf16 cache, 64-key tiles, 2 stages; ``block_n``/``stages``
             must keep their defaults; the faster one, see RESULTS.md run 33).
             ``"seesaw-pair"``: the same kernel with ``PAIR=True``, the tiles in pairs in FlashMLA's seesaw order
-            (same restrictions; faster than seesaw when 4+ programs read each KV tile, slower otherwise: RESULTS.md
-            runs 39-41; ``mla_decode`` picks between the two). ``"seesaw-pair-nb"``: the same with the
-            warpgroups' handoffs on hardware named barriers (opt-in; slower, RESULTS.md run 42).
+            (same restrictions; faster than seesaw from L2, slower from HBM: RESULTS.md runs 39-41).
+            ``"seesaw-pair-nb"``: the same with the warpgroups' handoffs on hardware named barriers (opt-in;
+            slower, RESULTS.md run 42).
             ``"seesaw-pair-r"``: seesaw-pair in FlashMLA's refill order (warpgroup 1: its own P_b V_bR first,
             then P_a V_aR, the next scores from stage 1's R half first; warpgroup 0: stage 0's L half refilled
             before P_a is stored; 3-5% faster than seesaw-pair at h128 b128, RESULTS.md run 48; ``mla_decode``

@@ -329,14 +329,18 @@ if GLUON_AVAILABLE:
     # half by WG1 after its P V (stage 0: with the rope columns, where P_a lived). A missing tile b (an odd tile
     # count) is loaded as zeros (out-of-bounds rows) and masked. Measured (RESULTS.md runs 39-41): with every tile
     # in L2 it beats the seesaw schedule (583 vs 555 TFLOPS at h128), from HBM it hides less latency (h128 q1 -4%,
-    # h32 -6%, h128 q2 +2%, b1 -10%): mla_decode runs it when 4+ programs read each KV tile and the batch fills
-    # two waves of them. Measured and dropped: P_a published at M_a right after WG0's softmax, WG1 adding P_a V_aR
-    # during its own softmax (run 41, no gain).
+    # h32 -6%, h128 q2 +2%, b1 -10%). Measured and dropped: P_a published at M_a right after WG0's softmax, WG1
+    # adding P_a V_aR during its own softmax (run 41, no gain).
     # NAMED ("seesaw-pair-nb"; 1-2% slower, run 42): the four handoffs of a pair on hardware named barriers.
-    # R_FIRST ("seesaw-pair-r", not yet measured): FlashMLA's sm90 order. WG1 adds P_b V_bR before P_a V_aR,
-    # refills stage 1's R half first and starts the scores of b + 2 on it (the L half, refilled last by WG0 after
-    # P_b V_bL, is needed last: run 46's largest wait, 16% of the stall samples, is WG1 waiting for that L half);
-    # WG0 refills stage 0's L half before it stores P_a.
+    # R_FIRST ("seesaw-pair-r"; mla_decode's kernel when 2+ programs read each KV tile and the batch fills a wave
+    # of them): FlashMLA's sm90 order. WG1 adds P_b V_bR before P_a V_aR, refills stage 1's R half first and
+    # starts the scores of b + 2 on it (the L half, refilled last by WG0 after P_b V_bL, is needed last: run 46's
+    # largest wait, 16% of the stall samples, was WG1 waiting for that L half); WG0 refills stage 0's L half before
+    # it stores P_a. 3-5% faster than seesaw-pair, 3-4% faster than seesaw at h128 b128 (run 48); its TMA waits
+    # are spread over the four refill groups (5-8% of the samples each, run 49). Measured and dropped on top of it:
+    # the block ids of the next two tiles looked up a pair ahead with WG0's L refill before its M_b wait (run 50,
+    # no gain at q1, -1.5% at q2); each refill group in 2 / 4 column slices on their own barriers (run 51, no gain
+    # / slower).
 
     @gluon.jit
     def _pair_signal(bar, nb, NAMED: gl.constexpr):
