@@ -44,18 +44,17 @@ def nvmma(swizzle, bits):
             "fp4_padded=False, cga_layout=[])")
 ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc": "*i32", "work_req": "*i32",
        "work_split": "*i32", "num_splits": "*i32", "split_len": "*i32", "out": "*bf16", "lse": "*fp32",
-       "o_part": "*fp32", "lse_part": "*fp32", "kv": "*bf16"}
+       "o_part": "*fp32", "lse_part": "*fp32"}
 report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     box = 32
-    if str(block_n).startswith("seesaw"):  # "seesaw[-pair[-nb|-r|-rp|-rp2]][+box64]"
+    if str(block_n).startswith("seesaw"):  # "seesaw[-pair[-nb|-r]][+box64]"
         fn = gs._mla_decode_gluon_seesaw_kernel
         name, _, opt = block_n.partition("+")
         box = 64 if opt == "box64" else 32
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name.startswith("seesaw-pair"),
-                    NAMED=name.endswith("-nb"), R_FIRST=name.startswith("seesaw-pair-r"),
-                    PF={"seesaw-pair-rp": 1, "seesaw-pair-rp2": 2}.get(name, 0), OPAQUE=stages != "const",
+                    NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"), OPAQUE=stages != "const",
                     num_warps=4)
     else:
         fn = g._mla_decode_gluon_ws_kernel
@@ -116,8 +115,7 @@ def test_gluon_seesaw_compiles_for_sm90():
                                ["seesaw-pair-nb", "opaque", False, 64, False],
                                ["seesaw-pair-r", "opaque", True, 16, False],
                                ["seesaw+box64", "opaque", False, 64, False],
-                               ["seesaw-pair+box64", "opaque", True, 16, False],
-                               ["seesaw-pair-rp+box64", "opaque", False, 64, False]])  # fmt: skip
+                               ["seesaw-pair+box64", "opaque", True, 16, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r

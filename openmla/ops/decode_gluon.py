@@ -112,9 +112,8 @@ WS_PRODUCER_REGS = 32
 # registers of the second warpgroup (the worker partition) of ``variant="seesaw"``
 SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
-# "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2;
-# "seesaw-pair-rp" / "-rp2": seesaw-pair-r asking L2 for the tiles of the next pair / the one after (run 53)
-SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-rp", "seesaw-pair-rp2")
+# "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
+SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r")
 
 
 if GLUON_AVAILABLE:
@@ -461,9 +460,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             ``"seesaw-pair-r"``: seesaw-pair in FlashMLA's refill order (warpgroup 1: its own P_b V_bR first,
             then P_a V_aR, the next scores from stage 1's R half first; warpgroup 0: stage 0's L half refilled
             before P_a is stored; 3-5% faster than seesaw-pair at h128 b128, RESULTS.md run 48; ``mla_decode``
-            runs it at h128). ``"seesaw-pair-rp"`` / ``"seesaw-pair-rp2"``: seesaw-pair-r where one program of
-            each work item asks L2 (``cp.async.bulk.prefetch.L2``) for the tiles of the next pair / the one after
-            at the start of each pair; opt-in, being measured.
+            runs it at h128).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
         box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
@@ -517,10 +514,8 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         kw = dict(PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
                   WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const", num_warps=4)
         pair = variant.startswith("seesaw-pair")
-        r_first = variant.startswith("seesaw-pair-r")
-        pf = {"seesaw-pair-rp": 1, "seesaw-pair-rp2": 2}.get(variant, 0)  # pairs ahead for the L2 prefetch
-        _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], kv_cache, kv_cache.stride(1),
-                                              PAIR=pair, NAMED=variant.endswith("-nb"), R_FIRST=r_first, PF=pf,
+        _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], PAIR=pair,
+                                              NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
                                               **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](

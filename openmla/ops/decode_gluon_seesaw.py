@@ -22,14 +22,7 @@ from openmla.ops._gluon import (
 NAMED_BASE = gl.constexpr(8)
 
 if GLUON_AVAILABLE:
-    from openmla.ops.decode_gluon_tiles import (
-        _box_ok,
-        _kv_rows,
-        _l2_prefetch,
-        _l2_prefetch_rows,
-        _store_result,
-        _zero_tail,
-    )
+    from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
 
     # ---- "seesaw" kernel: two 4-warp partitions (warpgroup 0 = the default partition, warpgroup 1 a worker),
     # no producer warp. Tile t of a work item lives in stage t % 2 and belongs to warpgroup t % 2, which loads it
@@ -485,8 +478,8 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _pair_wg1(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                   ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                  max_blocks, kv, stride_kv, pf_on, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
-                  NAMED: gl.constexpr, R_FIRST: gl.constexpr, PF: gl.constexpr):  # fmt: skip
+                  max_blocks, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
+                  NAMED: gl.constexpr, R_FIRST: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` (``b_s`` = the finished scores of tile b). Returns the scores of tile b + 2
         (finished; unchanged when ``LAST``), O_R, its row sums and the running max M_b. ``R_FIRST``
         (``"seesaw-pair-r"``, FlashMLA's order for this warpgroup): its own P_b V_bR first (no wait), so stage 1's
@@ -498,14 +491,9 @@ if GLUON_AVAILABLE:
         z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i, OPAQUE)
         ph = i & 1
         n0 = kv_lo + i * 128 + 64  # tile b
-        if PF > 0:  # PF: the tiles of pair i + PF into L2 (the block ids now, the prefetch after the wait below)
-            pf_row, pf_ok = _l2_prefetch_rows(p_bt, n0 + 64 + (PF - 1) * 128, kv_hi, max_blocks, num_blocks,
-                                              pf_on & (not LAST), PAGE)  # fmt: skip
         b_s = _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE)
         # softmax of S_b with M_a (which already holds this warpgroup's M_{b-1}); publish M_b, then P_b
         _pair_await(m_ready.index(0), ph, nb, NAMED)
-        if PF > 0:
-            _l2_prefetch(kv, stride_kv, pf_row, pf_ok)
         m_a = m_smem.index(0).load(ROW_S)
         m_b = gl.maximum(m_a, gl.max(b_s, axis=1))
         acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_b, ROW_O)
@@ -564,7 +552,7 @@ if GLUON_AVAILABLE:
                  stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
                  BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
                  N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
-                 R_FIRST: gl.constexpr, kv, stride_kv, PF: gl.constexpr):  # fmt: skip
+                 R_FIRST: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # fmt: skip
@@ -580,7 +568,6 @@ if GLUON_AVAILABLE:
         # NAMED: hardware barriers NAMED_BASE .. + 3 carry the 4 handoffs of a pair (m_ready 0 / 1, p_ready 0 / 1;
         # Triton's partitions use 0-2); a runtime value (seq_lens >= 0), as the asm takes it in a register
         nb = (L >> 31) + NAMED_BASE
-        pf_on = (i_h == 0) & (i_q == 0)  # PF: one program of a work item asks L2 for its tiles
         if n_pairs > 0:  # tiles 0 and 1: warpgroup 0 loads the L groups, warpgroup 1 the R groups
             if WG == 0:
                 bars = ready_l
@@ -616,8 +603,7 @@ if GLUON_AVAILABLE:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                     ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, kv, stride_kv, pf_on, PAGE, OPAQUE, False, NAMED, R_FIRST,
-                    PF)  # fmt: skip
+                    num_blocks, max_blocks, PAGE, OPAQUE, False, NAMED, R_FIRST)  # fmt: skip
         if n_pairs > 0:
             if WG == 0:
                 b_s, acc, b_l, m_run = _pair_wg0(
@@ -628,8 +614,7 @@ if GLUON_AVAILABLE:
                 b_s, acc, b_l, m_run = _pair_wg1(
                     n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
                     ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, kv, stride_kv, pf_on, PAGE, OPAQUE, True, NAMED, R_FIRST,
-                    PF)  # fmt: skip
+                    num_blocks, max_blocks, PAGE, OPAQUE, True, NAMED, R_FIRST)  # fmt: skip
 
         _seesaw_finish(acc, b_l, m_run, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
                        stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)
@@ -638,10 +623,10 @@ if GLUON_AVAILABLE:
     def _mla_decode_gluon_seesaw_kernel(
         q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
         split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-        stride_o_t, stride_o_h, H, num_blocks, max_blocks, kv, stride_kv,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, R_FIRST: gl.constexpr, PF: gl.constexpr,
+        PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, R_FIRST: gl.constexpr,
         num_warps: gl.constexpr,
     ):  # fmt: skip
         """The seesaw kernels (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel.
@@ -703,13 +688,13 @@ if GLUON_AVAILABLE:
                             work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                             v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
                             max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED,
-                            R_FIRST, kv, stride_kv, PF)),
+                            R_FIRST)),
                 (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                             work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                             v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
                             max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED,
-                            R_FIRST, kv, stride_kv, PF)),
+                            R_FIRST)),
             ], [4], [WG_REGS])  # fmt: skip
         else:
             gl.warp_specialize([

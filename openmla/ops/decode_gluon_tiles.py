@@ -26,30 +26,6 @@ if GLUON_AVAILABLE:
         return gl.where(ok, blk * PAGE + n % PAGE, num_blocks * PAGE)
 
     @gluon.jit
-    def _l2_prefetch_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, on, PAGE: gl.constexpr):
-        """First cache rows of the four 32-key boxes from key ``n0`` (two 64-key tiles) for ``_l2_prefetch``, one
-        per thread ``j < 4`` of a 4-warp partition, and whether each is prefetched (``on``, inside the split, a
-        valid block id). Loaded ahead of the prefetch, so the block-table latency hides behind a wait."""
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        j = gl.arange(0, 128, layout=layout)
-        n = n0 + j * 32
-        i_pg = n // PAGE
-        live = (j < 4) & (n < kv_hi) & (i_pg < max_blocks) & on
-        blk = gl.load(p_bt + i_pg, mask=live, other=-1)
-        ok = live & (blk >= 0) & (blk < num_blocks)
-        return gl.where(ok, blk.to(gl.int64) * PAGE + n % PAGE, 0), ok
-
-    @gluon.jit
-    def _l2_prefetch(kv, stride_kv, row, ok):
-        """``cp.async.bulk.prefetch.L2`` of the 32 rows from cache row ``row`` (the last one cut at its 576 values)
-        where ``ok``: a hint to L2, no shared memory, nothing to wait for; the rows lie inside one page."""
-        span = gl.full_like(row, 0).to(gl.int32) + (31 * stride_kv + 576) * 2  # bytes, a multiple of 16
-        gl.inline_asm_elementwise(
-            "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $3;\n\t}"
-            "\n\tmov.u32 $0, 0;", "=r,l,r,r", [kv + row * stride_kv, ok.to(gl.int32), span], dtype=gl.int32,
-            is_pure=False, pack=1)  # fmt: skip
-
-    @gluon.jit
     def _zero_tail(lat, n0, L, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
         """Zero the rows of a landed latent tile whose keys are >= L (they are not part of the sequence)."""
         z_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
