@@ -2,9 +2,10 @@
 
 For each shape: the split kernel alone (CUDA-graph replay median, us) for every Gluon variant
 ("BLOCK_N,STAGES" of the warp-specialised kernel; a seesaw variant, with "+box32" / "+box64" for 32- / 64-row
-TMA boxes (default: 64 where pages allow); or "seesaw-const": the seesaw kernel with compile-time stage indices, which spills; kept as a diagnostic) and for the portable kernel with the same plan,
-the reduce alone, and TFLOPS = 2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64 tokens scattered over a pool larger than L2; causal; the plan is built once outside
-the timed region.
+TMA boxes (default: 64 where pages allow); or "seesaw-const": the seesaw kernel with compile-time stage indices,
+which spills; kept as a diagnostic) and for the portable kernel with the same plan, the reduce alone, and
+TFLOPS = 2 * T * H * seq * (576 + 512) / us / 1e6 of the split kernel. KV pages of 64 tokens scattered over a pool
+larger than L2; causal; the plan is built once outside the timed region.
 
     python benchmarks/bench_decode_gluon.py
     python benchmarks/bench_decode_gluon.py --shapes "128,128,8192,1;32,128,8192,1" --variants "64,2;32,3;seesaw"
