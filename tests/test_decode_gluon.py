@@ -54,8 +54,9 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
         box = 64 if opt == "box64" else 32
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name.startswith("seesaw-pair"),
-                    NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"), OPAQUE=stages != "const",
-                    num_warps=4)
+                    NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"), EARLY=name.endswith("-ea"),
+                    OPAQUE=stages != "const",
+                    TRACE=False, trace=None, num_warps=4)
     else:
         fn = g._mla_decode_gluon_ws_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
@@ -108,14 +109,18 @@ def test_gluon_seesaw_compiles_for_sm90():
     # indices ("seesaw-const") every operand descriptor is computed before the loop and kept live: it spills.
     # seesaw-pair / seesaw-pair-nb: the pair kernel with mbarrier / named-barrier handoffs; the named barriers take
     # away the partition-wide barrier before (and the one the compiler adds after) each handoff's arrive.
-    # seesaw-pair-r: warpgroup 1 in FlashMLA's order. "+box64": one 64-row TMA box per tile (box_rows=64).
+    # seesaw-pair-r: warpgroup 1 in FlashMLA's order; seesaw-pair-ea: each P out at its own row max, block ids
+    # looked up a pair ahead.
+    # "+box64": one 64-row TMA box per tile (box_rows=64).
     reports = _compile_report([["seesaw", "opaque", True, 16, False], ["seesaw", "opaque", False, 64, False],
                                ["seesaw", "const", False, 64, False], ["seesaw-pair", "opaque", True, 16, False],
                                ["seesaw-pair", "opaque", False, 64, False],
                                ["seesaw-pair-nb", "opaque", False, 64, False],
                                ["seesaw-pair-r", "opaque", True, 16, False],
                                ["seesaw+box64", "opaque", False, 64, False],
-                               ["seesaw-pair+box64", "opaque", True, 16, False]])  # fmt: skip
+                               ["seesaw-pair+box64", "opaque", True, 16, False],
+                               ["seesaw-pair-ea+box64", "opaque", False, 64, False],
+                               ["seesaw-pair-ea", "opaque", True, 16, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
@@ -153,6 +158,9 @@ def test_gluon_decode_unsupported_on_cpu():
     with pytest.raises(ValueError, match="multiple of 64"):
         dg.mla_decode_split_gluon(q, cache[:, :32], None, None, None, None, None, None, 1.0, 1.0, True, 512,
                                   variant="seesaw", box_rows=64)
+    with pytest.raises(ValueError, match="trace needs a seesaw-pair"):  # the cycle trace: pair kernels only
+        dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512,
+                                  variant="seesaw", trace=torch.zeros(1, dtype=torch.int64))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -338,6 +346,52 @@ def test_gluon_decode_empty_rows(kernel, device):
     assert math.isinf(float(lse[4, 0])) and not torch.isnan(out).any()
     assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
     assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+
+
+@_gpu_test
+@pytest.mark.parametrize("variant,n_events", [("seesaw-pair-r", (13, 12)), ("seesaw-pair-ea", (12, 12))])
+def test_gluon_pair_trace(variant, n_events, device):
+    # the pair kernel's cycle trace: same results as untraced; each warpgroup's stamps of a traced pair rise in
+    # program order, pairs outside the traced window and untraced programs are left alone
+    from openmla.ops.decode_gluon_seesaw import TRACE_LO, TRACE_NE, TRACE_NP
+
+    np_, ne, lo = TRACE_NP.value, TRACE_NE.value, TRACE_LO.value
+    lens = [128 * (lo + np_ + 4), 128 * (lo + 3) + 5, 0]  # all traced pairs; 3 of them; none (the empty request)
+    q, cache, bt, sl, qsl = _batch(device, 128, [1, 1, 1], lens, 64)
+    plan = openmla.plan_decode(sl, qsl, 128, num_sms=132)
+    programs = plan.capacity * 2
+    trace = torch.zeros(programs * 2 * (np_ + 1) * ne, dtype=torch.int64, device=device)
+    ref_out, ref_lse = _gluon_decode(q, cache, bt, sl, qsl, True, variant=variant)[:2]
+    out, lse = _gluon_decode(q, cache, bt, sl, qsl, True, variant=variant, trace=trace)[:2]
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-5, 1e-5, 1e-6)
+    t = trace.view(programs, 2, np_ + 1, ne).cpu()
+    items = plan.work_req[: plan.capacity].cpu().tolist()
+    splits = plan.work_split[: plan.capacity].cpu().tolist()
+    chunks = plan.split_len.cpu().tolist()
+    # n_events: _mark points per pair of warpgroup 0 / 1 (thread 0 of each stores its stamps)
+    for p in range(programs):
+        req = items[p // 2]
+        n_pairs = 0
+        if req >= 0:  # this program's key range (a split of its request)
+            kv_lo = splits[p // 2] * chunks[req]
+            n_pairs = -(-max(0, min(lens[req], kv_lo + chunks[req]) - kv_lo) // 128)
+        full = max(0, min(np_, n_pairs - 1 - lo))  # pairs before the last one: every point
+        for wg in (0, 1):
+            assert int(t[p, wg, :, n_events[wg]:].abs().sum()) == 0
+            for r in range(np_):
+                row = t[p, wg, r, : n_events[wg]]
+                if r < full:
+                    assert bool((row > 0).all()) and bool((row[1:] >= row[:-1]).all()), (p, wg, r, row)
+                elif lo + r == n_pairs - 1:  # the last pair: the points before its refills, then none
+                    k = int((row > 0).sum())
+                    assert 0 < k < n_events[wg] and bool((row[k:] == 0).all()), (p, wg, r, row)
+                    assert bool((row[1:k] >= row[: k - 1]).all()), (p, wg, r, row)
+                else:
+                    assert int(row.abs().sum()) == 0, (p, wg, r, row)
+            if req >= 0 and n_pairs > 0:  # the program's own stamps: start, Q stored, first scores, loop, end
+                prog = t[p, wg, np_, :5]
+                assert bool((prog > 0).all()) and bool((prog[1:] >= prog[:-1]).all()), (p, wg, prog)
 
 
 @_gpu_test

@@ -113,7 +113,7 @@ WS_PRODUCER_REGS = 32
 SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
 # "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
-SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r")
+SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea")
 
 
 if GLUON_AVAILABLE:
@@ -428,7 +428,7 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
 def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                            scale_log2: float, v_scale: float, causal: bool, d_v: int, *, block_n: int = 64,
                            stages: int | None = None, variant: str = "ws",
-                           box_rows: int | None = None) -> None:  # fmt: skip
+                           box_rows: int | None = None, trace: torch.Tensor | None = None) -> None:  # fmt: skip
     r"""Launch the Gluon split-KV kernel (same meaning as ``_mla_decode_split`` in ``ops/decode.py``).
 
     Writes the final rows of single-split requests into ``out``/``lse`` and the normalised fp32
@@ -459,17 +459,26 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             slower, RESULTS.md run 42).
             ``"seesaw-pair-r"``: seesaw-pair in FlashMLA's refill order (warpgroup 1: its own P_b V_bR first,
             then P_a V_aR, the next scores from stage 1's R half first; warpgroup 0: stage 0's L half refilled
-            before P_a is stored; 3-5% faster than seesaw-pair at h128 b128, RESULTS.md run 48; ``mla_decode``
-            runs it at h128).
+            before P_a is stored; 3-5% faster than seesaw-pair at h128 b128, RESULTS.md run 48).
+            ``"seesaw-pair-ea"``: the pair kernel with each P published at its own warpgroup's row max right
+            after its softmax and the block ids looked up a pair ahead, so that the refills that end a pair go
+            out earlier (the comment above ``_pair_wg0e``; 1.8-2.5% faster than seesaw-pair-r at h128 b128,
+            RESULTS.md run 58; ``mla_decode`` runs it at h128).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
         box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
             size and split lengths that are multiples of 64, so a tile never crosses a page; half the copies,
             0.3-2.2% faster, RESULTS.md run 48). None: 64 where it applies, else 32.
+        trace (torch.Tensor | None): seesaw-pair variants only, a diagnostic: an int64 CUDA tensor of at least
+            ``programs * 2 * (TRACE_NP + 1) * TRACE_NE`` elements (``programs = plan.capacity`` x head blocks x
+            query blocks; the constants are in ``decode_gluon_seesaw``) that receives each warpgroup's cycle
+            stamps (``benchmarks/experiments/pair_trace.py`` reads them). None (default): no trace code.
     """
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if variant not in SEESAW_VARIANTS + ("ws", "seesaw-const"):
         raise ValueError(f"variant must be 'ws', 'seesaw-const' or one of {SEESAW_VARIANTS}; got {variant!r}")
+    if trace is not None and not variant.startswith("seesaw-pair"):
+        raise ValueError(f"trace needs a seesaw-pair variant; got {variant!r}")
     if variant.startswith("seesaw") and (fp8 or block_n != 64 or stages not in (None, 2)):
         raise ValueError("variant='seesaw' takes a bf16 cache, 64-key tiles and 2 stages; got "
                          f"{kv_cache.dtype}, block_n={block_n}, stages={stages}")  # fmt: skip
@@ -508,6 +517,13 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
             q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
             H, num_blocks, block_table.shape[1])  # fmt: skip
+    if trace is not None:
+        from openmla.ops.decode_gluon_seesaw import TRACE_NE, TRACE_NP
+
+        need = grid[0] * 2 * (TRACE_NP.value + 1) * TRACE_NE.value
+        if trace.dtype != torch.int64 or trace.device != q.device or trace.numel() < need:
+            raise ValueError(f"trace must be an int64 tensor on {q.device} with >= {need} elements; got "
+                             f"{trace.dtype} {tuple(trace.shape)} on {trace.device}")  # fmt: skip
     if variant.startswith("seesaw"):
         half_desc = TensorDescriptor(kv2d, shape, strides, [box_rows, 256], _kv_layout())  # half a latent row a copy
         rope_desc = TensorDescriptor(kv2d, shape, strides, [box_rows, D_R], _kv_layout(fp8, D_R))
@@ -516,7 +532,8 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         pair = variant.startswith("seesaw-pair")
         _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], PAIR=pair,
                                               NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
-                                              **kw)  # fmt: skip
+                                              EARLY=variant.endswith("-ea"), trace=trace,
+                                              TRACE=trace is not None, **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
         *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,

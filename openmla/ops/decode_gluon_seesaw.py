@@ -20,6 +20,10 @@ from openmla.ops._gluon import (
 
 # first hardware (named) barrier id of seesaw-pair-nb's handoffs (Triton's warp-specialised partitions use 0-2)
 NAMED_BASE = gl.constexpr(8)
+# the pair kernel's optional cycle trace (``_mark``): first traced pair, traced pairs, events per pair and warpgroup
+TRACE_LO = gl.constexpr(16)
+TRACE_NP = gl.constexpr(16)
+TRACE_NE = gl.constexpr(16)
 
 if GLUON_AVAILABLE:
     from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
@@ -332,8 +336,7 @@ if GLUON_AVAILABLE:
     # h32 -6%, h128 q2 +2%, b1 -10%). Measured and dropped: P_a published at M_a right after WG0's softmax, WG1
     # adding P_a V_aR during its own softmax (run 41, no gain).
     # NAMED ("seesaw-pair-nb"; 1-2% slower, run 42): the four handoffs of a pair on hardware named barriers.
-    # R_FIRST ("seesaw-pair-r"; mla_decode's kernel when 2+ programs read each KV tile and the batch fills a wave
-    # of them): FlashMLA's sm90 order. WG1 adds P_b V_bR before P_a V_aR, refills stage 1's R half first and
+    # R_FIRST ("seesaw-pair-r"; mla_decode's kernel at h128 before seesaw-pair-ea): FlashMLA's sm90 order. WG1 adds P_b V_bR before P_a V_aR, refills stage 1's R half first and
     # starts the scores of b + 2 on it (the L half, refilled last by WG0 after P_b V_bL, is needed last: run 46's
     # largest wait, 16% of the stall samples, was WG1 waiting for that L half); WG0 refills stage 0's L half before
     # it stores P_a. 3-5% faster than seesaw-pair, 3-4% faster than seesaw at h128 b128 (run 48); its TMA waits
@@ -377,6 +380,30 @@ if GLUON_AVAILABLE:
         return gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
 
     @gluon.jit
+    def _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2):
+        """``_pair_mask`` with the two boxes' validity given (``ok0``, ``ok1``: looked up ahead, no load here)."""
+        lo = gl.where(ok0, n0, n0 + 32)
+        hi = gl.minimum(limit, gl.where(ok1, n0 + 64, n0 + 32))
+        key = key0 + n0
+        return gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
+
+    @gluon.jit
+    def _pair_rows_ahead(p_bt, n, kv_hi, max_blocks, num_blocks, PAGE: gl.constexpr, LAST: gl.constexpr):
+        """The TMA rows of the two 32-key boxes of the tiles at keys ``n`` and ``n + 64`` (the next pair's
+        refills); zeros (unused) for the ``LAST`` pair."""
+        if not LAST:
+            r0 = _kv_rows(p_bt, n, kv_hi, max_blocks, num_blocks, PAGE, 0)
+            r1 = _kv_rows(p_bt, n, kv_hi, max_blocks, num_blocks, PAGE, 1)
+            r2 = _kv_rows(p_bt, n + 64, kv_hi, max_blocks, num_blocks, PAGE, 0)
+            r3 = _kv_rows(p_bt, n + 64, kv_hi, max_blocks, num_blocks, PAGE, 1)
+        else:
+            r0 = n * 0
+            r1 = r0
+            r2 = r0
+            r3 = r0
+        return r0, r1, r2, r3
+
+    @gluon.jit
     def _pair_qk_half(q_smem, lat, rope, b_s, bar, ph, z, HALF_IDX: gl.constexpr, ROPE: gl.constexpr,
                       FIRST: gl.constexpr):  # fmt: skip
         """Wait for one TMA group of a stage (latent half ``HALF_IDX``, + the rope when ``ROPE``) and issue its
@@ -409,10 +436,23 @@ if GLUON_AVAILABLE:
         return z, lat_smem.index(0 + z), lat_smem.index(1 + z), rope_smem.index(0 + z), rope_smem.index(1 + z)
 
     @gluon.jit
+    def _mark(trace, tb, i, EV: gl.constexpr, TRACE: gl.constexpr):
+        """``TRACE``: store the SM's cycle counter (``%clock64``) as event ``EV`` of pair ``i`` into ``trace``
+        (``int64 [programs, 2, TRACE_NP + 1, TRACE_NE]``, row ``tb`` = this program and warpgroup): pairs
+        ``TRACE_LO .. TRACE_LO + TRACE_NP - 1``, and ``i = -1`` for the program's own events (the last row).
+        ``benchmarks/experiments/pair_trace.py`` reads it; without ``TRACE`` nothing is emitted."""
+        if TRACE:
+            t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [tb], dtype=gl.int64, is_pure=False,
+                                          pack=1)  # fmt: skip
+            row = gl.where(i < 0, TRACE_NP, i - TRACE_LO)
+            on = (i < 0) | ((i >= TRACE_LO) & (i < TRACE_LO + TRACE_NP))
+            gl.store(trace + (tb * (TRACE_NP + 1) + row) * TRACE_NE + EV, t, mask=on)
+
+    @gluon.jit
     def _pair_wg0(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                   ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                  max_blocks, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
-                  NAMED: gl.constexpr, R_FIRST: gl.constexpr):  # fmt: skip
+                  max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
+                  NAMED: gl.constexpr, R_FIRST: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 0, pair ``i`` (``b_s`` = the finished scores of tile a). Returns the scores of tile a + 2
         (finished; unchanged when ``LAST``), O_L, its row sums and the running max M_b. ``R_FIRST``
         (``"seesaw-pair-r"``, FlashMLA's placement): stage 0's L half is refilled as soon as M_b is known and
@@ -424,6 +464,7 @@ if GLUON_AVAILABLE:
         z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i, OPAQUE)
         ph = i & 1
         n0 = kv_lo + i * 128  # tile a; tile b starts at n0 + 64
+        _mark(trace, tb, i, 0, TRACE)
         # softmax of S_a with M_{b-1}; publish M_a
         b_s = _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE)
         m_a = gl.maximum(m_run, gl.max(b_s, axis=1))
@@ -433,25 +474,31 @@ if GLUON_AVAILABLE:
         b_l = b_l + gl.sum(b_p, axis=1)
         m_smem.index(0).store(m_a)
         _pair_signal(m_ready.index(0), nb, NAMED)
+        _mark(trace, tb, i, 1, TRACE)
         if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
             _zero_tail(lat0, n0, L, 64, 4)
         # O_L += P_a V_aL, P_a in registers
         p_op = gl.convert_layout(b_p.to(gl.bfloat16), P_LAYOUT)
         acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
+        _mark(trace, tb, i, 2, TRACE)
         # P_a at M_b for warpgroup 1, over stage 0's rope columns (the scores are done with them)
         _pair_await(m_ready.index(1), ph, nb + 1, NAMED)
+        _mark(trace, tb, i, 3, TRACE)
         if R_FIRST:
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            _mark(trace, tb, i, 4, TRACE)
             if not LAST:  # stage 0's L half: warpgroup 0 was its last reader
                 gl.thread_barrier()
                 _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), p_bt, n0 + 128, kv_hi,
                              max_blocks, num_blocks, 0, 0, False, PAGE)  # fmt: skip
+            _mark(trace, tb, i, 5, TRACE)
         m_b = m_smem.index(1).load(ROW_S)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
         b_sc = gl.where(m_a == float("-inf"), 1.0, gl.exp2(m_a - m_b_use))  # (P_a and O_L are 0 while M_a is -inf)
         rope0.store((b_p * gl.expand_dims(b_sc, 1)).to(gl.bfloat16))
         fence_async_shared()
         _pair_signal(p_ready.index(0), nb + 2, NAMED)
+        _mark(trace, tb, i, 6, TRACE)
         if not R_FIRST:
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         acc = acc * gl.expand_dims(gl.convert_layout(b_sc, ROW_O), 1)
@@ -462,15 +509,21 @@ if GLUON_AVAILABLE:
                          max_blocks, num_blocks, 0, 0, False, PAGE)  # fmt: skip
         # O_L += P_b V_bL
         _pair_await(p_ready.index(1), ph, nb + 3, NAMED)
+        _mark(trace, tb, i, 7, TRACE)
         acc = warpgroup_mma(rope1, lat1.slice(0, 256, dim=1), acc, is_async=True)
         if not LAST:
             b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l.index(0), ph ^ 1, z, 0, False, True)
+            _mark(trace, tb, i, 8, TRACE)
             acc = warpgroup_mma_wait(4, deps=(acc,))  # P_b V_bL done (the 4 scores MMAs may run on)
+            _mark(trace, tb, i, 9, TRACE)
             gl.thread_barrier()  # stage 1's L half and rope columns (P_b): warpgroup 0 was their last reader
             _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(1), p_bt, n0 + 192, kv_hi,
                          max_blocks, num_blocks, 1, 0, True, PAGE)  # fmt: skip
+            _mark(trace, tb, i, 10, TRACE)
             b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_r.index(0), ph ^ 1, z, 1, True, False)
+            _mark(trace, tb, i, 11, TRACE)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
+            _mark(trace, tb, i, 12, TRACE)
         else:
             acc = warpgroup_mma_wait(0, deps=(acc,))
         return b_s, acc, b_l, m_b
@@ -478,8 +531,8 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _pair_wg1(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                   ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                  max_blocks, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
-                  NAMED: gl.constexpr, R_FIRST: gl.constexpr):  # fmt: skip
+                  max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
+                  NAMED: gl.constexpr, R_FIRST: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` (``b_s`` = the finished scores of tile b). Returns the scores of tile b + 2
         (finished; unchanged when ``LAST``), O_R, its row sums and the running max M_b. ``R_FIRST``
         (``"seesaw-pair-r"``, FlashMLA's order for this warpgroup): its own P_b V_bR first (no wait), so stage 1's
@@ -491,9 +544,11 @@ if GLUON_AVAILABLE:
         z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i, OPAQUE)
         ph = i & 1
         n0 = kv_lo + i * 128 + 64  # tile b
+        _mark(trace, tb, i, 0, TRACE)
         b_s = _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE)
         # softmax of S_b with M_a (which already holds this warpgroup's M_{b-1}); publish M_b, then P_b
         _pair_await(m_ready.index(0), ph, nb, NAMED)
+        _mark(trace, tb, i, 1, TRACE)
         m_a = m_smem.index(0).load(ROW_S)
         m_b = gl.maximum(m_a, gl.max(b_s, axis=1))
         acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_b, ROW_O)
@@ -502,16 +557,19 @@ if GLUON_AVAILABLE:
         b_l = b_l + gl.sum(b_p, axis=1)
         m_smem.index(1).store(m_b)
         _pair_signal(m_ready.index(1), nb + 1, NAMED)
+        _mark(trace, tb, i, 2, TRACE)
         if n0 + 64 > L:
             _zero_tail(lat1, n0, L, 64, 4)
         p_bf = b_p.to(gl.bfloat16)
         rope1.store(p_bf)
         fence_async_shared()
         _pair_signal(p_ready.index(1), nb + 3, NAMED)
+        _mark(trace, tb, i, 3, TRACE)
         p_op = gl.convert_layout(p_bf, P_LAYOUT)
         if R_FIRST:  # O_R += P_b V_bR (P_b in registers, no wait), then O_R += P_a V_aR
             acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
             _pair_await(p_ready.index(0), ph, nb + 2, NAMED)
+            _mark(trace, tb, i, 4, TRACE)
             acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
         else:  # O_R += P_a V_aR (stage 0 first: its refill is on warpgroup 0's path), then O_R += P_b V_bR
             _pair_await(p_ready.index(0), ph, nb + 2, NAMED)
@@ -521,29 +579,188 @@ if GLUON_AVAILABLE:
             # the first P V done (the second may run on): warpgroup 1 was the last reader of that stage's R half
             # (stage 0: and of its rope columns, P_a); refill it, then the other stage's once both are done
             p_op = warpgroup_mma_wait(1, deps=(p_op,))
+            _mark(trace, tb, i, 5, TRACE)
             gl.thread_barrier()
             if R_FIRST:
                 _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
                              max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
+                _mark(trace, tb, i, 6, TRACE)
             else:
                 _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
                              max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            _mark(trace, tb, i, 7, TRACE)
             gl.thread_barrier()
             if R_FIRST:
                 _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
                              max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
+                _mark(trace, tb, i, 8, TRACE)
                 b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, True)
+                _mark(trace, tb, i, 9, TRACE)
                 b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, False)
+                _mark(trace, tb, i, 10, TRACE)
             else:
                 _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
                              max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
                 b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True)
                 b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
+            _mark(trace, tb, i, 11, TRACE)
         else:
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         return b_s, acc, b_l, m_b
+
+    # EARLY ("seesaw-pair-ea"; mla_decode's kernel at h128): each P is published at its own warpgroup's row max as
+    # soon as its softmax is done, so that no P V waits for the other warpgroup's softmax, and every block id is
+    # looked up a pair ahead. The cycle trace of seesaw-pair-r (benchmarks/experiments/pair_trace.py, RESULTS.md run
+    # 54) showed its two last refills of a pair issued 4,100-4,400 cycles into a 6,400-cycle pair and landing
+    # 1,900-2,000 cycles later (1,400 from L2), with both warpgroups' next scores waiting on them; here they go out
+    # 600-800 cycles earlier (run 57). Per pair:
+    #   WG0: row max of S_a -> M_a out (before the exponentials); O_L to M_a; P_a = exp(S_a - M_a) over stage 0's
+    #        rope columns -> out; O_L += P_a V_aL (P_a in registers); refills stage 0's L half; M_b in: O_L to M_b;
+    #        P_b in: O_L += P_b V_bL; refills stage 1's L half + rope (P_b's columns); looks up the block ids of
+    #        the next pair's refills; the scores of a + 2.
+    #   WG1: row max of S_b; M_a in -> M_b = max(M_a, row max) out; P_b = exp(S_b - M_b) over stage 1's rope
+    #        columns -> out; O_R to M_a; P_a in: O_R += P_a V_aR; refills stage 0's R half + rope (P_a's columns);
+    #        O_R to M_b; O_R += P_b V_bR (P_b in registers); refills stage 1's R half; looks up the next block ids;
+    #        the scores of b + 2.
+    # O_R is rescaled twice a pair (to M_a, then to M_b), O_L twice as before. Measured (RESULTS.md runs 55-58):
+    # 1.8-2.5% faster than seesaw-pair-r at h128 b128 q1 and q2; the early P alone (block ids looked up where they
+    # are used) no faster than seesaw-pair-r; P_a rescaled to M_b in warpgroup 1's registers so that both its P V
+    # go out back to back (one O_R rescale) 5% slower.
+
+    @gluon.jit
+    def _pair_wg0e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
+                   rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
+                   scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
+                   LAST: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+        """Warpgroup 0, pair ``i`` of the EARLY schedule (the comment above). Arguments and results as ``_pair_wg0``,
+        plus the looked-up state carried from pair to pair: ``ok0`` / ``ok1`` (the validity of tile a's two 32-key
+        boxes, for the mask) and ``ra*`` / ``rb*`` (the TMA rows of tiles a + 2 and b + 2, this pair's refills);
+        returned for the next pair."""
+        O_LAYOUT: gl.constexpr = acc.type.layout
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        ROW_S: gl.constexpr = m_run.type.layout
+        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+        z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i, OPAQUE)
+        ph = i & 1
+        n0 = kv_lo + i * 128  # tile a; tile b starts at n0 + 64
+        _mark(trace, tb, i, 0, TRACE)
+        # no global load before the row max: the block ids were looked up during the previous pair's wait for its
+        # scores (the compiler moves a loaded block id into a uniform register right after its load, so a load
+        # here would stall the softmax; run 56 measured 970 cycles from the scores to M_a with it)
+        b_s = _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2)
+        m_a = gl.maximum(m_run, gl.max(b_s, axis=1))
+        m_smem.index(0).store(m_a)
+        _pair_signal(m_ready.index(0), 0, False)
+        _mark(trace, tb, i, 1, TRACE)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
+        m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
+        b_p = gl.exp2(b_s - gl.expand_dims(m_a_use, 1))
+        b_l = b_l + gl.sum(b_p, axis=1)
+        p_bf = b_p.to(gl.bfloat16)
+        if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
+            _zero_tail(lat0, n0, L, 64, 4)
+        rope0.store(p_bf)
+        fence_async_shared()
+        _pair_signal(p_ready.index(0), 0, False)
+        _mark(trace, tb, i, 2, TRACE)
+        p_op = gl.convert_layout(p_bf, P_LAYOUT)
+        acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        _mark(trace, tb, i, 3, TRACE)
+        if not LAST:  # stage 0's L half: warpgroup 0 was its last reader
+            gl.thread_barrier()
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), 0, ra0, ra1, 0, False)
+        _mark(trace, tb, i, 4, TRACE)
+        mbarrier.wait(m_ready.index(1), ph)
+        m_b = m_smem.index(1).load(ROW_S)
+        _mark(trace, tb, i, 5, TRACE)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_a, m_b, ROW_O)
+        mbarrier.wait(p_ready.index(1), ph)
+        _mark(trace, tb, i, 6, TRACE)
+        acc = warpgroup_mma(rope1, lat1.slice(0, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        _mark(trace, tb, i, 7, TRACE)
+        if not LAST:
+            gl.thread_barrier()  # stage 1's L half and rope columns (P_b): warpgroup 0 was their last reader
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(1), 1, rb0, rb1, 0, True)
+            _mark(trace, tb, i, 8, TRACE)
+        na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + 256, kv_hi, max_blocks, num_blocks, PAGE, LAST)
+        if not LAST:
+            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l.index(0), ph ^ 1, z, 0, False, True)
+            _mark(trace, tb, i, 9, TRACE)
+            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_r.index(0), ph ^ 1, z, 1, True, False)
+            _mark(trace, tb, i, 10, TRACE)
+            b_s = warpgroup_mma_wait(0, deps=(b_s,))
+            _mark(trace, tb, i, 11, TRACE)
+        limit_rows = num_blocks * PAGE  # _kv_rows' row for an invalid box
+        return b_s, acc, b_l, m_b, ra0 < limit_rows, ra1 < limit_rows, na0, na1, nb0, nb1
+
+    @gluon.jit
+    def _pair_wg1e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
+                   rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
+                   scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
+                   LAST: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+        """Warpgroup 1, pair ``i`` of the EARLY schedule (the comment above ``_pair_wg0e``); arguments and results
+        as ``_pair_wg0e`` (``ok0`` / ``ok1``: tile b's boxes)."""
+        O_LAYOUT: gl.constexpr = acc.type.layout
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        ROW_S: gl.constexpr = m_run.type.layout
+        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+        z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i, OPAQUE)
+        ph = i & 1
+        n0 = kv_lo + i * 128 + 64  # tile b
+        _mark(trace, tb, i, 0, TRACE)
+        b_s = _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2)
+        row_max = gl.max(b_s, axis=1)
+        mbarrier.wait(m_ready.index(0), ph)
+        m_a = m_smem.index(0).load(ROW_S)
+        _mark(trace, tb, i, 1, TRACE)
+        m_b = gl.maximum(m_a, row_max)
+        m_smem.index(1).store(m_b)
+        _pair_signal(m_ready.index(1), 0, False)
+        _mark(trace, tb, i, 2, TRACE)
+        m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
+        b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
+        l_b = gl.sum(b_p, axis=1)
+        p_bf = b_p.to(gl.bfloat16)
+        if n0 + 64 > L:
+            _zero_tail(lat1, n0, L, 64, 4)
+        rope1.store(p_bf)
+        fence_async_shared()
+        _pair_signal(p_ready.index(1), 0, False)
+        _mark(trace, tb, i, 3, TRACE)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
+        mbarrier.wait(p_ready.index(0), ph)
+        _mark(trace, tb, i, 4, TRACE)
+        acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        _mark(trace, tb, i, 5, TRACE)
+        if not LAST:  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
+            gl.thread_barrier()
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), 0, ra0, ra1, 1, True)
+        _mark(trace, tb, i, 6, TRACE)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_a, m_b, ROW_O)
+        b_l = b_l + l_b
+        p_op = gl.convert_layout(p_bf, P_LAYOUT)
+        acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        _mark(trace, tb, i, 7, TRACE)
+        if not LAST:  # stage 1's R half
+            gl.thread_barrier()
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), 1, rb0, rb1, 1, False)
+            _mark(trace, tb, i, 8, TRACE)
+        na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + 192, kv_hi, max_blocks, num_blocks, PAGE, LAST)
+        if not LAST:
+            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True)
+            _mark(trace, tb, i, 9, TRACE)
+            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False)
+            _mark(trace, tb, i, 10, TRACE)
+            b_s = warpgroup_mma_wait(0, deps=(b_s,))
+            _mark(trace, tb, i, 11, TRACE)
+        limit_rows = num_blocks * PAGE  # _kv_rows' row for an invalid box
+        return b_s, acc, b_l, m_b, rb0 < limit_rows, rb1 < limit_rows, na0, na1, nb0, nb1
 
     @gluon.jit
     def _pair_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
@@ -552,7 +769,7 @@ if GLUON_AVAILABLE:
                  stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
                  BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
                  N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
-                 R_FIRST: gl.constexpr):  # fmt: skip
+                 R_FIRST: gl.constexpr, EARLY: gl.constexpr, trace, TRACE: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # fmt: skip
@@ -565,6 +782,8 @@ if GLUON_AVAILABLE:
             block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB)
         n_pairs = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), 128)
         p_bt = block_table + i_b * stride_bt_b
+        tb = gl.program_id(0) * 2 + WG  # the trace row of this program and warpgroup
+        _mark(trace, tb, -1, 0, TRACE)
         # NAMED: hardware barriers NAMED_BASE .. + 3 carry the 4 handoffs of a pair (m_ready 0 / 1, p_ready 0 / 1;
         # Triton's partitions use 0-2); a runtime value (seq_lens >= 0), as the asm takes it in a register
         nb = (L >> 31) + NAMED_BASE
@@ -579,6 +798,7 @@ if GLUON_AVAILABLE:
                          max_blocks, num_blocks, 1, WG, WG == 0, PAGE)  # fmt: skip
 
         _seesaw_load_q(q, q_smem, qbar, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
+        _mark(trace, tb, -1, 1, TRACE)
         limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
         m_run = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
         b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
@@ -593,52 +813,89 @@ if GLUON_AVAILABLE:
             b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_l.index(WG), 0, z, 0, WG == 1, True)
             b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_r.index(WG), 0, z, 1, WG == 0, False)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
-        for i in range(0, n_pairs - 1):
-            if WG == 0:
-                b_s, acc, b_l, m_run = _pair_wg0(
-                    i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
-                    ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, False, NAMED, R_FIRST)  # fmt: skip
-            else:
-                b_s, acc, b_l, m_run = _pair_wg1(
-                    i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
-                    ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, False, NAMED, R_FIRST)  # fmt: skip
-        if n_pairs > 0:
-            if WG == 0:
-                b_s, acc, b_l, m_run = _pair_wg0(
-                    n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
-                    ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, True, NAMED, R_FIRST)  # fmt: skip
-            else:
-                b_s, acc, b_l, m_run = _pair_wg1(
-                    n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
-                    ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                    num_blocks, max_blocks, PAGE, OPAQUE, True, NAMED, R_FIRST)  # fmt: skip
+        _mark(trace, tb, -1, 2, TRACE)
+        if EARLY:
+            # the validity of this warpgroup's first tile's two boxes (for its mask) and the rows of the first pair's
+            # refills (tiles 2 and 3); the pairs look up the later ones a pair ahead
+            n_first = kv_lo + WG * 64
+            ok0 = _box_ok(p_bt, n_first, kv_hi, max_blocks, num_blocks, PAGE)
+            ok1 = _box_ok(p_bt, n_first + 32, kv_hi, max_blocks, num_blocks, PAGE)
+            ra0, ra1, rb0, rb1 = _pair_rows_ahead(p_bt, kv_lo + 128, kv_hi, max_blocks, num_blocks, PAGE, False)
+            for i in range(0, n_pairs - 1):
+                if WG == 0:
+                    b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
+                        i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
+                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
+                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, TRACE)  # fmt: skip
+                else:
+                    b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
+                        i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
+                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
+                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, TRACE)  # fmt: skip
+            if n_pairs > 0:
+                if WG == 0:
+                    b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
+                        n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
+                        lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, TRACE)  # fmt: skip
+                else:
+                    b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
+                        n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
+                        lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, TRACE)  # fmt: skip
+        else:
+            for i in range(0, n_pairs - 1):
+                if WG == 0:
+                    b_s, acc, b_l, m_run = _pair_wg0(
+                        i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
+                        ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                        num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, NAMED, R_FIRST, TRACE)  # fmt: skip
+                else:
+                    b_s, acc, b_l, m_run = _pair_wg1(
+                        i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
+                        ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                        num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, NAMED, R_FIRST, TRACE)  # fmt: skip
+            if n_pairs > 0:
+                if WG == 0:
+                    b_s, acc, b_l, m_run = _pair_wg0(
+                        n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
+                        ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                        num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, NAMED, R_FIRST, TRACE)  # fmt: skip
+                else:
+                    b_s, acc, b_l, m_run = _pair_wg1(
+                        n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
+                        ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
+                        num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, NAMED, R_FIRST, TRACE)  # fmt: skip
+        _mark(trace, tb, -1, 3, TRACE)
 
         _seesaw_finish(acc, b_l, m_run, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
                        stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)
+        _mark(trace, tb, -1, 4, TRACE)
 
     @gluon.jit
     def _mla_decode_gluon_seesaw_kernel(
         q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
         split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-        stride_o_t, stride_o_h, H, num_blocks, max_blocks,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks, trace,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
         PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, R_FIRST: gl.constexpr,
-        num_warps: gl.constexpr,
+        EARLY: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The seesaw kernels (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel.
         ``PAIR=False``: ``variant="seesaw"`` (the comment above ``_seesaw_wg``); ``PAIR=True``: ``"seesaw-pair"``
         (the comment above ``_pair_mask``), with ``NAMED`` (``"seesaw-pair-nb"``) its warpgroups' handoffs on
         hardware named barriers instead of mbarriers. ``lat_desc`` / ``rope_desc``: ``[32, 256]`` / ``[32, 64]``
         boxes over the cache's 2-D view. ``OPAQUE=False``: compile-time stage indices (``"seesaw-const"``,
-        spills)."""
+        spills). ``TRACE`` (pair kernel only): record cycle stamps into ``trace`` (``_mark``; else ``trace`` is
+        unused and may be None)."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
         gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
         gl.static_assert(PAIR or not NAMED, "named-barrier handoffs: the pair schedule only")
+        gl.static_assert(PAIR or not TRACE, "the cycle trace: the pair schedule only")
+        gl.static_assert(PAIR or not EARLY, "EARLY: a pair schedule")
+        gl.static_assert(not (EARLY and (NAMED or R_FIRST)), "EARLY has its own order and mbarrier handoffs")
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VEC_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
@@ -688,13 +945,13 @@ if GLUON_AVAILABLE:
                             work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                             v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
                             max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED,
-                            R_FIRST)),
+                            R_FIRST, EARLY, trace, TRACE)),
                 (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                             work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                             v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
                             max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED,
-                            R_FIRST)),
+                            R_FIRST, EARLY, trace, TRACE)),
             ], [4], [WG_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
