@@ -48,6 +48,7 @@ EVENTS = {
             "S_b+2 done"],
     },
 }
+EVENTS["seesaw-pair-ef"] = EVENTS["seesaw-pair-ea"]
 PROGRAM_EVENTS = ["start", "Q stored", "first scores done", "loop done", "finished"]
 
 
