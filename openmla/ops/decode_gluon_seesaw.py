@@ -653,8 +653,11 @@ if GLUON_AVAILABLE:
         # scores (the compiler moves a loaded block id into a uniform register right after its load, so a load
         # here would stall the softmax; run 56 measured 970 cycles from the scores to M_a with it)
         b_s = _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2)
-        m_a = gl.maximum(m_run, gl.max(b_s, axis=1))
+        row_max = gl.max(b_s, axis=1)
+        _mark(trace, tb, i, 12, TRACE)
+        m_a = gl.maximum(m_run, row_max)
         m_smem.index(0).store(m_a)
+        _mark(trace, tb, i, 13, TRACE)
         _pair_signal(m_ready.index(0), 0, False)
         _mark(trace, tb, i, 1, TRACE)
         acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
