@@ -24,6 +24,9 @@ NAMED_BASE = gl.constexpr(8)
 TRACE_LO = gl.constexpr(16)
 TRACE_NP = gl.constexpr(16)
 TRACE_NE = gl.constexpr(16)
+# seesaw-pair-ef ("lazy" warpgroup 1): a pair keeps O_R at M_a when every row's M_b is within 2^LAZY_T of it, so its
+# P_b at M_a is at most 2^LAZY_T (bf16 and the fp32 accumulator have the range) and both its P V go out back to back
+LAZY_T = gl.constexpr(24.0)
 
 if GLUON_AVAILABLE:
     from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
@@ -405,16 +408,20 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _pair_qk_half(q_smem, lat, rope, b_s, bar, ph, z, HALF_IDX: gl.constexpr, ROPE: gl.constexpr,
-                      FIRST: gl.constexpr):  # fmt: skip
+                      FIRST: gl.constexpr, q_rope=0, QREG: gl.constexpr = False):  # fmt: skip
         """Wait for one TMA group of a stage (latent half ``HALF_IDX``, + the rope when ``ROPE``) and issue its
-        scores MMAs (chained async onto ``b_s``; ``FIRST``: the first half of the tile)."""
+        scores MMAs (chained async onto ``b_s``; ``FIRST``: the first half of the tile). ``QREG``: Q's rope part
+        comes from registers (``q_rope``), not shared memory."""
         mbarrier.wait(bar, ph)
         for c in gl.static_range(4):
             b_s = warpgroup_mma(q_smem.index(HALF_IDX * 4 + c + z),
                                 lat.slice((HALF_IDX * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
                                 use_acc=(c > 0) or not FIRST, is_async=True)  # fmt: skip
         if ROPE:
-            b_s = warpgroup_mma(q_smem.index(8 + z), rope.permute((1, 0)), b_s, is_async=True)
+            if QREG:
+                b_s = warpgroup_mma(q_rope, rope.permute((1, 0)), b_s, is_async=True)
+            else:
+                b_s = warpgroup_mma(q_smem.index(8 + z), rope.permute((1, 0)), b_s, is_async=True)
         return b_s
 
     @gluon.jit
@@ -630,10 +637,10 @@ if GLUON_AVAILABLE:
     # go out back to back (one O_R rescale) 5% slower.
 
     @gluon.jit
-    def _pair_wg0e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
+    def _pair_wg0e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, q_rope, lat_desc, rope_desc, q_smem, lat_smem,
                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
                    scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+                   LAST: gl.constexpr, QREG: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 0, pair ``i`` of the EARLY schedule (the comment above). Arguments and results as ``_pair_wg0``,
         plus the looked-up state carried from pair to pair: ``ok0`` / ``ok1`` (the validity of tile a's two 32-key
         boxes, for the mask) and ``ra*`` / ``rb*`` (the TMA rows of tiles a + 2 and b + 2, this pair's refills);
@@ -650,8 +657,11 @@ if GLUON_AVAILABLE:
         # scores (the compiler moves a loaded block id into a uniform register right after its load, so a load
         # here would stall the softmax; run 56 measured 970 cycles from the scores to M_a with it)
         b_s = _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2)
-        m_a = gl.maximum(m_run, gl.max(b_s, axis=1))
+        row_max = gl.max(b_s, axis=1)
+        _mark(trace, tb, i, 12, TRACE)
+        m_a = gl.maximum(m_run, row_max)
         m_smem.index(0).store(m_a)
+        _mark(trace, tb, i, 13, TRACE)
         _pair_signal(m_ready.index(0), 0, False)
         _mark(trace, tb, i, 1, TRACE)
         acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
@@ -688,9 +698,9 @@ if GLUON_AVAILABLE:
             _mark(trace, tb, i, 8, TRACE)
         na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + 256, kv_hi, max_blocks, num_blocks, PAGE, LAST)
         if not LAST:
-            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l.index(0), ph ^ 1, z, 0, False, True)
+            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l.index(0), ph ^ 1, z, 0, False, True, q_rope, QREG)
             _mark(trace, tb, i, 9, TRACE)
-            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_r.index(0), ph ^ 1, z, 1, True, False)
+            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_r.index(0), ph ^ 1, z, 1, True, False, q_rope, QREG)
             _mark(trace, tb, i, 10, TRACE)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
             _mark(trace, tb, i, 11, TRACE)
@@ -698,12 +708,13 @@ if GLUON_AVAILABLE:
         return b_s, acc, b_l, m_b, ra0 < limit_rows, ra1 < limit_rows, na0, na1, nb0, nb1
 
     @gluon.jit
-    def _pair_wg1e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
+    def _pair_wg1e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, q_rope, lat_desc, rope_desc, q_smem, lat_smem,
                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
                    scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+                   LAST: gl.constexpr, LAZY: gl.constexpr, QREG: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` of the EARLY schedule (the comment above ``_pair_wg0e``); arguments and results
-        as ``_pair_wg0e`` (``ok0`` / ``ok1``: tile b's boxes)."""
+        as ``_pair_wg0e`` (``ok0`` / ``ok1``: tile b's boxes), but the returned row max is the reference of O_R and
+        its row sums: M_b, or M_a after a ``LAZY`` pair (the comment above ``LAZY_T``)."""
         O_LAYOUT: gl.constexpr = acc.type.layout
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         ROW_S: gl.constexpr = m_run.type.layout
@@ -722,45 +733,83 @@ if GLUON_AVAILABLE:
         _pair_signal(m_ready.index(1), 0, False)
         _mark(trace, tb, i, 2, TRACE)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
-        b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
-        l_b = gl.sum(b_p, axis=1)
-        p_bf = b_p.to(gl.bfloat16)
-        if n0 + 64 > L:
-            _zero_tail(lat1, n0, L, 64, 4)
-        rope1.store(p_bf)
-        fence_async_shared()
-        _pair_signal(p_ready.index(1), 0, False)
-        _mark(trace, tb, i, 3, TRACE)
-        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
-        mbarrier.wait(p_ready.index(0), ph)
-        _mark(trace, tb, i, 4, TRACE)
-        acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        _mark(trace, tb, i, 5, TRACE)
-        if not LAST:  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
-            gl.thread_barrier()
+        m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
+        lazy = False
+        if LAZY and not LAST:  # every row's M_b within 2^LAZY_T of M_a (and M_a finite where M_b is): the lazy path
+            far = (m_b > m_a_use + LAZY_T) | ((m_a == float("-inf")) & (m_b > float("-inf")))
+            lazy = gl.max(far.to(gl.int32), axis=0) == 0
+        if lazy:
+            # O_R stays at M_a: P_b at M_a (<= 2^LAZY_T) in registers for its own P V, the two P V back to back;
+            # P_b at M_b for warpgroup 0 (one multiply, no second exponential)
+            b_p = gl.exp2(b_s - gl.expand_dims(m_a_use, 1))
+            l_b = gl.sum(b_p, axis=1)
+            p_bf = (b_p * gl.expand_dims(gl.exp2(m_a - m_b_use), 1)).to(gl.bfloat16)
+            if n0 + 64 > L:
+                _zero_tail(lat1, n0, L, 64, 4)
+            rope1.store(p_bf)
+            fence_async_shared()
+            _pair_signal(p_ready.index(1), 0, False)
+            _mark(trace, tb, i, 3, TRACE)
+            acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
+            b_l = b_l + l_b
+            mbarrier.wait(p_ready.index(0), ph)
+            _mark(trace, tb, i, 4, TRACE)
+            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
+            p_op = gl.convert_layout(b_p.to(gl.bfloat16), P_LAYOUT)
+            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
+            m_a_use = warpgroup_mma_wait(1, deps=(m_a_use,))  # P_a V_aR done (P_b V_bR runs on; a dep not in it)
+            _mark(trace, tb, i, 5, TRACE)
+            gl.thread_barrier()  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), 0, ra0, ra1, 1, True)
-        _mark(trace, tb, i, 6, TRACE)
-        acc, b_l = _seesaw_rescale(acc, b_l, m_a, m_b, ROW_O)
-        b_l = b_l + l_b
-        p_op = gl.convert_layout(p_bf, P_LAYOUT)
-        acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        _mark(trace, tb, i, 7, TRACE)
-        if not LAST:  # stage 1's R half
-            gl.thread_barrier()
+            _mark(trace, tb, i, 6, TRACE)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            _mark(trace, tb, i, 7, TRACE)
+            gl.thread_barrier()  # stage 1's R half
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), 1, rb0, rb1, 1, False)
             _mark(trace, tb, i, 8, TRACE)
+            m_ref = m_a
+        else:
+            m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
+            b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
+            l_b = gl.sum(b_p, axis=1)
+            p_bf = b_p.to(gl.bfloat16)
+            if n0 + 64 > L:
+                _zero_tail(lat1, n0, L, 64, 4)
+            rope1.store(p_bf)
+            fence_async_shared()
+            _pair_signal(p_ready.index(1), 0, False)
+            _mark(trace, tb, i, 3, TRACE)
+            acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
+            mbarrier.wait(p_ready.index(0), ph)
+            _mark(trace, tb, i, 4, TRACE)
+            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            _mark(trace, tb, i, 5, TRACE)
+            if not LAST:  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
+                gl.thread_barrier()
+                _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), 0, ra0, ra1, 1, True)
+            _mark(trace, tb, i, 6, TRACE)
+            acc, b_l = _seesaw_rescale(acc, b_l, m_a, m_b, ROW_O)
+            b_l = b_l + l_b
+            p_op = gl.convert_layout(p_bf, P_LAYOUT)
+            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            _mark(trace, tb, i, 7, TRACE)
+            if not LAST:  # stage 1's R half
+                gl.thread_barrier()
+                _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), 1, rb0, rb1, 1, False)
+                _mark(trace, tb, i, 8, TRACE)
+            m_ref = m_b
         na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + 192, kv_hi, max_blocks, num_blocks, PAGE, LAST)
         if not LAST:
-            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True)
+            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True, q_rope, QREG)
             _mark(trace, tb, i, 9, TRACE)
-            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False)
+            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False, q_rope, QREG)
             _mark(trace, tb, i, 10, TRACE)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
             _mark(trace, tb, i, 11, TRACE)
         limit_rows = num_blocks * PAGE  # _kv_rows' row for an invalid box
-        return b_s, acc, b_l, m_b, rb0 < limit_rows, rb1 < limit_rows, na0, na1, nb0, nb1
+        return b_s, acc, b_l, m_ref, rb0 < limit_rows, rb1 < limit_rows, na0, na1, nb0, nb1
 
     @gluon.jit
     def _pair_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
@@ -800,6 +849,10 @@ if GLUON_AVAILABLE:
         _seesaw_load_q(q, q_smem, qbar, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
         _mark(trace, tb, -1, 1, TRACE)
         limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
+        if EARLY == 3:  # seesaw-pair-eq: Q's rope part in registers for every scores MMA of the loop
+            q_rope = q_smem.index(8).load(gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2))
+        else:
+            q_rope = 0
         m_run = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
         b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
         acc = gl.zeros([BLOCK_M, 256], gl.float32, O_LAYOUT)
@@ -824,25 +877,27 @@ if GLUON_AVAILABLE:
             for i in range(0, n_pairs - 1):
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
-                        i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
+                        i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, q_rope, lat_desc, rope_desc, q_smem, lat_smem,
                         rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
-                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, TRACE)  # fmt: skip
+                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY == 3, TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
-                        i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
+                        i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, q_rope, lat_desc, rope_desc, q_smem, lat_smem,
                         rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
-                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, TRACE)  # fmt: skip
+                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY == 2, EARLY == 3,
+                        TRACE)  # fmt: skip
             if n_pairs > 0:
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
-                        n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
+                        n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, q_rope, lat_desc, rope_desc, q_smem,
                         lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, TRACE)  # fmt: skip
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY == 3, TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
-                        n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
+                        n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, q_rope, lat_desc, rope_desc, q_smem,
                         lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, TRACE)  # fmt: skip
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY == 2, EARLY == 3,
+                        TRACE)  # fmt: skip
         else:
             for i in range(0, n_pairs - 1):
                 if WG == 0:
