@@ -408,20 +408,16 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _pair_qk_half(q_smem, lat, rope, b_s, bar, ph, z, HALF_IDX: gl.constexpr, ROPE: gl.constexpr,
-                      FIRST: gl.constexpr, q_rope=0, QREG: gl.constexpr = False):  # fmt: skip
+                      FIRST: gl.constexpr):  # fmt: skip
         """Wait for one TMA group of a stage (latent half ``HALF_IDX``, + the rope when ``ROPE``) and issue its
-        scores MMAs (chained async onto ``b_s``; ``FIRST``: the first half of the tile). ``QREG``: Q's rope part
-        comes from registers (``q_rope``), not shared memory."""
+        scores MMAs (chained async onto ``b_s``; ``FIRST``: the first half of the tile)."""
         mbarrier.wait(bar, ph)
         for c in gl.static_range(4):
             b_s = warpgroup_mma(q_smem.index(HALF_IDX * 4 + c + z),
                                 lat.slice((HALF_IDX * 4 + c) * 64, 64, dim=1).permute((1, 0)), b_s,
                                 use_acc=(c > 0) or not FIRST, is_async=True)  # fmt: skip
         if ROPE:
-            if QREG:
-                b_s = warpgroup_mma(q_rope, rope.permute((1, 0)), b_s, is_async=True)
-            else:
-                b_s = warpgroup_mma(q_smem.index(8 + z), rope.permute((1, 0)), b_s, is_async=True)
+            b_s = warpgroup_mma(q_smem.index(8 + z), rope.permute((1, 0)), b_s, is_async=True)
         return b_s
 
     @gluon.jit
@@ -637,10 +633,10 @@ if GLUON_AVAILABLE:
     # go out back to back (one O_R rescale) 5% slower.
 
     @gluon.jit
-    def _pair_wg0e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, q_rope, lat_desc, rope_desc, q_smem, lat_smem,
+    def _pair_wg0e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
                    scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, QREG: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+                   LAST: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 0, pair ``i`` of the EARLY schedule (the comment above). Arguments and results as ``_pair_wg0``,
         plus the looked-up state carried from pair to pair: ``ok0`` / ``ok1`` (the validity of tile a's two 32-key
         boxes, for the mask) and ``ra*`` / ``rb*`` (the TMA rows of tiles a + 2 and b + 2, this pair's refills);
@@ -698,9 +694,9 @@ if GLUON_AVAILABLE:
             _mark(trace, tb, i, 8, TRACE)
         na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + 256, kv_hi, max_blocks, num_blocks, PAGE, LAST)
         if not LAST:
-            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l.index(0), ph ^ 1, z, 0, False, True, q_rope, QREG)
+            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l.index(0), ph ^ 1, z, 0, False, True)
             _mark(trace, tb, i, 9, TRACE)
-            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_r.index(0), ph ^ 1, z, 1, True, False, q_rope, QREG)
+            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_r.index(0), ph ^ 1, z, 1, True, False)
             _mark(trace, tb, i, 10, TRACE)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
             _mark(trace, tb, i, 11, TRACE)
@@ -708,10 +704,10 @@ if GLUON_AVAILABLE:
         return b_s, acc, b_l, m_b, ra0 < limit_rows, ra1 < limit_rows, na0, na1, nb0, nb1
 
     @gluon.jit
-    def _pair_wg1e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, q_rope, lat_desc, rope_desc, q_smem, lat_smem,
+    def _pair_wg1e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
                    scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, LAZY: gl.constexpr, QREG: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+                   LAST: gl.constexpr, LAZY: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` of the EARLY schedule (the comment above ``_pair_wg0e``); arguments and results
         as ``_pair_wg0e`` (``ok0`` / ``ok1``: tile b's boxes), but the returned row max is the reference of O_R and
         its row sums: M_b, or M_a after a ``LAZY`` pair (the comment above ``LAZY_T``)."""
@@ -802,9 +798,9 @@ if GLUON_AVAILABLE:
             m_ref = m_b
         na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + 192, kv_hi, max_blocks, num_blocks, PAGE, LAST)
         if not LAST:
-            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True, q_rope, QREG)
+            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True)
             _mark(trace, tb, i, 9, TRACE)
-            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False, q_rope, QREG)
+            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False)
             _mark(trace, tb, i, 10, TRACE)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
             _mark(trace, tb, i, 11, TRACE)
@@ -849,10 +845,6 @@ if GLUON_AVAILABLE:
         _seesaw_load_q(q, q_smem, qbar, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
         _mark(trace, tb, -1, 1, TRACE)
         limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
-        if EARLY == 3:  # seesaw-pair-eq: Q's rope part in registers for every scores MMA of the loop
-            q_rope = q_smem.index(8).load(gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2))
-        else:
-            q_rope = 0
         m_run = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
         b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
         acc = gl.zeros([BLOCK_M, 256], gl.float32, O_LAYOUT)
@@ -877,26 +869,26 @@ if GLUON_AVAILABLE:
             for i in range(0, n_pairs - 1):
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
-                        i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, q_rope, lat_desc, rope_desc, q_smem, lat_smem,
+                        i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                         rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
-                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY == 3, TRACE)  # fmt: skip
+                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
-                        i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, q_rope, lat_desc, rope_desc, q_smem, lat_smem,
+                        i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                         rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
-                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY == 2, EARLY == 3,
+                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY == 2,
                         TRACE)  # fmt: skip
             if n_pairs > 0:
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
-                        n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, q_rope, lat_desc, rope_desc, q_smem,
+                        n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
                         lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY == 3, TRACE)  # fmt: skip
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
-                        n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, q_rope, lat_desc, rope_desc, q_smem,
+                        n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
                         lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY == 2, EARLY == 3,
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY == 2,
                         TRACE)  # fmt: skip
         else:
             for i in range(0, n_pairs - 1):
