@@ -54,7 +54,7 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
         box = 64 if opt == "box64" else 32
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name.startswith("seesaw-pair"),
-                    NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"), EARLY={"-ea": 1, "-ef": 2}.get(name[-3:], 0),
+                    NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"), EARLY=name.endswith("-ea"),
                     OPAQUE=stages != "const",
                     TRACE=False, trace=None, num_warps=4)
     else:
@@ -120,8 +120,7 @@ def test_gluon_seesaw_compiles_for_sm90():
                                ["seesaw+box64", "opaque", False, 64, False],
                                ["seesaw-pair+box64", "opaque", True, 16, False],
                                ["seesaw-pair-ea+box64", "opaque", False, 64, False],
-                               ["seesaw-pair-ea", "opaque", True, 16, False],
-                               ["seesaw-pair-ef+box64", "opaque", False, 64, False]])  # fmt: skip
+                               ["seesaw-pair-ea", "opaque", True, 16, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
@@ -350,11 +349,11 @@ def test_gluon_decode_empty_rows(kernel, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("variant", ["seesaw-pair-ea", "seesaw-pair-ef"])
+@pytest.mark.parametrize("variant", ["seesaw-pair-ea"])
 @pytest.mark.parametrize("q_gain", [1.0, 40.0])
 def test_gluon_pair_score_jumps(variant, q_gain, device):
-    # large scores (q x 40: the row max jumps by tens of units in log2 from tile to tile, past seesaw-pair-ef's
-    # LAZY_T) and ordinary ones (its lazy path), causal and not, a split request, an empty one
+    # large scores (q x 40: the row max jumps by tens of units in log2 from tile to tile) and ordinary ones,
+    # causal and not, a split request, an empty one
     lens = [8191, 3000, 0, 129, 12345]
     q, cache, bt, sl, qsl = _batch(device, 128, [1, 2, 1, 1, 1], lens, 64)
     q = (q.float() * q_gain).to(torch.bfloat16)
@@ -365,12 +364,11 @@ def test_gluon_pair_score_jumps(variant, q_gain, device):
 # the points of each warpgroup in program order (the pair-e kernels' points 12-13 fall between 0 and 1)
 TRACE_ORDER = {"seesaw-pair-r": (list(range(13)), list(range(12))),
                "seesaw-pair-ea": ([0, 12, 13, *range(1, 12)], list(range(12)))}
-TRACE_ORDER["seesaw-pair-ef"] = TRACE_ORDER["seesaw-pair-ea"]
 
 
 @_gpu_test
 @pytest.mark.parametrize("variant,n_events",
-                         [("seesaw-pair-r", (13, 12)), ("seesaw-pair-ea", (14, 12)), ("seesaw-pair-ef", (14, 12))])
+                         [("seesaw-pair-r", (13, 12)), ("seesaw-pair-ea", (14, 12))])
 def test_gluon_pair_trace(variant, n_events, device):
     # the pair kernel's cycle trace: same results as untraced; each warpgroup's stamps of a traced pair rise in
     # program order, pairs outside the traced window and untraced programs are left alone

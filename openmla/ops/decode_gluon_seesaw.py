@@ -24,9 +24,6 @@ NAMED_BASE = gl.constexpr(8)
 TRACE_LO = gl.constexpr(16)
 TRACE_NP = gl.constexpr(16)
 TRACE_NE = gl.constexpr(16)
-# seesaw-pair-ef ("lazy" warpgroup 1): a pair keeps O_R at M_a when every row's M_b is within 2^LAZY_T of it, so its
-# P_b at M_a is at most 2^LAZY_T (bf16 and the fp32 accumulator have the range) and both its P V go out back to back
-LAZY_T = gl.constexpr(24.0)
 
 if GLUON_AVAILABLE:
     from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
@@ -707,10 +704,9 @@ if GLUON_AVAILABLE:
     def _pair_wg1e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
                    scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, LAZY: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+                   LAST: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` of the EARLY schedule (the comment above ``_pair_wg0e``); arguments and results
-        as ``_pair_wg0e`` (``ok0`` / ``ok1``: tile b's boxes), but the returned row max is the reference of O_R and
-        its row sums: M_b, or M_a after a ``LAZY`` pair (the comment above ``LAZY_T``)."""
+        as ``_pair_wg0e`` (``ok0`` / ``ok1``: tile b's boxes)."""
         O_LAYOUT: gl.constexpr = acc.type.layout
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         ROW_S: gl.constexpr = m_run.type.layout
@@ -729,73 +725,35 @@ if GLUON_AVAILABLE:
         _pair_signal(m_ready.index(1), 0, False)
         _mark(trace, tb, i, 2, TRACE)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
-        m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
-        lazy = False
-        if LAZY and not LAST:  # every row's M_b within 2^LAZY_T of M_a (and M_a finite where M_b is): the lazy path
-            far = (m_b > m_a_use + LAZY_T) | ((m_a == float("-inf")) & (m_b > float("-inf")))
-            lazy = gl.max(far.to(gl.int32), axis=0) == 0
-        if lazy:
-            # O_R stays at M_a: P_b at M_a (<= 2^LAZY_T) in registers for its own P V, the two P V back to back;
-            # P_b at M_b for warpgroup 0 (one multiply, no second exponential)
-            b_p = gl.exp2(b_s - gl.expand_dims(m_a_use, 1))
-            l_b = gl.sum(b_p, axis=1)
-            p_bf = (b_p * gl.expand_dims(gl.exp2(m_a - m_b_use), 1)).to(gl.bfloat16)
-            if n0 + 64 > L:
-                _zero_tail(lat1, n0, L, 64, 4)
-            rope1.store(p_bf)
-            fence_async_shared()
-            _pair_signal(p_ready.index(1), 0, False)
-            _mark(trace, tb, i, 3, TRACE)
-            acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
-            b_l = b_l + l_b
-            mbarrier.wait(p_ready.index(0), ph)
-            _mark(trace, tb, i, 4, TRACE)
-            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
-            p_op = gl.convert_layout(b_p.to(gl.bfloat16), P_LAYOUT)
-            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
-            m_a_use = warpgroup_mma_wait(1, deps=(m_a_use,))  # P_a V_aR done (P_b V_bR runs on; a dep not in it)
-            _mark(trace, tb, i, 5, TRACE)
-            gl.thread_barrier()  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
+        b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
+        l_b = gl.sum(b_p, axis=1)
+        p_bf = b_p.to(gl.bfloat16)
+        if n0 + 64 > L:
+            _zero_tail(lat1, n0, L, 64, 4)
+        rope1.store(p_bf)
+        fence_async_shared()
+        _pair_signal(p_ready.index(1), 0, False)
+        _mark(trace, tb, i, 3, TRACE)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
+        mbarrier.wait(p_ready.index(0), ph)
+        _mark(trace, tb, i, 4, TRACE)
+        acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        _mark(trace, tb, i, 5, TRACE)
+        if not LAST:  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
+            gl.thread_barrier()
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), 0, ra0, ra1, 1, True)
-            _mark(trace, tb, i, 6, TRACE)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            _mark(trace, tb, i, 7, TRACE)
-            gl.thread_barrier()  # stage 1's R half
+        _mark(trace, tb, i, 6, TRACE)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_a, m_b, ROW_O)
+        b_l = b_l + l_b
+        p_op = gl.convert_layout(p_bf, P_LAYOUT)
+        acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        _mark(trace, tb, i, 7, TRACE)
+        if not LAST:  # stage 1's R half
+            gl.thread_barrier()
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), 1, rb0, rb1, 1, False)
             _mark(trace, tb, i, 8, TRACE)
-            m_ref = m_a
-        else:
-            m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
-            b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
-            l_b = gl.sum(b_p, axis=1)
-            p_bf = b_p.to(gl.bfloat16)
-            if n0 + 64 > L:
-                _zero_tail(lat1, n0, L, 64, 4)
-            rope1.store(p_bf)
-            fence_async_shared()
-            _pair_signal(p_ready.index(1), 0, False)
-            _mark(trace, tb, i, 3, TRACE)
-            acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
-            mbarrier.wait(p_ready.index(0), ph)
-            _mark(trace, tb, i, 4, TRACE)
-            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            _mark(trace, tb, i, 5, TRACE)
-            if not LAST:  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
-                gl.thread_barrier()
-                _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), 0, ra0, ra1, 1, True)
-            _mark(trace, tb, i, 6, TRACE)
-            acc, b_l = _seesaw_rescale(acc, b_l, m_a, m_b, ROW_O)
-            b_l = b_l + l_b
-            p_op = gl.convert_layout(p_bf, P_LAYOUT)
-            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            _mark(trace, tb, i, 7, TRACE)
-            if not LAST:  # stage 1's R half
-                gl.thread_barrier()
-                _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), 1, rb0, rb1, 1, False)
-                _mark(trace, tb, i, 8, TRACE)
-            m_ref = m_b
         na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + 192, kv_hi, max_blocks, num_blocks, PAGE, LAST)
         if not LAST:
             b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True)
@@ -805,7 +763,7 @@ if GLUON_AVAILABLE:
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
             _mark(trace, tb, i, 11, TRACE)
         limit_rows = num_blocks * PAGE  # _kv_rows' row for an invalid box
-        return b_s, acc, b_l, m_ref, rb0 < limit_rows, rb1 < limit_rows, na0, na1, nb0, nb1
+        return b_s, acc, b_l, m_b, rb0 < limit_rows, rb1 < limit_rows, na0, na1, nb0, nb1
 
     @gluon.jit
     def _pair_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
@@ -876,8 +834,7 @@ if GLUON_AVAILABLE:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                         rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
-                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY == 2,
-                        TRACE)  # fmt: skip
+                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, TRACE)  # fmt: skip
             if n_pairs > 0:
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
@@ -888,8 +845,7 @@ if GLUON_AVAILABLE:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
                         lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY == 2,
-                        TRACE)  # fmt: skip
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, TRACE)  # fmt: skip
         else:
             for i in range(0, n_pairs - 1):
                 if WG == 0:
