@@ -54,7 +54,8 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
         box = 64 if opt == "box64" else 32
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name.startswith("seesaw-pair"),
-                    NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"), EARLY=name.endswith("-ea"),
+                    NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"),
+                    EARLY={"-ea": 1, "-es": 2}.get(name[-3:], 0),
                     OPAQUE=stages != "const",
                     TRACE=False, trace=None, num_warps=4)
     else:
@@ -77,6 +78,9 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in ("scale_log2", "v_scale"):
             sig[name] = "fp32"
+        elif name.startswith("stride_"):  # as the JIT specialises a multiple of 16 (q: 576-element rows)
+            sig[name] = "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "i32"
     k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
@@ -120,7 +124,9 @@ def test_gluon_seesaw_compiles_for_sm90():
                                ["seesaw+box64", "opaque", False, 64, False],
                                ["seesaw-pair+box64", "opaque", True, 16, False],
                                ["seesaw-pair-ea+box64", "opaque", False, 64, False],
-                               ["seesaw-pair-ea", "opaque", True, 16, False]])  # fmt: skip
+                               ["seesaw-pair-ea", "opaque", True, 16, False],
+                               ["seesaw-pair-es+box64", "opaque", False, 64, False],
+                               ["seesaw-pair-es", "opaque", True, 16, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
@@ -158,6 +164,10 @@ def test_gluon_decode_unsupported_on_cpu():
     with pytest.raises(ValueError, match="multiple of 64"):
         dg.mla_decode_split_gluon(q, cache[:, :32], None, None, None, None, None, None, 1.0, 1.0, True, 512,
                                   variant="seesaw", box_rows=64)
+    with pytest.raises(ValueError, match="16 bytes at a time"):  # q's rows are copied 16 bytes a thread
+        q_odd = torch.zeros(1, 16, 584, dtype=torch.bfloat16)[..., :576]
+        dg.mla_decode_split_gluon(q_odd, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512,
+                                  variant="seesaw-pair-ea")
     with pytest.raises(ValueError, match="trace needs a seesaw-pair"):  # the cycle trace: pair kernels only
         dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512,
                                   variant="seesaw", trace=torch.zeros(1, dtype=torch.int64))
@@ -349,7 +359,7 @@ def test_gluon_decode_empty_rows(kernel, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("variant", ["seesaw-pair-ea"])
+@pytest.mark.parametrize("variant", ["seesaw-pair-ea", "seesaw-pair-es"])
 @pytest.mark.parametrize("q_gain", [1.0, 40.0])
 def test_gluon_pair_score_jumps(variant, q_gain, device):
     # large scores (q x 40: the row max jumps by tens of units in log2 from tile to tile) and ordinary ones,
@@ -364,11 +374,12 @@ def test_gluon_pair_score_jumps(variant, q_gain, device):
 # the points of each warpgroup in program order (the pair-e kernels' points 12-13 fall between 0 and 1)
 TRACE_ORDER = {"seesaw-pair-r": (list(range(13)), list(range(12))),
                "seesaw-pair-ea": ([0, 12, 13, *range(1, 12)], list(range(12)))}
+TRACE_ORDER["seesaw-pair-es"] = TRACE_ORDER["seesaw-pair-ea"]
 
 
 @_gpu_test
 @pytest.mark.parametrize("variant,n_events",
-                         [("seesaw-pair-r", (13, 12)), ("seesaw-pair-ea", (14, 12))])
+                         [("seesaw-pair-r", (13, 12)), ("seesaw-pair-ea", (14, 12)), ("seesaw-pair-es", (14, 12))])
 def test_gluon_pair_trace(variant, n_events, device):
     # the pair kernel's cycle trace: same results as untraced; each warpgroup's stamps of a traced pair rise in
     # program order, pairs outside the traced window and untraced programs are left alone

@@ -8,6 +8,7 @@ when it is True).
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -19,8 +20,8 @@ try:
 
     GLUON_AVAILABLE = True
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed triton
-    gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+    gluon = gl = async_copy = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
     GLUON_AVAILABLE = False
 
-__all__ = ["GLUON_AVAILABLE", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma",
+__all__ = ["GLUON_AVAILABLE", "TensorDescriptor", "async_copy", "fence_async_shared", "gl", "gluon", "mbarrier", "tma",
            "warpgroup_mma", "warpgroup_mma_wait"]  # fmt: skip

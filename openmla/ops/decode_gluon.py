@@ -113,7 +113,7 @@ WS_PRODUCER_REGS = 32
 SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
 # "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
-SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea")
+SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea", "seesaw-pair-es")
 
 
 if GLUON_AVAILABLE:
@@ -414,6 +414,8 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
         return False
     if q.dim() != 3 or kv_cache.dim() != 3 or q.shape[2] != D_QK or kv_cache.shape[2] != D_QK:
         return False
+    if not _q_copyable(q):
+        return False
     if plan.d_v != D_V:
         return False
     page = kv_cache.shape[1]
@@ -423,6 +425,12 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
     if s2 != 1 or s0 != page * s1 or (s1 * kv_cache.element_size()) % 16 or kv_cache.data_ptr() % 16:
         return False
     return kv_cache.shape[0] * page < 2**31  # int32 TMA row coordinates
+
+
+def _q_copyable(q: torch.Tensor) -> bool:
+    """Whether the kernels' 16-byte copies of q's rows apply: last dim contiguous, token and head strides multiples
+    of 16 elements (what the JIT specialises on), 16-byte-aligned base."""
+    return q.stride(2) == 1 and q.stride(0) % 16 == 0 and q.stride(1) % 16 == 0 and q.data_ptr() % 16 == 0
 
 
 def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
@@ -464,6 +472,8 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             after its softmax and the block ids looked up a pair ahead, so that the refills that end a pair go
             out earlier (the comment above ``_pair_wg0e``; 1.8-2.5% faster than seesaw-pair-r at h128 b128,
             RESULTS.md run 58; ``mla_decode`` runs it at h128).
+            ``"seesaw-pair-es"``: seesaw-pair-ea with the scale folded into the exponent (one FMA a score) and the
+            key mask only in tiles that need it (a uniform branch); not yet measured.
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
         box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
@@ -477,6 +487,10 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if variant not in SEESAW_VARIANTS + ("ws", "seesaw-const"):
         raise ValueError(f"variant must be 'ws', 'seesaw-const' or one of {SEESAW_VARIANTS}; got {variant!r}")
+    if variant.startswith("seesaw") and not _q_copyable(q):
+        raise ValueError(f"the seesaw kernels copy q's rows 16 bytes at a time: q needs a contiguous last dim, token "
+                         f"and head strides that are multiples of 16 and a 16-byte-aligned base; got strides "
+                         f"{tuple(q.stride())}")  # fmt: skip
     if trace is not None and not variant.startswith("seesaw-pair"):
         raise ValueError(f"trace needs a seesaw-pair variant; got {variant!r}")
     if variant.startswith("seesaw") and (fp8 or block_n != 64 or stages not in (None, 2)):
@@ -532,7 +546,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         pair = variant.startswith("seesaw-pair")
         _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], PAIR=pair,
                                               NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
-                                              EARLY=variant.endswith("-ea"), trace=trace,
+                                              EARLY={"-ea": 1, "-es": 2}.get(variant[-3:], 0), trace=trace,
                                               TRACE=trace is not None, **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from openmla.ops._gluon import (
     GLUON_AVAILABLE,
+    async_copy,
     fence_async_shared,
     gl,
     gluon,
@@ -80,9 +81,12 @@ if GLUON_AVAILABLE:
         return i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi
 
     @gluon.jit
-    def _seesaw_load_q(q, q_smem, qbar, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H: gl.constexpr,
-                       Q_PER: gl.constexpr, WG: gl.constexpr):  # fmt: skip
-        """Q [64, 576] -> 9 swizzled chunks; each warpgroup stores alternate chunks, then both wait for all."""
+    def _seesaw_issue_q(q, q_smem, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H: gl.constexpr,
+                        Q_PER: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+        """Start copying Q [64, 576] into 9 swizzled chunks (cp.async, 16 bytes a thread; rows past the query or
+        the heads are zero-filled): each warpgroup copies alternate chunks; ``_seesaw_wait_q`` completes it. Issued
+        before the first tiles' block ids are looked up, so that the two latencies overlap (a register round trip
+        per chunk took 7,300-9,400 cycles to Q stored, RESULTS.md run 59)."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         LD_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD_LAYOUT))
@@ -93,8 +97,13 @@ if GLUON_AVAILABLE:
         o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD_LAYOUT)), 0)
         for c in gl.static_range(9):
             if c % 2 == WG:
-                b_q = gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0)
-                q_smem.index(c).store(b_q.to(gl.bfloat16))
+                async_copy.async_copy_global_to_shared(q_smem.index(c), p_q + (c * 64 + o_c), mask=m_ld)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _seesaw_wait_q(qbar):
+        """Wait for this warpgroup's Q copies (``_seesaw_issue_q``), then for the other warpgroup's."""
+        async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(qbar, count=1)
@@ -112,12 +121,14 @@ if GLUON_AVAILABLE:
         return gl.expand_dims(gl.minimum(limit, kv_hi), 1)
 
     @gluon.jit
-    def _seesaw_finish(acc, b_l, m_run, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
-                       stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN: gl.constexpr,
+    def _seesaw_finish(acc, b_l, m_run, l_smem, lbar, buf, num_splits, out, lse, o_part, lse_part, v_scale,
+                       stride_o_t, stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN: gl.constexpr,
                        BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Both warpgroups saw every tile at the same running max ``m_run``: the row sum is the sum of the two
         halves' sums (exchanged through ``l_smem``); normalise this warpgroup's 256 output columns and store
-        them (and, from warpgroup 0, the LSE) as final rows or as the work item's partial."""
+        them (and, from warpgroup 0, the LSE) as final rows or as the work item's partial. ``buf``: a free
+        ``[64, 256]`` bf16 shared buffer of this warpgroup (every MMA and copy is done once both warpgroups
+        passed ``lbar``) that stages bf16 final rows (``_store_out_staged``)."""
         ROW_S: gl.constexpr = b_l.type.layout
         VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         l_smem.index(WG).store(gl.convert_layout(b_l, VEC))
@@ -125,8 +136,44 @@ if GLUON_AVAILABLE:
         mbarrier.arrive(lbar, count=1)
         mbarrier.wait(lbar, 0)
         b_l = b_l + gl.convert_layout(l_smem.index(1 - WG).load(VEC), ROW_S)
-        _store_result(acc, b_l, m_run, v_scale, num_splits, out, lse, o_part, lse_part, stride_o_t, stride_o_h, H,
-                      i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG * 256, WG == 0)  # fmt: skip
+        n_split = gl.load(num_splits + i_b)
+        if (n_split == 1) & (out.dtype.element_ty == gl.bfloat16):
+            _store_out_staged(acc, b_l, m_run, v_scale, buf, out, lse, stride_o_t, stride_o_h, H, i_h, i_q,
+                              q_start, qlen, BLOCK_H, Q_PER, WG * 256, WG == 0)  # fmt: skip
+        else:
+            _store_result(acc, b_l, m_run, v_scale, num_splits, out, lse, o_part, lse_part, stride_o_t, stride_o_h,
+                          H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG * 256, WG == 0)  # fmt: skip
+
+    @gluon.jit
+    def _store_out_staged(acc, b_l, m_run, v_scale, buf, out, lse, stride_o_t, stride_o_h, H, i_h, i_q, q_start,
+                          qlen, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, COL0: gl.constexpr,
+                          WRITE_LSE: gl.constexpr):  # fmt: skip
+        """``_store_result``'s final rows (bf16 ``out``), staged through shared memory: the MMA layout's 4-byte
+        stores (8 rows x 16 bytes a warp instruction) become 16-byte stores of whole 512-byte row segments."""
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        NCOL: gl.constexpr = acc.shape[1]
+        ROW_S: gl.constexpr = b_l.type.layout
+        ROW_O: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        ST: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        empty_r = b_l == 0.0
+        b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_l))
+        buf.store((acc * gl.expand_dims(gl.convert_layout(b_inv, ROW_O), 1)).to(gl.bfloat16))
+        gl.thread_barrier()
+        b_o = buf.load(ST)
+        o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ST))
+        o_t = i_q * Q_PER + o_m // BLOCK_H
+        o_h = i_h * BLOCK_H + o_m % BLOCK_H
+        m_o = gl.expand_dims((o_t < qlen) & (o_h < H), 1)
+        row = (q_start + o_t).to(gl.int64)
+        o_v = gl.expand_dims(COL0 + gl.arange(0, NCOL, layout=gl.SliceLayout(0, ST)), 0)
+        gl.store(out + gl.expand_dims(row * stride_o_t + o_h * stride_o_h, 1) + o_v, b_o, mask=m_o)
+        if WRITE_LSE:
+            b_lse = gl.where(empty_r, float("-inf"),
+                             (m_run + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)  # fmt: skip
+            o_ms = gl.arange(0, BLOCK_M, layout=ROW_S)
+            o_ts = i_q * Q_PER + o_ms // BLOCK_H
+            o_hs = i_h * BLOCK_H + o_ms % BLOCK_H
+            gl.store(lse + (q_start + o_ts).to(gl.int64) * H + o_hs, b_lse, mask=(o_ts < qlen) & (o_hs < H))
 
     @gluon.jit
     def _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O: gl.constexpr):
@@ -282,6 +329,7 @@ if GLUON_AVAILABLE:
         n_own = gl.maximum(n_tiles - WG + 1, 0) // 2  # tiles WG, WG + 2, ...
         p_bt = block_table + i_b * stride_bt_b
 
+        _seesaw_issue_q(q, q_smem, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
         if n_own > 0:  # the first own tile, both groups
             n0 = kv_lo + WG * BLOCK_N
             r0 = _kv_rows(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE, 0)
@@ -289,7 +337,7 @@ if GLUON_AVAILABLE:
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
 
-        _seesaw_load_q(q, q_smem, qbar, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
+        _seesaw_wait_q(qbar)
         limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
         m_prev = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
         b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
@@ -315,8 +363,9 @@ if GLUON_AVAILABLE:
                                                 pready, ready_y, (n_own - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=(acc,))
 
-        _seesaw_finish(acc, b_l, m_prev, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
-                       stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)
+        _seesaw_finish(acc, b_l, m_prev, l_smem, lbar, lat_smem.index(OWN).slice(0, HALF, dim=1), num_splits, out,
+                       lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen,
+                       MAX_QLEN, BLOCK_H, Q_PER, WG)  # fmt: skip
 
     # ---- "seesaw-pair" kernel (FlashMLA's published seesaw order): the tiles go in pairs, a = 2i in stage 0
     # (scores by warpgroup 0), b = 2i + 1 in stage 1 (scores by warpgroup 1); warpgroup 0 holds output columns
@@ -386,6 +435,18 @@ if GLUON_AVAILABLE:
         hi = gl.minimum(limit, gl.where(ok1, n0 + 64, n0 + 32))
         key = key0 + n0
         return gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
+
+    @gluon.jit
+    def _pair_mask_raw(b_s, ok0, ok1, n0, limit, lim_lo, key0):
+        """FUSED: the raw scores with ``-inf`` outside each row's ``[lo, hi)`` (as ``_pair_mask_ok``, unscaled), in a
+        uniform branch taken only for a tile with an invalid box or a key at or past some row's limit
+        (``lim_lo``: the least of them); the scores of the other tiles go through untouched."""
+        if (ok0 == 0) | (ok1 == 0) | (n0 + 64 > lim_lo):
+            lo = gl.where(ok0, n0, n0 + 32)
+            hi = gl.minimum(limit, gl.where(ok1, n0 + 64, n0 + 32))
+            key = key0 + n0
+            b_s = gl.where((key >= lo) & (key < hi), b_s, float("-inf"))
+        return b_s
 
     @gluon.jit
     def _pair_rows_ahead(p_bt, n, kv_hi, max_blocks, num_blocks, PAGE: gl.constexpr, LAST: gl.constexpr):
@@ -631,9 +692,9 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _pair_wg0e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
-                   rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
+                   rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo, key0,
                    scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+                   LAST: gl.constexpr, FUSED: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 0, pair ``i`` of the EARLY schedule (the comment above). Arguments and results as ``_pair_wg0``,
         plus the looked-up state carried from pair to pair: ``ok0`` / ``ok1`` (the validity of tile a's two 32-key
         boxes, for the mask) and ``ra*`` / ``rb*`` (the TMA rows of tiles a + 2 and b + 2, this pair's refills);
@@ -649,8 +710,12 @@ if GLUON_AVAILABLE:
         # no global load before the row max: the block ids were looked up during the previous pair's wait for its
         # scores (the compiler moves a loaded block id into a uniform register right after its load, so a load
         # here would stall the softmax; run 56 measured 970 cycles from the scores to M_a with it)
-        b_s = _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2)
-        row_max = gl.max(b_s, axis=1)
+        if FUSED:
+            b_s = _pair_mask_raw(b_s, ok0, ok1, n0, limit, lim_lo, key0)
+            row_max = gl.max(b_s, axis=1) * scale_log2
+        else:
+            b_s = _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2)
+            row_max = gl.max(b_s, axis=1)
         _mark(trace, tb, i, 12, TRACE)
         m_a = gl.maximum(m_run, row_max)
         m_smem.index(0).store(m_a)
@@ -659,7 +724,10 @@ if GLUON_AVAILABLE:
         _mark(trace, tb, i, 1, TRACE)
         acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
         m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
-        b_p = gl.exp2(b_s - gl.expand_dims(m_a_use, 1))
+        if FUSED:
+            b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m_a_use, 1))
+        else:
+            b_p = gl.exp2(b_s - gl.expand_dims(m_a_use, 1))
         b_l = b_l + gl.sum(b_p, axis=1)
         p_bf = b_p.to(gl.bfloat16)
         if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
@@ -702,9 +770,9 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _pair_wg1e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
-                   rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
+                   rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo, key0,
                    scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+                   LAST: gl.constexpr, FUSED: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` of the EARLY schedule (the comment above ``_pair_wg0e``); arguments and results
         as ``_pair_wg0e`` (``ok0`` / ``ok1``: tile b's boxes)."""
         O_LAYOUT: gl.constexpr = acc.type.layout
@@ -715,8 +783,12 @@ if GLUON_AVAILABLE:
         ph = i & 1
         n0 = kv_lo + i * 128 + 64  # tile b
         _mark(trace, tb, i, 0, TRACE)
-        b_s = _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2)
-        row_max = gl.max(b_s, axis=1)
+        if FUSED:
+            b_s = _pair_mask_raw(b_s, ok0, ok1, n0, limit, lim_lo, key0)
+            row_max = gl.max(b_s, axis=1) * scale_log2
+        else:
+            b_s = _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2)
+            row_max = gl.max(b_s, axis=1)
         mbarrier.wait(m_ready.index(0), ph)
         m_a = m_smem.index(0).load(ROW_S)
         _mark(trace, tb, i, 1, TRACE)
@@ -725,7 +797,10 @@ if GLUON_AVAILABLE:
         _pair_signal(m_ready.index(1), 0, False)
         _mark(trace, tb, i, 2, TRACE)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
-        b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
+        if FUSED:
+            b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m_b_use, 1))
+        else:
+            b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
         l_b = gl.sum(b_p, axis=1)
         p_bf = b_p.to(gl.bfloat16)
         if n0 + 64 > L:
@@ -790,6 +865,7 @@ if GLUON_AVAILABLE:
         # NAMED: hardware barriers NAMED_BASE .. + 3 carry the 4 handoffs of a pair (m_ready 0 / 1, p_ready 0 / 1;
         # Triton's partitions use 0-2); a runtime value (seq_lens >= 0), as the asm takes it in a register
         nb = (L >> 31) + NAMED_BASE
+        _seesaw_issue_q(q, q_smem, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
         if n_pairs > 0:  # tiles 0 and 1: warpgroup 0 loads the L groups, warpgroup 1 the R groups
             if WG == 0:
                 bars = ready_l
@@ -800,7 +876,7 @@ if GLUON_AVAILABLE:
             _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(1), p_bt, kv_lo + 64, kv_hi,
                          max_blocks, num_blocks, 1, WG, WG == 0, PAGE)  # fmt: skip
 
-        _seesaw_load_q(q, q_smem, qbar, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
+        _seesaw_wait_q(qbar)
         _mark(trace, tb, -1, 1, TRACE)
         limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
         m_run = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
@@ -824,28 +900,33 @@ if GLUON_AVAILABLE:
             ok0 = _box_ok(p_bt, n_first, kv_hi, max_blocks, num_blocks, PAGE)
             ok1 = _box_ok(p_bt, n_first + 32, kv_hi, max_blocks, num_blocks, PAGE)
             ra0, ra1, rb0, rb1 = _pair_rows_ahead(p_bt, kv_lo + 128, kv_hi, max_blocks, num_blocks, PAGE, False)
+            lim_lo = gl.min(gl.min(limit, axis=1), axis=0)  # FUSED: tiles wholly below it need no mask
             for i in range(0, n_pairs - 1):
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
-                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
-                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, TRACE)  # fmt: skip
+                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY == 2,
+                        TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
-                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, key0,
-                        scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, TRACE)  # fmt: skip
+                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY == 2,
+                        TRACE)  # fmt: skip
             if n_pairs > 0:
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
                         n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
                         lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, TRACE)  # fmt: skip
+                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY == 2,
+                        TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
                         lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, TRACE)  # fmt: skip
+                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY == 2,
+                        TRACE)  # fmt: skip
         else:
             for i in range(0, n_pairs - 1):
                 if WG == 0:
@@ -871,8 +952,9 @@ if GLUON_AVAILABLE:
                         num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, NAMED, R_FIRST, TRACE)  # fmt: skip
         _mark(trace, tb, -1, 3, TRACE)
 
-        _seesaw_finish(acc, b_l, m_run, l_smem, lbar, num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t,
-                       stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)
+        _seesaw_finish(acc, b_l, m_run, l_smem, lbar, lat_smem.index(WG).slice(0, 256, dim=1), num_splits, out,
+                       lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen,
+                       MAX_QLEN, BLOCK_H, Q_PER, WG)  # fmt: skip
         _mark(trace, tb, -1, 4, TRACE)
 
     @gluon.jit
