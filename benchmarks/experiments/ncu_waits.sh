@@ -16,6 +16,7 @@ declare -A BARS=(
     [seesaw]=ready_x0,ready_x1,ready_y0,ready_y1,empty_y0,empty_y1,pready0,pready1,qbar,lbar
     [seesaw-pair]=ready_l0,ready_l1,ready_r0,ready_r1,m_ready0,m_ready1,p_ready0,p_ready1,qbar,lbar
     [seesaw-pair-r]=ready_l0,ready_l1,ready_r0,ready_r1,m_ready0,m_ready1,p_ready0,p_ready1,qbar,lbar
+    [seesaw-pair-es]=ready_l0,ready_l1,ready_r0,ready_r1,m_ready0,m_ready1,p_ready0,p_ready1,qbar,lbar
 )
 tensor=$(ncu --query-metrics --chip gh100 2>/dev/null | awk '{print $1}' \
     | grep -E '^sm__pipe_tensor_op_(gmma|hmma)_cycles_active$' | head -1)
