@@ -113,8 +113,7 @@ WS_PRODUCER_REGS = 32
 SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
 # "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
-SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea", "seesaw-pair-es",
-                   "seesaw-pair-eo")
+SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea", "seesaw-pair-es")
 
 
 if GLUON_AVAILABLE:
@@ -474,9 +473,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             out earlier (the comment above ``_pair_wg0e``; 1.8-2.5% faster than seesaw-pair-r at h128 b128,
             RESULTS.md run 58; ``mla_decode`` runs it at h128).
             ``"seesaw-pair-es"``: seesaw-pair-ea with the scale folded into the exponent (one FMA a score) and the
-            key mask only in tiles that need it (a uniform branch; run 60: 3.1% faster at h128 b128 q1, 3.9% at
-            q2; ``mla_decode`` runs it at h128). ``"seesaw-pair-eo"``: seesaw-pair-es with warpgroup 1 issuing
-            P_a V_aR before P_b's exponentials (not yet measured).
+            key mask only in tiles that need it (a uniform branch); not yet measured.
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
         box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
@@ -549,7 +546,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         pair = variant.startswith("seesaw-pair")
         _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], PAIR=pair,
                                               NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
-                                              EARLY={"-ea": 1, "-es": 2, "-eo": 3}.get(variant[-3:], 0), trace=trace,
+                                              EARLY={"-ea": 1, "-es": 2}.get(variant[-3:], 0), trace=trace,
                                               TRACE=trace is not None, **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](

@@ -772,11 +772,9 @@ if GLUON_AVAILABLE:
     def _pair_wg1e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo, key0,
                    scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, FUSED: gl.constexpr, PV_FIRST: gl.constexpr,
-                   TRACE: gl.constexpr):  # fmt: skip
+                   LAST: gl.constexpr, FUSED: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` of the EARLY schedule (the comment above ``_pair_wg0e``); arguments and results
-        as ``_pair_wg0e`` (``ok0`` / ``ok1``: tile b's boxes). ``PV_FIRST`` (seesaw-pair-eo): P_a V_aR goes out
-        before P_b's exponentials."""
+        as ``_pair_wg0e`` (``ok0`` / ``ok1``: tile b's boxes)."""
         O_LAYOUT: gl.constexpr = acc.type.layout
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         ROW_S: gl.constexpr = m_run.type.layout
@@ -798,11 +796,6 @@ if GLUON_AVAILABLE:
         m_smem.index(1).store(m_b)
         _pair_signal(m_ready.index(1), 0, False)
         _mark(trace, tb, i, 2, TRACE)
-        if PV_FIRST:  # O_R to M_a and P_a V_aR issued first: P_b's exponentials overlap it
-            acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
-            mbarrier.wait(p_ready.index(0), ph)
-            _mark(trace, tb, i, 4, TRACE)
-            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
         if FUSED:
             b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m_b_use, 1))
@@ -816,11 +809,10 @@ if GLUON_AVAILABLE:
         fence_async_shared()
         _pair_signal(p_ready.index(1), 0, False)
         _mark(trace, tb, i, 3, TRACE)
-        if not PV_FIRST:
-            acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
-            mbarrier.wait(p_ready.index(0), ph)
-            _mark(trace, tb, i, 4, TRACE)
-            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
+        mbarrier.wait(p_ready.index(0), ph)
+        _mark(trace, tb, i, 4, TRACE)
+        acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _mark(trace, tb, i, 5, TRACE)
         if not LAST:  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
@@ -914,27 +906,27 @@ if GLUON_AVAILABLE:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                         rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2,
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY == 2,
                         TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                         rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2,
-                        EARLY == 3, TRACE)  # fmt: skip
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY == 2,
+                        TRACE)  # fmt: skip
             if n_pairs > 0:
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
                         n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
                         lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY >= 2,
+                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY == 2,
                         TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
                         lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY >= 2,
-                        EARLY == 3, TRACE)  # fmt: skip
+                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY == 2,
+                        TRACE)  # fmt: skip
         else:
             for i in range(0, n_pairs - 1):
                 if WG == 0:
