@@ -689,6 +689,12 @@ if GLUON_AVAILABLE:
     # 1.8-2.5% faster than seesaw-pair-r at h128 b128 q1 and q2; the early P alone (block ids looked up where they
     # are used) no faster than seesaw-pair-r; P_a rescaled to M_b in warpgroup 1's registers so that both its P V
     # go out back to back (one O_R rescale) 5% slower.
+    # FUSED ("seesaw-pair-es"; mla_decode's kernel at h128): each softmax takes its row max on the raw scores and
+    # folds the scale into the exponent (exp2(s * scale - m): one FMA a score), and masks keys only in a tile that
+    # needs it (``_pair_mask_raw``: a uniform branch). 3.1% faster than EARLY alone at h128 b128 q1, 3.9% at q2
+    # (RESULTS.md run 60). Measured and dropped on top of EARLY (runs 59, 62): warpgroup 1 keeping O_R at M_a while no
+    # row max ran away (3-6% slower), Q's rope part in registers for the scores (no gain), warpgroup 1's P_a V_aR
+    # issued before P_b's exponentials (0.3-1.1% slower).
 
     @gluon.jit
     def _pair_wg0e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
