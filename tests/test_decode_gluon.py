@@ -55,7 +55,7 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name.startswith("seesaw-pair"),
                     NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"),
-                    EARLY=g._EARLY.get(name, 0),
+                    EARLY={"-ea": 1, "-es": 2}.get(name[-3:], 0),
                     OPAQUE=stages != "const",
                     TRACE=False, trace=None, num_warps=4)
     else:
@@ -126,10 +126,7 @@ def test_gluon_seesaw_compiles_for_sm90():
                                ["seesaw-pair-ea+box64", "opaque", False, 64, False],
                                ["seesaw-pair-ea", "opaque", True, 16, False],
                                ["seesaw-pair-es+box64", "opaque", False, 64, False],
-                               ["seesaw-pair-es", "opaque", True, 16, False],
-                               ["seesaw-pair-ew+box64", "opaque", False, 64, False],
-                               ["seesaw-pair-ewo+box64", "opaque", False, 64, False],
-                               ["seesaw-pair-ewo", "opaque", True, 16, False]])  # fmt: skip
+                               ["seesaw-pair-es", "opaque", True, 16, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
@@ -362,7 +359,7 @@ def test_gluon_decode_empty_rows(kernel, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("variant", ["seesaw-pair-ea", "seesaw-pair-es", "seesaw-pair-ew", "seesaw-pair-ewo"])
+@pytest.mark.parametrize("variant", ["seesaw-pair-ea", "seesaw-pair-es"])
 @pytest.mark.parametrize("q_gain", [1.0, 40.0])
 def test_gluon_pair_score_jumps(variant, q_gain, device):
     # large scores (q x 40: the row max jumps by tens of units in log2 from tile to tile) and ordinary ones,
@@ -378,15 +375,11 @@ def test_gluon_pair_score_jumps(variant, q_gain, device):
 TRACE_ORDER = {"seesaw-pair-r": (list(range(13)), list(range(12))),
                "seesaw-pair-ea": ([0, 12, 13, *range(1, 12)], list(range(12)))}
 TRACE_ORDER["seesaw-pair-es"] = TRACE_ORDER["seesaw-pair-ea"]
-_WG0_EW = [0, 12, 13, 1, 2, 5, 6, 3, 4, 7, 8, 9, 10, 11]  # ONE_RESCALE: M_b and P_b in before P_a V_aL is done
-TRACE_ORDER["seesaw-pair-ew"] = (_WG0_EW, TRACE_ORDER["seesaw-pair-ea"][1])
-TRACE_ORDER["seesaw-pair-ewo"] = (_WG0_EW, [0, 1, 2, 4, 3, *range(5, 12)])  # PV_FIRST: P_a in before P_b out
 
 
 @_gpu_test
 @pytest.mark.parametrize("variant,n_events",
-                         [("seesaw-pair-r", (13, 12)), ("seesaw-pair-ea", (14, 12)), ("seesaw-pair-es", (14, 12)),
-                          ("seesaw-pair-ew", (14, 12)), ("seesaw-pair-ewo", (14, 12))])
+                         [("seesaw-pair-r", (13, 12)), ("seesaw-pair-ea", (14, 12)), ("seesaw-pair-es", (14, 12))])
 def test_gluon_pair_trace(variant, n_events, device):
     # the pair kernel's cycle trace: same results as untraced; each warpgroup's stamps of a traced pair rise in
     # program order, pairs outside the traced window and untraced programs are left alone

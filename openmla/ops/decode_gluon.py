@@ -113,8 +113,7 @@ WS_PRODUCER_REGS = 32
 SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
 # "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
-SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea", "seesaw-pair-es",
-                   "seesaw-pair-ew", "seesaw-pair-ewo")
+SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea", "seesaw-pair-es")
 
 
 if GLUON_AVAILABLE:
@@ -428,10 +427,6 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
     return kv_cache.shape[0] * page < 2**31  # int32 TMA row coordinates
 
 
-# the pair kernel's EARLY code of each variant that has one (the comments above ``_pair_wg0e`` in decode_gluon_seesaw)
-_EARLY = {"seesaw-pair-ea": 1, "seesaw-pair-es": 2, "seesaw-pair-ew": 3, "seesaw-pair-ewo": 4}
-
-
 def _q_copyable(q: torch.Tensor) -> bool:
     """Whether the kernels' 16-byte copies of q's rows apply: last dim contiguous, token and head strides multiples
     of 16 elements (what the JIT specialises on), 16-byte-aligned base."""
@@ -480,9 +475,6 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             ``"seesaw-pair-es"``: seesaw-pair-ea with the scale folded into the exponent (one FMA a score) and the
             key mask only in tiles that need it (a uniform branch; 3.1% faster than seesaw-pair-ea at h128 b128 q1,
             3.9% at q2, RESULTS.md run 60; ``mla_decode`` runs it at h128).
-            ``"seesaw-pair-ew"``: seesaw-pair-es whose warpgroup 0 rescales O_L once a pair (to M_b, with P_a scaled
-            to M_b in registers) and issues its two P V back to back; ``"seesaw-pair-ewo"``: seesaw-pair-ew whose
-            warpgroup 1 issues P_a V_aR before P_b's exponentials (neither measured yet).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
         box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
@@ -555,7 +547,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         pair = variant.startswith("seesaw-pair")
         _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], PAIR=pair,
                                               NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
-                                              EARLY=_EARLY.get(variant, 0), trace=trace,
+                                              EARLY={"-ea": 1, "-es": 2}.get(variant[-3:], 0), trace=trace,
                                               TRACE=trace is not None, **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](

@@ -697,58 +697,10 @@ if GLUON_AVAILABLE:
     # issued before P_b's exponentials (0.3-1.1% slower).
 
     @gluon.jit
-    def _pair_wg0_one_rescale(i, b_s, acc, b_l, m_run, m_a, ph, lat_desc, rope_desc, lat_smem, rope_smem, lat0, lat1,
-                              rope0, rope1, m_smem, ready_l, m_ready, p_ready, ra0, ra1, rb0, rb1, n0, L, scale_log2,
-                              trace, tb, LAST: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
-        """ONE_RESCALE (seesaw-pair-ew): warpgroup 0's pair from M_a out to its refills. P_a goes out at M_a for
-        warpgroup 1 as before; then O_L is rescaled once, to M_b, P_a is scaled to M_b in registers
-        (``exp2(M_a - M_b)`` a row) for the own P_a V_aL, and P_b V_bL is issued right behind it: stage 0's L half
-        is refilled once the first is done, stage 1's L half + rope once the second is."""
-        O_LAYOUT: gl.constexpr = acc.type.layout
-        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        ROW_S: gl.constexpr = m_run.type.layout
-        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-        m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
-        b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m_a_use, 1))
-        if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
-            _zero_tail(lat0, n0, L, 64, 4)
-        rope0.store(b_p.to(gl.bfloat16))
-        fence_async_shared()
-        _pair_signal(p_ready.index(0), 0, False)
-        _mark(trace, tb, i, 2, TRACE)
-        mbarrier.wait(m_ready.index(1), ph)
-        m_b = m_smem.index(1).load(ROW_S)
-        _mark(trace, tb, i, 5, TRACE)
-        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_b, ROW_O)
-        m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
-        f_a = gl.where(m_a == float("-inf"), 0.0, gl.exp2(m_a_use - m_b_use))  # P_a at M_a -> at M_b (<= 1)
-        b_p = b_p * gl.expand_dims(f_a, 1)
-        b_l = b_l + gl.sum(b_p, axis=1)
-        p_op = gl.convert_layout(b_p.to(gl.bfloat16), P_LAYOUT)
-        acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
-        mbarrier.wait(p_ready.index(1), ph)
-        _mark(trace, tb, i, 6, TRACE)
-        acc = warpgroup_mma(rope1, lat1.slice(0, 256, dim=1), acc, is_async=True)
-        p_op = warpgroup_mma_wait(1, deps=(p_op,))  # P_a V_aL done (P_b V_bL runs on)
-        _mark(trace, tb, i, 3, TRACE)
-        if not LAST:  # stage 0's L half: warpgroup 0 was its last reader
-            gl.thread_barrier()
-            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), 0, ra0, ra1, 0, False)
-        _mark(trace, tb, i, 4, TRACE)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        _mark(trace, tb, i, 7, TRACE)
-        if not LAST:
-            gl.thread_barrier()  # stage 1's L half and rope columns (P_b): warpgroup 0 was their last reader
-            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(1), 1, rb0, rb1, 0, True)
-            _mark(trace, tb, i, 8, TRACE)
-        return acc, b_l, m_b
-
-    @gluon.jit
     def _pair_wg0e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo, key0,
                    scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, FUSED: gl.constexpr, ONE_RESCALE: gl.constexpr,
-                   TRACE: gl.constexpr):  # fmt: skip
+                   LAST: gl.constexpr, FUSED: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 0, pair ``i`` of the EARLY schedule (the comment above). Arguments and results as ``_pair_wg0``,
         plus the looked-up state carried from pair to pair: ``ok0`` / ``ok1`` (the validity of tile a's two 32-key
         boxes, for the mask) and ``ra*`` / ``rb*`` (the TMA rows of tiles a + 2 and b + 2, this pair's refills);
@@ -776,47 +728,41 @@ if GLUON_AVAILABLE:
         _mark(trace, tb, i, 13, TRACE)
         _pair_signal(m_ready.index(0), 0, False)
         _mark(trace, tb, i, 1, TRACE)
-        if ONE_RESCALE:
-            acc, b_l, m_b = _pair_wg0_one_rescale(i, b_s, acc, b_l, m_run, m_a, ph, lat_desc, rope_desc, lat_smem,
-                                                  rope_smem, lat0, lat1, rope0, rope1, m_smem, ready_l, m_ready,
-                                                  p_ready, ra0, ra1, rb0, rb1, n0, L, scale_log2, trace, tb, LAST,
-                                                  TRACE)  # fmt: skip
+        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
+        m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
+        if FUSED:
+            b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m_a_use, 1))
         else:
-            acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
-            m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
-            if FUSED:
-                b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m_a_use, 1))
-            else:
-                b_p = gl.exp2(b_s - gl.expand_dims(m_a_use, 1))
-            b_l = b_l + gl.sum(b_p, axis=1)
-            p_bf = b_p.to(gl.bfloat16)
-            if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
-                _zero_tail(lat0, n0, L, 64, 4)
-            rope0.store(p_bf)
-            fence_async_shared()
-            _pair_signal(p_ready.index(0), 0, False)
-            _mark(trace, tb, i, 2, TRACE)
-            p_op = gl.convert_layout(p_bf, P_LAYOUT)
-            acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            _mark(trace, tb, i, 3, TRACE)
-            if not LAST:  # stage 0's L half: warpgroup 0 was its last reader
-                gl.thread_barrier()
-                _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), 0, ra0, ra1, 0, False)
-            _mark(trace, tb, i, 4, TRACE)
-            mbarrier.wait(m_ready.index(1), ph)
-            m_b = m_smem.index(1).load(ROW_S)
-            _mark(trace, tb, i, 5, TRACE)
-            acc, b_l = _seesaw_rescale(acc, b_l, m_a, m_b, ROW_O)
-            mbarrier.wait(p_ready.index(1), ph)
-            _mark(trace, tb, i, 6, TRACE)
-            acc = warpgroup_mma(rope1, lat1.slice(0, 256, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            _mark(trace, tb, i, 7, TRACE)
-            if not LAST:
-                gl.thread_barrier()  # stage 1's L half and rope columns (P_b): warpgroup 0 was their last reader
-                _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(1), 1, rb0, rb1, 0, True)
-                _mark(trace, tb, i, 8, TRACE)
+            b_p = gl.exp2(b_s - gl.expand_dims(m_a_use, 1))
+        b_l = b_l + gl.sum(b_p, axis=1)
+        p_bf = b_p.to(gl.bfloat16)
+        if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
+            _zero_tail(lat0, n0, L, 64, 4)
+        rope0.store(p_bf)
+        fence_async_shared()
+        _pair_signal(p_ready.index(0), 0, False)
+        _mark(trace, tb, i, 2, TRACE)
+        p_op = gl.convert_layout(p_bf, P_LAYOUT)
+        acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        _mark(trace, tb, i, 3, TRACE)
+        if not LAST:  # stage 0's L half: warpgroup 0 was its last reader
+            gl.thread_barrier()
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), 0, ra0, ra1, 0, False)
+        _mark(trace, tb, i, 4, TRACE)
+        mbarrier.wait(m_ready.index(1), ph)
+        m_b = m_smem.index(1).load(ROW_S)
+        _mark(trace, tb, i, 5, TRACE)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_a, m_b, ROW_O)
+        mbarrier.wait(p_ready.index(1), ph)
+        _mark(trace, tb, i, 6, TRACE)
+        acc = warpgroup_mma(rope1, lat1.slice(0, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        _mark(trace, tb, i, 7, TRACE)
+        if not LAST:
+            gl.thread_barrier()  # stage 1's L half and rope columns (P_b): warpgroup 0 was their last reader
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(1), 1, rb0, rb1, 0, True)
+            _mark(trace, tb, i, 8, TRACE)
         na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + 256, kv_hi, max_blocks, num_blocks, PAGE, LAST)
         if not LAST:
             b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l.index(0), ph ^ 1, z, 0, False, True)
@@ -832,11 +778,9 @@ if GLUON_AVAILABLE:
     def _pair_wg1e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo, key0,
                    scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, FUSED: gl.constexpr, PV_FIRST: gl.constexpr,
-                   TRACE: gl.constexpr):  # fmt: skip
+                   LAST: gl.constexpr, FUSED: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` of the EARLY schedule (the comment above ``_pair_wg0e``); arguments and results
-        as ``_pair_wg0e`` (``ok0`` / ``ok1``: tile b's boxes). ``PV_FIRST`` (seesaw-pair-ewo): P_a V_aR goes out
-        before P_b's exponentials."""
+        as ``_pair_wg0e`` (``ok0`` / ``ok1``: tile b's boxes)."""
         O_LAYOUT: gl.constexpr = acc.type.layout
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         ROW_S: gl.constexpr = m_run.type.layout
@@ -858,11 +802,6 @@ if GLUON_AVAILABLE:
         m_smem.index(1).store(m_b)
         _pair_signal(m_ready.index(1), 0, False)
         _mark(trace, tb, i, 2, TRACE)
-        if PV_FIRST:  # O_R to M_a and P_a V_aR issued first: P_b's exponentials overlap it
-            acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
-            mbarrier.wait(p_ready.index(0), ph)
-            _mark(trace, tb, i, 4, TRACE)
-            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
         if FUSED:
             b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m_b_use, 1))
@@ -876,11 +815,10 @@ if GLUON_AVAILABLE:
         fence_async_shared()
         _pair_signal(p_ready.index(1), 0, False)
         _mark(trace, tb, i, 3, TRACE)
-        if not PV_FIRST:
-            acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
-            mbarrier.wait(p_ready.index(0), ph)
-            _mark(trace, tb, i, 4, TRACE)
-            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
+        mbarrier.wait(p_ready.index(0), ph)
+        _mark(trace, tb, i, 4, TRACE)
+        acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _mark(trace, tb, i, 5, TRACE)
         if not LAST:  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
@@ -974,27 +912,27 @@ if GLUON_AVAILABLE:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                         rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2,
-                        EARLY >= 3, TRACE)  # fmt: skip
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY == 2,
+                        TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                         rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2,
-                        EARLY == 4, TRACE)  # fmt: skip
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY == 2,
+                        TRACE)  # fmt: skip
             if n_pairs > 0:
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
                         n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
                         lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY >= 2,
-                        EARLY >= 3, TRACE)  # fmt: skip
+                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY == 2,
+                        TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
                         lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY >= 2,
-                        EARLY == 4, TRACE)  # fmt: skip
+                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY == 2,
+                        TRACE)  # fmt: skip
         else:
             for i in range(0, n_pairs - 1):
                 if WG == 0:
