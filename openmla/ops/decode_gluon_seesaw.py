@@ -694,7 +694,8 @@ if GLUON_AVAILABLE:
     # needs it (``_pair_mask_raw``: a uniform branch). 3.1% faster than EARLY alone at h128 b128 q1, 3.9% at q2
     # (RESULTS.md run 60). Measured and dropped on top of EARLY (runs 59, 62): warpgroup 1 keeping O_R at M_a while no
     # row max ran away (3-6% slower), Q's rope part in registers for the scores (no gain), warpgroup 1's P_a V_aR
-    # issued before P_b's exponentials (0.3-1.1% slower).
+    # issued before P_b's exponentials (0.3-1.1% slower); warpgroup 0 rescaling O_L once a pair, to M_b, with its
+    # own copy of P_a scaled to M_b and both its P V back to back (run 63: 0.6-3.4% slower).
 
     @gluon.jit
     def _pair_wg0e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
