@@ -173,6 +173,17 @@ def test_gluon_decode_unsupported_on_cpu():
                                   variant="seesaw", trace=torch.zeros(1, dtype=torch.int64))
 
 
+def test_gluon_q_copyable():
+    # the seesaw kernels copy q's rows 16 bytes a thread (cp.async): last dim contiguous, token and head strides in
+    # multiples of 16 elements, a 16-byte-aligned base; gluon_decode_supported sends any other q to the portable tier
+    q = torch.zeros(3, 16, 576, dtype=torch.bfloat16)
+    assert dg._q_copyable(q)
+    assert dg._q_copyable(torch.zeros(3, 16, 1024, dtype=torch.bfloat16)[..., :576])  # a wider row, 1024 apart
+    assert not dg._q_copyable(torch.zeros(3, 16, 584, dtype=torch.bfloat16)[..., :576])  # rows 584 apart
+    assert not dg._q_copyable(torch.zeros(3, 576, 16, dtype=torch.bfloat16).transpose(1, 2))  # last dim strided
+    assert not dg._q_copyable(torch.zeros(3 * 16 * 576 + 1, dtype=torch.bfloat16)[1:].view(3, 16, 576))  # 2 B off
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU (sm90) tests
 
