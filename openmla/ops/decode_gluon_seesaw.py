@@ -449,6 +449,27 @@ if GLUON_AVAILABLE:
         return b_s
 
     @gluon.jit
+    def _pair_row_max(b_s, ok0, ok1, n0, limit, lim_lo, key0, scale_log2, FUSED: gl.constexpr):
+        """The masked scores and their row max in log2 units: ``FUSED``, raw scores (``_pair_mask_raw``) and the row
+        max scaled once; else scaled, masked scores (``_pair_mask_ok``)."""
+        if FUSED:
+            b_s = _pair_mask_raw(b_s, ok0, ok1, n0, limit, lim_lo, key0)
+            row_max = gl.max(b_s, axis=1) * scale_log2
+        else:
+            b_s = _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2)
+            row_max = gl.max(b_s, axis=1)
+        return b_s, row_max
+
+    @gluon.jit
+    def _pair_exp(b_s, m_use, scale_log2, FUSED: gl.constexpr):
+        """P = exp2(scores - row max) for ``_pair_row_max``'s scores (``FUSED``: the scale in the same FMA)."""
+        if FUSED:
+            b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m_use, 1))
+        else:
+            b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
+        return b_p
+
+    @gluon.jit
     def _pair_rows_ahead(p_bt, n, kv_hi, max_blocks, num_blocks, PAGE: gl.constexpr, LAST: gl.constexpr):
         """The TMA rows of the two 32-key boxes of the tiles at keys ``n`` and ``n + 64`` (the next pair's
         refills); zeros (unused) for the ``LAST`` pair."""
@@ -717,12 +738,7 @@ if GLUON_AVAILABLE:
         # no global load before the row max: the block ids were looked up during the previous pair's wait for its
         # scores (the compiler moves a loaded block id into a uniform register right after its load, so a load
         # here would stall the softmax; run 56 measured 970 cycles from the scores to M_a with it)
-        if FUSED:
-            b_s = _pair_mask_raw(b_s, ok0, ok1, n0, limit, lim_lo, key0)
-            row_max = gl.max(b_s, axis=1) * scale_log2
-        else:
-            b_s = _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2)
-            row_max = gl.max(b_s, axis=1)
+        b_s, row_max = _pair_row_max(b_s, ok0, ok1, n0, limit, lim_lo, key0, scale_log2, FUSED)
         _mark(trace, tb, i, 12, TRACE)
         m_a = gl.maximum(m_run, row_max)
         m_smem.index(0).store(m_a)
@@ -731,10 +747,7 @@ if GLUON_AVAILABLE:
         _mark(trace, tb, i, 1, TRACE)
         acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
         m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
-        if FUSED:
-            b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m_a_use, 1))
-        else:
-            b_p = gl.exp2(b_s - gl.expand_dims(m_a_use, 1))
+        b_p = _pair_exp(b_s, m_a_use, scale_log2, FUSED)
         b_l = b_l + gl.sum(b_p, axis=1)
         p_bf = b_p.to(gl.bfloat16)
         if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
@@ -790,12 +803,7 @@ if GLUON_AVAILABLE:
         ph = i & 1
         n0 = kv_lo + i * 128 + 64  # tile b
         _mark(trace, tb, i, 0, TRACE)
-        if FUSED:
-            b_s = _pair_mask_raw(b_s, ok0, ok1, n0, limit, lim_lo, key0)
-            row_max = gl.max(b_s, axis=1) * scale_log2
-        else:
-            b_s = _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2)
-            row_max = gl.max(b_s, axis=1)
+        b_s, row_max = _pair_row_max(b_s, ok0, ok1, n0, limit, lim_lo, key0, scale_log2, FUSED)
         mbarrier.wait(m_ready.index(0), ph)
         m_a = m_smem.index(0).load(ROW_S)
         _mark(trace, tb, i, 1, TRACE)
@@ -804,10 +812,7 @@ if GLUON_AVAILABLE:
         _pair_signal(m_ready.index(1), 0, False)
         _mark(trace, tb, i, 2, TRACE)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
-        if FUSED:
-            b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m_b_use, 1))
-        else:
-            b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
+        b_p = _pair_exp(b_s, m_b_use, scale_log2, FUSED)
         l_b = gl.sum(b_p, axis=1)
         p_bf = b_p.to(gl.bfloat16)
         if n0 + 64 > L:
