@@ -719,6 +719,19 @@ if GLUON_AVAILABLE:
     # own copy of P_a scaled to M_b and both its P V back to back (run 63: 0.6-3.4% slower).
 
     @gluon.jit
+    def _pair_next_scores(q_smem, lat, rope, b_s, bar_l, bar_r, ph, z, ROPE_L: gl.constexpr, trace, tb, i,
+                          TRACE: gl.constexpr):  # fmt: skip
+        """The EARLY pairs' last step: a warpgroup's scores of its next tile, the L half first (with the rope
+        columns when ``ROPE_L``, else with the R half), each once its refill landed (phase ``ph``)."""
+        b_s = _pair_qk_half(q_smem, lat, rope, b_s, bar_l, ph, z, 0, ROPE_L, True)
+        _mark(trace, tb, i, 9, TRACE)
+        b_s = _pair_qk_half(q_smem, lat, rope, b_s, bar_r, ph, z, 1, not ROPE_L, False)
+        _mark(trace, tb, i, 10, TRACE)
+        b_s = warpgroup_mma_wait(0, deps=(b_s,))
+        _mark(trace, tb, i, 11, TRACE)
+        return b_s
+
+    @gluon.jit
     def _pair_wg0e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo, key0,
                    scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
@@ -779,12 +792,8 @@ if GLUON_AVAILABLE:
             _mark(trace, tb, i, 8, TRACE)
         na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + 256, kv_hi, max_blocks, num_blocks, PAGE, LAST)
         if not LAST:
-            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l.index(0), ph ^ 1, z, 0, False, True)
-            _mark(trace, tb, i, 9, TRACE)
-            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_r.index(0), ph ^ 1, z, 1, True, False)
-            _mark(trace, tb, i, 10, TRACE)
-            b_s = warpgroup_mma_wait(0, deps=(b_s,))
-            _mark(trace, tb, i, 11, TRACE)
+            b_s = _pair_next_scores(q_smem, lat0, rope0, b_s, ready_l.index(0), ready_r.index(0), ph ^ 1, z, False,
+                                    trace, tb, i, TRACE)  # fmt: skip
         limit_rows = num_blocks * PAGE  # _kv_rows' row for an invalid box
         return b_s, acc, b_l, m_b, ra0 < limit_rows, ra1 < limit_rows, na0, na1, nb0, nb1
 
@@ -843,12 +852,8 @@ if GLUON_AVAILABLE:
             _mark(trace, tb, i, 8, TRACE)
         na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + 192, kv_hi, max_blocks, num_blocks, PAGE, LAST)
         if not LAST:
-            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True)
-            _mark(trace, tb, i, 9, TRACE)
-            b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False)
-            _mark(trace, tb, i, 10, TRACE)
-            b_s = warpgroup_mma_wait(0, deps=(b_s,))
-            _mark(trace, tb, i, 11, TRACE)
+            b_s = _pair_next_scores(q_smem, lat1, rope1, b_s, ready_l.index(1), ready_r.index(1), ph ^ 1, z, True,
+                                    trace, tb, i, TRACE)  # fmt: skip
         limit_rows = num_blocks * PAGE  # _kv_rows' row for an invalid box
         return b_s, acc, b_l, m_b, rb0 < limit_rows, rb1 < limit_rows, na0, na1, nb0, nb1
 
