@@ -20,14 +20,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 OLD = os.path.join(ROOT, "_ab_old")
 SCALE_LOG2 = 576**-0.5 * 1.4426950408889634
 # (h, b, seq, qlen, variants of the working tree; the old kernel runs the first)
-SHAPES = [(128, 128, 8192, 1, ("seesaw-pair-ea", "seesaw-pair-es")), (128, 128, 8192, 2, ("seesaw-pair-ea", "seesaw-pair-es")),
-          (32, 128, 8192, 1, ("seesaw",)), (16, 128, 8192, 2, ("seesaw",)), (128, 1, 32768, 1, ("seesaw",))]  # fmt: skip
+SHAPES = [(128, 128, 8192, 1, ("seesaw-pair-ea", "seesaw-pair-es")),
+          (128, 128, 8192, 2, ("seesaw-pair-ea", "seesaw-pair-es")),
+          (32, 128, 8192, 1, ("seesaw",)), (16, 128, 8192, 2, ("seesaw",)), (128, 1, 32768, 1, ("seesaw",))]
 
 
 def prepare(rev: str) -> None:
     os.makedirs(OLD, exist_ok=True)
-    subprocess.run(f"rm -rf openmla openmla_old && git -C {ROOT} archive {rev} openmla | tar -x && mv openmla openmla_old",
-                   shell=True, check=True, cwd=OLD)  # fmt: skip
+    cmd = f"rm -rf openmla openmla_old && git -C {ROOT} archive {rev} openmla | tar -x && mv openmla openmla_old"
+    subprocess.run(cmd, shell=True, check=True, cwd=OLD)
     for base, _, files in os.walk(os.path.join(OLD, "openmla_old")):
         for name in files:
             if name.endswith(".py"):

@@ -20,7 +20,8 @@ try:
 
     GLUON_AVAILABLE = True
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed triton
-    gluon = gl = async_copy = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+    gluon = gl = async_copy = fence_async_shared = mbarrier = tma = None
+    warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
     GLUON_AVAILABLE = False
 
 __all__ = ["GLUON_AVAILABLE", "TensorDescriptor", "async_copy", "fence_async_shared", "gl", "gluon", "mbarrier", "tma",

@@ -142,7 +142,8 @@ if GLUON_AVAILABLE:
                               q_start, qlen, BLOCK_H, Q_PER, WG * 256, WG == 0)  # fmt: skip
         else:
             _store_result(acc, b_l, m_run, v_scale, num_splits, out, lse, o_part, lse_part, stride_o_t, stride_o_h,
-                          H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG * 256, WG == 0)  # fmt: skip
+                          H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG * 256,
+                          WG == 0)  # fmt: skip
 
     @gluon.jit
     def _store_out_staged(acc, b_l, m_run, v_scale, buf, out, lse, stride_o_t, stride_o_h, H, i_h, i_q, q_start,
@@ -385,9 +386,10 @@ if GLUON_AVAILABLE:
     # h32 -6%, h128 q2 +2%, b1 -10%). Measured and dropped: P_a published at M_a right after WG0's softmax, WG1
     # adding P_a V_aR during its own softmax (run 41, no gain).
     # NAMED ("seesaw-pair-nb"; 1-2% slower, run 42): the four handoffs of a pair on hardware named barriers.
-    # R_FIRST ("seesaw-pair-r"; mla_decode's kernel at h128 before seesaw-pair-ea): FlashMLA's sm90 order. WG1 adds P_b V_bR before P_a V_aR, refills stage 1's R half first and
-    # starts the scores of b + 2 on it (the L half, refilled last by WG0 after P_b V_bL, is needed last: run 46's
-    # largest wait, 16% of the stall samples, was WG1 waiting for that L half); WG0 refills stage 0's L half before
+    # R_FIRST ("seesaw-pair-r"; mla_decode's kernel at h128 before seesaw-pair-ea): FlashMLA's sm90 order. WG1
+    # adds P_b V_bR before P_a V_aR, refills stage 1's R half first and starts the scores of b + 2 on it (the L
+    # half, refilled last by WG0 after P_b V_bL, is needed last: run 46's largest wait, 16% of the stall samples,
+    # was WG1 waiting for that L half); WG0 refills stage 0's L half before
     # it stores P_a. 3-5% faster than seesaw-pair, 3-4% faster than seesaw at h128 b128 (run 48); its TMA waits
     # are spread over the four refill groups (5-8% of the samples each, run 49). Measured and dropped on top of it:
     # the block ids of the next two tiles looked up a pair ahead with WG0's L refill before its M_b wait (run 50,
