@@ -55,7 +55,7 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name.startswith("seesaw-pair"),
                     NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"),
-                    EARLY={"-ea": 1, "-es": 2}.get(name[-3:], 0),
+                    EARLY={"-ea": 1, "-es": 2, "-el": 3}.get(name[-3:], 0),
                     OPAQUE=stages != "const",
                     TRACE=False, trace=None, num_warps=4)
     else:
@@ -114,7 +114,7 @@ def test_gluon_seesaw_compiles_for_sm90():
     # seesaw-pair / seesaw-pair-nb: the pair kernel with mbarrier / named-barrier handoffs; the named barriers take
     # away the partition-wide barrier before (and the one the compiler adds after) each handoff's arrive.
     # seesaw-pair-r: warpgroup 1 in FlashMLA's order; seesaw-pair-ea: each P out at its own row max, block ids
-    # looked up a pair ahead.
+    # looked up a pair ahead; seesaw-pair-es: the scale folded into the exponent; seesaw-pair-el: lazy row max.
     # "+box64": one 64-row TMA box per tile (box_rows=64).
     reports = _compile_report([["seesaw", "opaque", True, 16, False], ["seesaw", "opaque", False, 64, False],
                                ["seesaw", "const", False, 64, False], ["seesaw-pair", "opaque", True, 16, False],
@@ -126,7 +126,9 @@ def test_gluon_seesaw_compiles_for_sm90():
                                ["seesaw-pair-ea+box64", "opaque", False, 64, False],
                                ["seesaw-pair-ea", "opaque", True, 16, False],
                                ["seesaw-pair-es+box64", "opaque", False, 64, False],
-                               ["seesaw-pair-es", "opaque", True, 16, False]])  # fmt: skip
+                               ["seesaw-pair-es", "opaque", True, 16, False],
+                               ["seesaw-pair-el+box64", "opaque", False, 64, False],
+                               ["seesaw-pair-el", "opaque", True, 16, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
@@ -370,10 +372,11 @@ def test_gluon_decode_empty_rows(kernel, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("variant", ["seesaw-pair-ea", "seesaw-pair-es"])
-@pytest.mark.parametrize("q_gain", [1.0, 40.0])
+@pytest.mark.parametrize("variant", ["seesaw-pair-ea", "seesaw-pair-es", "seesaw-pair-el"])
+@pytest.mark.parametrize("q_gain", [1.0, 40.0, 0.01])
 def test_gluon_pair_score_jumps(variant, q_gain, device):
-    # large scores (q x 40: the row max jumps by tens of units in log2 from tile to tile) and ordinary ones,
+    # large scores (q x 40: the row max jumps by tens of units in log2 from tile to tile), ordinary ones and tiny ones
+    # (q x 0.01: seesaw-pair-el's reference max never moves after the first tile, so no warp rescales),
     # causal and not, a split request, an empty one
     lens = [8191, 3000, 0, 129, 12345]
     q, cache, bt, sl, qsl = _batch(device, 128, [1, 2, 1, 1, 1], lens, 64)
@@ -385,12 +388,13 @@ def test_gluon_pair_score_jumps(variant, q_gain, device):
 # the points of each warpgroup in program order (the pair-e kernels' points 12-13 fall between 0 and 1)
 TRACE_ORDER = {"seesaw-pair-r": (list(range(13)), list(range(12))),
                "seesaw-pair-ea": ([0, 12, 13, *range(1, 12)], list(range(12)))}
-TRACE_ORDER["seesaw-pair-es"] = TRACE_ORDER["seesaw-pair-ea"]
+TRACE_ORDER["seesaw-pair-es"] = TRACE_ORDER["seesaw-pair-el"] = TRACE_ORDER["seesaw-pair-ea"]
 
 
 @_gpu_test
 @pytest.mark.parametrize("variant,n_events",
-                         [("seesaw-pair-r", (13, 12)), ("seesaw-pair-ea", (14, 12)), ("seesaw-pair-es", (14, 12))])
+                         [("seesaw-pair-r", (13, 12)), ("seesaw-pair-ea", (14, 12)), ("seesaw-pair-es", (14, 12)),
+                          ("seesaw-pair-el", (14, 12))])
 def test_gluon_pair_trace(variant, n_events, device):
     # the pair kernel's cycle trace: same results as untraced; each warpgroup's stamps of a traced pair rise in
     # program order, pairs outside the traced window and untraced programs are left alone

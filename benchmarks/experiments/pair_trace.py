@@ -50,7 +50,7 @@ EVENTS = {
 }
 # points 12-13 of warpgroup 0 split its first step (the scores to M_a; 762 cycles in run 57)
 EVENTS["seesaw-pair-ea"][0] += ["(row max of S_a done)", "(M_a stored)"]
-EVENTS["seesaw-pair-es"] = EVENTS["seesaw-pair-ea"]
+EVENTS["seesaw-pair-es"] = EVENTS["seesaw-pair-el"] = EVENTS["seesaw-pair-ea"]
 PROGRAM_EVENTS = ["start", "Q stored", "first scores done", "loop done", "finished"]
 
 

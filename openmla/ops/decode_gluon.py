@@ -113,7 +113,8 @@ WS_PRODUCER_REGS = 32
 SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
 # "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
-SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea", "seesaw-pair-es")
+SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea", "seesaw-pair-es",
+                   "seesaw-pair-el")
 
 
 if GLUON_AVAILABLE:
@@ -471,10 +472,14 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             ``"seesaw-pair-ea"``: the pair kernel with each P published at its own warpgroup's row max right
             after its softmax and the block ids looked up a pair ahead, so that the refills that end a pair go
             out earlier (the comment above ``_pair_wg0e``; 1.8-2.5% faster than seesaw-pair-r at h128 b128,
-            RESULTS.md run 58; ``mla_decode`` runs it at h128).
+            RESULTS.md run 58).
             ``"seesaw-pair-es"``: seesaw-pair-ea with the scale folded into the exponent (one FMA a score) and the
             key mask only in tiles that need it (a uniform branch; 3.1% faster than seesaw-pair-ea at h128 b128 q1,
-            3.9% at q2, RESULTS.md run 60; ``mla_decode`` runs it at h128).
+            3.9% at q2, RESULTS.md run 60).
+            ``"seesaw-pair-el"``: seesaw-pair-es with a lazy row max: a row's reference max moves only when its
+            scaled scores exceed it by more than 8 (log2), so P <= 256 and each warp skips the O rescale (128 multiplies a
+            thread) unless one of its rows moved (a warp vote; 4.5% faster than seesaw-pair-es at h128 b128 q1,
+            2.6% at q2, RESULTS.md run 64; ``mla_decode`` runs it at h128).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
         box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
@@ -547,7 +552,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         pair = variant.startswith("seesaw-pair")
         _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], PAIR=pair,
                                               NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
-                                              EARLY={"-ea": 1, "-es": 2}.get(variant[-3:], 0), trace=trace,
+                                              EARLY={"-ea": 1, "-es": 2, "-el": 3}.get(variant[-3:], 0), trace=trace,
                                               TRACE=trace is not None, **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
