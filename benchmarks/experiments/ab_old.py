@@ -20,9 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 OLD = os.path.join(ROOT, "_ab_old")
 SCALE_LOG2 = 576**-0.5 * 1.4426950408889634
 # (h, b, seq, qlen, variants of the working tree; the old kernel runs the first)
-SHAPES = [(128, 128, 8192, 1, ("seesaw-pair-es", "seesaw-pair-el")),
-          (128, 128, 8192, 2, ("seesaw-pair-es", "seesaw-pair-el")),
-          (32, 128, 8192, 1, ("seesaw",)), (16, 128, 8192, 2, ("seesaw",)), (128, 1, 32768, 1, ("seesaw",))]
+SHAPES = [(128, 128, 8192, 1, ("seesaw-pair-el",)), (128, 128, 8192, 2, ("seesaw-pair-el",)),
+          (32, 128, 8192, 1, ("seesaw", "seesaw-l")), (16, 128, 8192, 2, ("seesaw", "seesaw-l")),
+          (64, 128, 8192, 1, ("seesaw", "seesaw-l")), (128, 1, 32768, 1, ("seesaw", "seesaw-l"))]
 
 
 def prepare(rev: str) -> None:
