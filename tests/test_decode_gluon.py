@@ -55,7 +55,7 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name.startswith("seesaw-pair"),
                     NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"),
-                    EARLY={"-ea": 1, "-es": 2, "-el": 3}.get(name[-3:], 0), LAZY=name == "seesaw-l",
+                    EARLY={"-ea": 1, "-es": 2, "-el": 3}.get(name[-3:], 0),
                     OPAQUE=stages != "const",
                     TRACE=False, trace=None, num_warps=4)
     else:
@@ -128,8 +128,7 @@ def test_gluon_seesaw_compiles_for_sm90():
                                ["seesaw-pair-es+box64", "opaque", False, 64, False],
                                ["seesaw-pair-es", "opaque", True, 16, False],
                                ["seesaw-pair-el+box64", "opaque", False, 64, False],
-                               ["seesaw-pair-el", "opaque", True, 16, False],
-                               ["seesaw-l+box64", "opaque", False, 64, False]])  # fmt: skip
+                               ["seesaw-pair-el", "opaque", True, 16, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
@@ -373,7 +372,7 @@ def test_gluon_decode_empty_rows(kernel, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("variant", ["seesaw-pair-ea", "seesaw-pair-es", "seesaw-pair-el", "seesaw", "seesaw-l"])
+@pytest.mark.parametrize("variant", ["seesaw-pair-ea", "seesaw-pair-es", "seesaw-pair-el", "seesaw"])
 @pytest.mark.parametrize("q_gain", [1.0, 40.0, 0.01])
 def test_gluon_pair_score_jumps(variant, q_gain, device):
     # large scores (q x 40: the row max jumps by tens of units in log2 from tile to tile), ordinary ones and tiny ones

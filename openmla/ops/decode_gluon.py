@@ -113,8 +113,8 @@ WS_PRODUCER_REGS = 32
 SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
 # "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
-SEESAW_VARIANTS = ("seesaw", "seesaw-l", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea",
-                   "seesaw-pair-es", "seesaw-pair-el")
+SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea", "seesaw-pair-es",
+                   "seesaw-pair-el")
 
 
 if GLUON_AVAILABLE:
@@ -480,7 +480,6 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             scaled scores exceed it by more than 8 (log2), so P <= 256 and each warp skips the O rescale (128 multiplies a
             thread) unless one of its rows moved (a warp vote; 4.5% faster than seesaw-pair-es at h128 b128 q1,
             2.6% at q2, RESULTS.md run 64; ``mla_decode`` runs it at h128).
-            ``"seesaw-l"``: the seesaw kernel with seesaw-pair-el's lazy row max and per-warp rescale skip.
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
         box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
@@ -554,7 +553,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], PAIR=pair,
                                               NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
                                               EARLY={"-ea": 1, "-es": 2, "-el": 3}.get(variant[-3:], 0), trace=trace,
-                                              TRACE=trace is not None, LAZY=variant == "seesaw-l", **kw)  # fmt: skip
+                                              TRACE=trace is not None, **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
         *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,

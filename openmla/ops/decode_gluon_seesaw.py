@@ -241,7 +241,7 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _seesaw_other_pv(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y, ph, WG: gl.constexpr,
-                         ROW_S: gl.constexpr, ROW_O: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+                         ROW_S: gl.constexpr, ROW_O: gl.constexpr):  # fmt: skip
         """Once the other warpgroup's P and row max of its tile are stored (``pready``, phase ``ph``) and the
         tile's Y group is there: rescales to that row max and issues the P V (its P over its rope columns x this
         warpgroup's half of its V). Returns the accumulator with the MMA still running (the caller waits), the
@@ -250,7 +250,7 @@ if GLUON_AVAILABLE:
         mbarrier.wait(pready.index(OTH), ph)
         mbarrier.wait(ready_y.index(OTH), ph)
         m_new = m_smem.index(OTH).load(ROW_S)
-        acc, b_l = _pair_rescale(acc, b_l, m_prev, m_new, ROW_O, LAZY)
+        acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
         acc = warpgroup_mma(oth_rope, oth_lat.slice(WG * 256, 256, dim=1), acc, is_async=True)
         return acc, b_l, m_new
 
@@ -279,7 +279,7 @@ if GLUON_AVAILABLE:
     def _seesaw_tile(k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
                      empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
                      max_blocks, PAGE: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
-                     FIRST: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+                     FIRST: gl.constexpr):  # fmt: skip
         """Tile ``t = WG + 2 k`` of warpgroup ``WG`` (steps 1-5 of the comment above ``_seesaw_wg``); ``FIRST``:
         t = 0, no other tile before it. Returns the updated ``acc``, ``b_l``, ``m_prev``."""
         BLOCK_N: gl.constexpr = 64
@@ -307,7 +307,7 @@ if GLUON_AVAILABLE:
         #    stall samples, run 46)
         if not FIRST:
             acc, b_l, m_prev = _seesaw_other_pv(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y,
-                                                (k - 1 + WG) & 1, WG, ROW_S, ROW_O, LAZY)  # fmt: skip
+                                                (k - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
         # 2. S_t: the X chunks (this warpgroup's latent half), then the Y chunks (the other half, the rope)
         ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
         ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
@@ -336,8 +336,8 @@ if GLUON_AVAILABLE:
         hi = gl.minimum(limit, gl.where(ok1, n0 + BLOCK_N, n0 + 32))
         key = key0 + n0
         b_s = gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
-        m_new = _pair_ref_max(m_prev, gl.max(b_s, axis=1), LAZY)
-        acc, b_l = _pair_rescale(acc, b_l, m_prev, m_new, ROW_O, LAZY)
+        m_new = gl.maximum(m_prev, gl.max(b_s, axis=1))
+        acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
         b_l = b_l + gl.sum(b_p, axis=1)
@@ -367,7 +367,7 @@ if GLUON_AVAILABLE:
                    stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
                    MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
                    N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
-                   NAMED: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+                   NAMED: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
         HALF: gl.constexpr = 256  # output columns of this warpgroup
@@ -408,18 +408,17 @@ if GLUON_AVAILABLE:
                 acc, b_l, m_prev = _seesaw_tile(
                     0, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
                     empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
-                    max_blocks, PAGE, WG, OPAQUE, True, LAZY)  # fmt: skip
+                    max_blocks, PAGE, WG, OPAQUE, True)  # fmt: skip
         for k in range(1 - WG, n_own):
             acc, b_l, m_prev = _seesaw_tile(
                 k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
                 empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
-                max_blocks, PAGE, WG, OPAQUE, False, LAZY)  # fmt: skip
+                max_blocks, PAGE, WG, OPAQUE, False)  # fmt: skip
 
         t = WG + 2 * n_own - 1  # the other warpgroup's tile after this warpgroup's last one (at most one)
         if (t >= 0) & (t < n_tiles):
             acc, b_l, m_prev = _seesaw_other_pv(acc, b_l, m_prev, lat_smem.index(OTH), rope_smem.index(OTH), m_smem,
-                                                pready, ready_y, (n_own - 1 + WG) & 1, WG, ROW_S, ROW_O,
-                                                LAZY)  # fmt: skip
+                                                pready, ready_y, (n_own - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=(acc,))
 
         _seesaw_finish(acc, b_l, m_prev, l_smem, lbar, lat_smem.index(OWN).slice(0, HALF, dim=1), num_splits, out,
@@ -819,21 +818,20 @@ if GLUON_AVAILABLE:
         b_s, row_max = _pair_row_max(b_s, ok0, ok1, n0, limit, lim_lo, key0, scale_log2, FUSED)
         _mark(trace, tb, i, 12, TRACE)
         m_a = _pair_ref_max(m_run, row_max, LAZY)
-        m_smem[0].store(m_a)
+        m_smem.index(0).store(m_a)
         _mark(trace, tb, i, 13, TRACE)
-        _pair_signal(m_ready[0], 0, False)
+        _pair_signal(m_ready.index(0), 0, False)
         _mark(trace, tb, i, 1, TRACE)
         acc, b_l = _pair_rescale(acc, b_l, m_run, m_a, ROW_O, LAZY)
         m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
         b_p = _pair_exp(b_s, m_a_use, scale_log2, FUSED)
         b_l = b_l + gl.sum(b_p, axis=1)
         p_bf = b_p.to(gl.bfloat16)
-        if LAST:  # (a pair before the last ends at or below kv_hi <= L: its tiles are full)
-            if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
-                _zero_tail(lat0, n0, L, 64, 4)
+        if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
+            _zero_tail(lat0, n0, L, 64, 4)
         rope0.store(p_bf)
         fence_async_shared()
-        _pair_signal(p_ready[0], 0, False)
+        _pair_signal(p_ready.index(0), 0, False)
         _mark(trace, tb, i, 2, TRACE)
         p_op = gl.convert_layout(p_bf, P_LAYOUT)
         acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
@@ -843,11 +841,11 @@ if GLUON_AVAILABLE:
             gl.thread_barrier()
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), 0, ra0, ra1, 0, False)
         _mark(trace, tb, i, 4, TRACE)
-        mbarrier.wait(m_ready[1], ph)
-        m_b = m_smem[1].load(ROW_S)
+        mbarrier.wait(m_ready.index(1), ph)
+        m_b = m_smem.index(1).load(ROW_S)
         _mark(trace, tb, i, 5, TRACE)
         acc, b_l = _pair_rescale(acc, b_l, m_a, m_b, ROW_O, LAZY)
-        mbarrier.wait(p_ready[1], ph)
+        mbarrier.wait(p_ready.index(1), ph)
         _mark(trace, tb, i, 6, TRACE)
         acc = warpgroup_mma(rope1, lat1.slice(0, 256, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -879,26 +877,25 @@ if GLUON_AVAILABLE:
         n0 = kv_lo + i * 128 + 64  # tile b
         _mark(trace, tb, i, 0, TRACE)
         b_s, row_max = _pair_row_max(b_s, ok0, ok1, n0, limit, lim_lo, key0, scale_log2, FUSED)
-        mbarrier.wait(m_ready[0], ph)
-        m_a = m_smem[0].load(ROW_S)
+        mbarrier.wait(m_ready.index(0), ph)
+        m_a = m_smem.index(0).load(ROW_S)
         _mark(trace, tb, i, 1, TRACE)
         m_b = _pair_ref_max(m_a, row_max, LAZY)
-        m_smem[1].store(m_b)
-        _pair_signal(m_ready[1], 0, False)
+        m_smem.index(1).store(m_b)
+        _pair_signal(m_ready.index(1), 0, False)
         _mark(trace, tb, i, 2, TRACE)
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
         b_p = _pair_exp(b_s, m_b_use, scale_log2, FUSED)
         l_b = gl.sum(b_p, axis=1)
         p_bf = b_p.to(gl.bfloat16)
-        if LAST:  # (as in _pair_wg0e)
-            if n0 + 64 > L:
-                _zero_tail(lat1, n0, L, 64, 4)
+        if n0 + 64 > L:
+            _zero_tail(lat1, n0, L, 64, 4)
         rope1.store(p_bf)
         fence_async_shared()
-        _pair_signal(p_ready[1], 0, False)
+        _pair_signal(p_ready.index(1), 0, False)
         _mark(trace, tb, i, 3, TRACE)
         acc, b_l = _pair_rescale(acc, b_l, m_run, m_a, ROW_O, LAZY)
-        mbarrier.wait(p_ready[0], ph)
+        mbarrier.wait(p_ready.index(0), ph)
         _mark(trace, tb, i, 4, TRACE)
         acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -931,7 +928,7 @@ if GLUON_AVAILABLE:
                  stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
                  BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
                  N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
-                 R_FIRST: gl.constexpr, EARLY: gl.constexpr, sep, trace, TRACE: gl.constexpr):  # fmt: skip
+                 R_FIRST: gl.constexpr, EARLY: gl.constexpr, trace, TRACE: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # fmt: skip
@@ -985,33 +982,30 @@ if GLUON_AVAILABLE:
             ok1 = _box_ok(p_bt, n_first + 32, kv_hi, max_blocks, num_blocks, PAGE)
             ra0, ra1, rb0, rb1 = _pair_rows_ahead(p_bt, kv_lo + 128, kv_hi, max_blocks, num_blocks, PAGE, False)
             lim_lo = gl.min(gl.min(limit, axis=1), axis=0)  # FUSED: tiles wholly below it need no mask
-            m_pair = (sep[0], sep[1])  # the row maxes M_a, M_b and their handoffs (separate allocations)
-            m_rdy = (sep[2], sep[3])
-            p_rdy = (sep[4], sep[5])
             for i in range(0, n_pairs - 1):
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
-                        rope_smem, m_pair, ready_l, ready_r, m_rdy, p_rdy, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
+                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
                         key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2, EARLY == 3,
                         TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
-                        rope_smem, m_pair, ready_l, ready_r, m_rdy, p_rdy, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
+                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
                         key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2, EARLY == 3,
                         TRACE)  # fmt: skip
             if n_pairs > 0:
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
                         n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
-                        lat_smem, rope_smem, m_pair, ready_l, ready_r, m_rdy, p_rdy, p_bt, kv_lo, kv_hi, L, limit,
+                        lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
                         lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY >= 2, EARLY == 3,
                         TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
-                        lat_smem, rope_smem, m_pair, ready_l, ready_r, m_rdy, p_rdy, p_bt, kv_lo, kv_hi, L, limit,
+                        lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
                         lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY >= 2, EARLY == 3,
                         TRACE)  # fmt: skip
         else:
@@ -1052,7 +1046,7 @@ if GLUON_AVAILABLE:
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
         PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, R_FIRST: gl.constexpr,
-        EARLY: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr, LAZY: gl.constexpr,
+        EARLY: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The seesaw kernels (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel.
         ``PAIR=False``: ``variant="seesaw"`` (the comment above ``_seesaw_wg``); ``PAIR=True``: ``"seesaw-pair"``
@@ -1067,7 +1061,6 @@ if GLUON_AVAILABLE:
         gl.static_assert(PAIR or not NAMED, "named-barrier handoffs: the pair schedule only")
         gl.static_assert(PAIR or not TRACE, "the cycle trace: the pair schedule only")
         gl.static_assert(PAIR or not EARLY, "EARLY: a pair schedule")
-        gl.static_assert(not (PAIR and LAZY), "LAZY: the seesaw schedule (the pair kernels' lazy max is EARLY == 3)")
         gl.static_assert(not (EARLY and (NAMED or R_FIRST)), "EARLY has its own order and mbarrier handoffs")
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VEC_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -1101,19 +1094,6 @@ if GLUON_AVAILABLE:
         bar_c = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         bar_d = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         sync = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        # EARLY: the row maxes and the four handoff mbarriers as separate allocations (``_pair_wg``'s ``sep``), so
-        # that the compiler's shared-memory hazard analysis, which works per allocation, adds no partition barrier
-        # between a store or arrive on one and a load or wait on the other
-        m_sep0 = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M], VEC_SMEM)
-        m_sep1 = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M], VEC_SMEM)
-        bar_m0 = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        bar_m1 = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        bar_p0 = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        bar_p1 = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(bar_m0.index(0), count=1)
-        mbarrier.init(bar_m1.index(0), count=1)
-        mbarrier.init(bar_p0.index(0), count=1)
-        mbarrier.init(bar_p1.index(0), count=1)
         for st in gl.static_range(2):
             mbarrier.init(bar_a.index(st), count=1)
             mbarrier.init(bar_b.index(st), count=1)
@@ -1131,15 +1111,13 @@ if GLUON_AVAILABLE:
                             work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                             v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
                             max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED,
-                            R_FIRST, EARLY, (m_sep0.index(0), m_sep1.index(0), bar_m0.index(0), bar_m1.index(0),
-                                             bar_p0.index(0), bar_p1.index(0)), trace, TRACE)),
+                            R_FIRST, EARLY, trace, TRACE)),
                 (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                             work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                             v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
                             max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED,
-                            R_FIRST, EARLY, (m_sep0.index(0), m_sep1.index(0), bar_m0.index(0), bar_m1.index(0),
-                                             bar_p0.index(0), bar_p1.index(0)), trace, TRACE)),
+                            R_FIRST, EARLY, trace, TRACE)),
             ], [4], [WG_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
@@ -1147,14 +1125,12 @@ if GLUON_AVAILABLE:
                               bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                               work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                               v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED,
-                              LAZY)),
+                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED)),
                 (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                               bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                               work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                               v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED,
-                              LAZY)),
+                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED)),
             ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):
@@ -1163,7 +1139,3 @@ if GLUON_AVAILABLE:
             mbarrier.invalidate(bar_c.index(st))
             mbarrier.invalidate(bar_d.index(st))
             mbarrier.invalidate(sync.index(st))
-        mbarrier.invalidate(bar_m0.index(0))
-        mbarrier.invalidate(bar_m1.index(0))
-        mbarrier.invalidate(bar_p0.index(0))
-        mbarrier.invalidate(bar_p1.index(0))
