@@ -1,0 +1,79 @@
+"""The SM clock and board power while one decode shape runs back to back (issue 6: the 700 W cap at h128).
+
+Runs ``mla_decode_split_gluon`` (split kernel only) for about ``SECONDS`` seconds per shape while ``nvidia-smi``
+samples the SM clock, power and throttle reasons every 100 ms; prints the medians over the samples taken while
+the kernel ran, with the kernel's time per call.
+
+    PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/experiments/clock_under_load.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+
+SECONDS = 4.0
+SHAPES = [(128, 128, 8192, 1, "seesaw-pair-el"), (128, 128, 8192, 2, "seesaw-pair-el"), (32, 128, 8192, 1, "seesaw")]
+
+
+def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("clock_under_load: needs an sm90 GPU")
+        return 0
+    from bench_decode_gluon import make_problem
+
+    import openmla
+    from openmla.ops import decode_gluon as dg
+
+    scale_log2 = 576**-0.5 * 1.4426950408889634
+    for h, b, s, qlen, variant in SHAPES:
+        q, cache, bt, sl, qsl = make_problem(h, b, s, qlen, 2.0)
+        plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s)
+        out = torch.empty(q.shape[0], h, 512, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(q.shape[0], h, dtype=torch.float32, device="cuda")
+
+        def run():
+            dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, scale_log2, 1.0, True, 512,
+                                      variant=variant)  # fmt: skip
+
+        run()
+        torch.cuda.synchronize()
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                                "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.3)
+        n, t0 = 0, time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        while time.perf_counter() - t0 < SECONDS:
+            for _ in range(20):
+                run()
+            n += 20
+            torch.cuda.synchronize()
+        end.record()
+        torch.cuda.synchronize()
+        smi.terminate()
+        rows = [line.split(", ") for line in smi.communicate()[0].strip().splitlines()]
+        busy = [(float(c), float(p), r) for c, p, r in rows if float(p) > 300]
+        us = start.elapsed_time(end) * 1e3 / n
+        flops = 2.0 * q.shape[0] * h * s * (576 + 512)
+        if busy:
+            clock = statistics.median(c for c, _, _ in busy)
+            power = statistics.median(p for _, p, _ in busy)
+            reasons = sorted({r for _, _, r in busy})
+            print(f"h{h} b{b} s{s} q{qlen} {variant}: {us:.1f} us a call ({flops / us / 1e6:.1f} TF), "
+                  f"SM clock median {clock:.0f} MHz, power median {power:.0f} W over {len(busy)} samples, "
+                  f"throttle reasons {reasons}", flush=True)  # fmt: skip
+        else:
+            print(f"h{h} q{qlen} {variant}: {us:.1f} us a call, no busy sample ({rows[:3]})", flush=True)
+        del q, cache
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
