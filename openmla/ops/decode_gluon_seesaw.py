@@ -796,6 +796,30 @@ if GLUON_AVAILABLE:
         return b_s
 
     @gluon.jit
+    def _pair_tail(i, b_s, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, lat, rope, ready_l, ready_r, rb0, rb1,
+                   o0, o1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, trace, tb, PAGE: gl.constexpr,
+                   LAST: gl.constexpr, WG: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+        """The EARLY pairs' common end for warpgroup ``WG``, after its last P V: refills stage 1's half that it read
+        last (the L half with the rope columns, where P_b lived, for warpgroup 0; the R half for warpgroup 1; rows
+        ``rb0`` / ``rb1``), looks up the rows of the next pair's refills (the tiles two pairs after this warpgroup's
+        tile at ``n0``, and the one after it) and computes the scores of its next tile from its own stage (``lat`` / ``rope``). Returns the scores, the
+        validity of that tile's two boxes (rows ``o0`` / ``o1``, looked up a pair ago) and the rows looked up."""
+        if not LAST:
+            gl.thread_barrier()  # this warpgroup was the last reader of that half
+            if WG == 0:
+                bar = ready_l.index(1)
+            else:
+                bar = ready_r.index(1)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, 1, rb0, rb1, WG, WG == 0)
+            _mark(trace, tb, i, 8, TRACE)
+        na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + (256 - 64 * WG), kv_hi, max_blocks, num_blocks, PAGE, LAST)
+        if not LAST:
+            b_s = _pair_next_scores(q_smem, lat, rope, b_s, ready_l.index(WG), ready_r.index(WG), ph ^ 1, z, WG == 1,
+                                    trace, tb, i, TRACE)  # fmt: skip
+        limit_rows = num_blocks * PAGE  # _kv_rows' row for an invalid box
+        return b_s, o0 < limit_rows, o1 < limit_rows, na0, na1, nb0, nb1
+
+    @gluon.jit
     def _pair_wg0e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo, key0,
                    scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
@@ -850,16 +874,10 @@ if GLUON_AVAILABLE:
         acc = warpgroup_mma(rope1, lat1.slice(0, 256, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _mark(trace, tb, i, 7, TRACE)
-        if not LAST:
-            gl.thread_barrier()  # stage 1's L half and rope columns (P_b): warpgroup 0 was their last reader
-            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(1), 1, rb0, rb1, 0, True)
-            _mark(trace, tb, i, 8, TRACE)
-        na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + 256, kv_hi, max_blocks, num_blocks, PAGE, LAST)
-        if not LAST:
-            b_s = _pair_next_scores(q_smem, lat0, rope0, b_s, ready_l.index(0), ready_r.index(0), ph ^ 1, z, False,
-                                    trace, tb, i, TRACE)  # fmt: skip
-        limit_rows = num_blocks * PAGE  # _kv_rows' row for an invalid box
-        return b_s, acc, b_l, m_b, ra0 < limit_rows, ra1 < limit_rows, na0, na1, nb0, nb1
+        b_s, ok0, ok1, na0, na1, nb0, nb1 = _pair_tail(
+            i, b_s, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, lat0, rope0, ready_l, ready_r, rb0, rb1, ra0,
+            ra1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, trace, tb, PAGE, LAST, 0, TRACE)  # fmt: skip
+        return b_s, acc, b_l, m_b, ok0, ok1, na0, na1, nb0, nb1
 
     @gluon.jit
     def _pair_wg1e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
@@ -910,16 +928,10 @@ if GLUON_AVAILABLE:
         acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         _mark(trace, tb, i, 7, TRACE)
-        if not LAST:  # stage 1's R half
-            gl.thread_barrier()
-            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), 1, rb0, rb1, 1, False)
-            _mark(trace, tb, i, 8, TRACE)
-        na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + 192, kv_hi, max_blocks, num_blocks, PAGE, LAST)
-        if not LAST:
-            b_s = _pair_next_scores(q_smem, lat1, rope1, b_s, ready_l.index(1), ready_r.index(1), ph ^ 1, z, True,
-                                    trace, tb, i, TRACE)  # fmt: skip
-        limit_rows = num_blocks * PAGE  # _kv_rows' row for an invalid box
-        return b_s, acc, b_l, m_b, rb0 < limit_rows, rb1 < limit_rows, na0, na1, nb0, nb1
+        b_s, ok0, ok1, na0, na1, nb0, nb1 = _pair_tail(
+            i, b_s, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, lat1, rope1, ready_l, ready_r, rb0, rb1, rb0,
+            rb1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, trace, tb, PAGE, LAST, 1, TRACE)  # fmt: skip
+        return b_s, acc, b_l, m_b, ok0, ok1, na0, na1, nb0, nb1
 
     @gluon.jit
     def _pair_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
