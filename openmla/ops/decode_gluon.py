@@ -477,9 +477,9 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             key mask only in tiles that need it (a uniform branch; 3.1% faster than seesaw-pair-ea at h128 b128 q1,
             3.9% at q2, RESULTS.md run 60).
             ``"seesaw-pair-el"``: seesaw-pair-es with a lazy row max: a row's reference max moves only when its
-            scaled scores exceed it by more than 8 (log2), so P <= 256 and each warp skips the O rescale (128 multiplies a
-            thread) unless one of its rows moved (a warp vote; 4.5% faster than seesaw-pair-es at h128 b128 q1,
-            2.6% at q2, RESULTS.md run 64; ``mla_decode`` runs it at h128).
+            scaled scores exceed it by more than 8 (log2), so P <= 256 and each warp skips the O rescale (128
+            multiplies a thread) unless one of its rows moved (a warp vote; 4.5% faster than seesaw-pair-es at h128
+            b128 q1, 2.6% at q2, RESULTS.md run 64; ``mla_decode`` runs it at h128).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
         box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page

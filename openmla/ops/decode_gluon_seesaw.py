@@ -802,8 +802,9 @@ if GLUON_AVAILABLE:
         """The EARLY pairs' common end for warpgroup ``WG``, after its last P V: refills stage 1's half that it read
         last (the L half with the rope columns, where P_b lived, for warpgroup 0; the R half for warpgroup 1; rows
         ``rb0`` / ``rb1``), looks up the rows of the next pair's refills (the tiles two pairs after this warpgroup's
-        tile at ``n0``, and the one after it) and computes the scores of its next tile from its own stage (``lat`` / ``rope``). Returns the scores, the
-        validity of that tile's two boxes (rows ``o0`` / ``o1``, looked up a pair ago) and the rows looked up."""
+        tile at ``n0``, and the one after it) and computes the scores of its next tile from its own stage (``lat`` /
+        ``rope``). Returns the scores, the validity of that tile's two boxes (rows ``o0`` / ``o1``, looked up a pair
+        ago) and the rows looked up."""
         if not LAST:
             gl.thread_barrier()  # this warpgroup was the last reader of that half
             if WG == 0:
@@ -999,27 +1000,27 @@ if GLUON_AVAILABLE:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                         rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2, EARLY == 3,
-                        TRACE)  # fmt: skip
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2,
+                        EARLY == 3, TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                         rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2, EARLY == 3,
-                        TRACE)  # fmt: skip
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2,
+                        EARLY == 3, TRACE)  # fmt: skip
             if n_pairs > 0:
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
                         n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
                         lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY >= 2, EARLY == 3,
-                        TRACE)  # fmt: skip
+                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY >= 2,
+                        EARLY == 3, TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
                         lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY >= 2, EARLY == 3,
-                        TRACE)  # fmt: skip
+                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY >= 2,
+                        EARLY == 3, TRACE)  # fmt: skip
         else:
             for i in range(0, n_pairs - 1):
                 if WG == 0:
