@@ -44,18 +44,18 @@ def nvmma(swizzle, bits):
             "fp4_padded=False, cga_layout=[])")
 ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc": "*i32", "work_req": "*i32",
        "work_split": "*i32", "num_splits": "*i32", "split_len": "*i32", "out": "*bf16", "lse": "*fp32",
-       "o_part": "*fp32", "lse_part": "*fp32"}
+       "o_part": "*fp32", "lse_part": "*fp32", "group_indptr": "*i32"}
 report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     box = 32
-    if str(block_n).startswith("seesaw"):  # "seesaw[-pair[-nb|-r]][+box64]"
+    if str(block_n).startswith("seesaw"):  # "seesaw[-pair[-nb|-r|-ea|-es|-el]][+box64][+spans]"
         fn = gs._mla_decode_gluon_seesaw_kernel
-        name, _, opt = block_n.partition("+")
-        box = 64 if opt == "box64" else 32
+        name, *opts = block_n.split("+")
+        box = 64 if "box64" in opts else 32
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name.startswith("seesaw-pair"),
                     NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"),
-                    EARLY={"-ea": 1, "-es": 2, "-el": 3}.get(name[-3:], 0),
+                    EARLY={"-ea": 1, "-es": 2, "-el": 3}.get(name[-3:], 0), SPANS="spans" in opts,
                     OPAQUE=stages != "const",
                     TRACE=False, trace=None, num_warps=4)
     else:
@@ -128,13 +128,17 @@ def test_gluon_seesaw_compiles_for_sm90():
                                ["seesaw-pair-es+box64", "opaque", False, 64, False],
                                ["seesaw-pair-es", "opaque", True, 16, False],
                                ["seesaw-pair-el+box64", "opaque", False, 64, False],
-                               ["seesaw-pair-el", "opaque", True, 16, False]])  # fmt: skip
+                               ["seesaw-pair-el", "opaque", True, 16, False],
+                               ["seesaw-pair-el+box64+spans", "opaque", False, 64, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
         assert r["num_warps"] == 8 and r["setmaxnreg"], r
-    spill_free = reports[:2] + reports[3:]
+    spill_free = reports[:2] + reports[3:-1]
     assert all(r["stack"] == 0 and r["local"] == 0 for r in spill_free), spill_free
+    # the request-spanning loop keeps a few item values in local memory between items (104 B a thread in Triton
+    # 3.6; the SASS of both pair loops has no local access, checked offline)
+    assert reports[-1]["stack"] <= 128, reports[-1]
     assert reports[2]["stack"] > 0, "the compile-time-index variant no longer spills: the opaque index may be moot"
     assert reports[5]["partition_barriers"] < reports[4]["partition_barriers"], reports[4:6]
     # 64-row boxes: half the TMA copies of 32-row boxes (seesaw: 30 -> 15 in the PTX)
@@ -260,8 +264,10 @@ def _qlens(kind, B):
     return [int(kind)] * B
 
 
-def _gluon_decode(q, cache, bt, sl, qsl, causal, num_sms=None, **kw):
+def _gluon_decode(q, cache, bt, sl, qsl, causal, num_sms=None, spans=False, **kw):
+    """The Gluon split kernel and the reduce; ``spans``: the request-spanning schedule over ``num_sms``."""
     from openmla.ops.decode import _mla_decode_reduce
+    from openmla.ops.plan_spans import plan_spans
 
     T, H, _ = q.shape
     fp8 = cache.dtype == torch.float8_e4m3fn
@@ -269,11 +275,17 @@ def _gluon_decode(q, cache, bt, sl, qsl, causal, num_sms=None, **kw):
     kv_s = KV_SCALE if fp8 else 1.0
     plan = openmla.plan_decode(sl, qsl, H, num_sms=num_sms, kv_cache_dtype=kv_dtype)
     assert dg.gluon_decode_supported(q, cache, plan, kv_dtype)
+    sp = None
+    if spans:
+        block_h, q_per = dg.gluon_decode_config(H, plan.max_query_len)
+        readers = -(-H // block_h) * -(-plan.max_query_len // q_per)
+        sp = plan_spans(sl, qsl, max(1, plan.num_sms // readers), readers, plan.capacity)
     out = torch.empty(T, H, 512, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
-    dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * kv_s * LOG2E, kv_s, causal, 512, **kw)
-    _mla_decode_reduce(qsl, plan, out, lse, 512)
-    return out, lse, plan
+    dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * kv_s * LOG2E, kv_s, causal, 512,
+                              spans=sp, **kw)  # fmt: skip
+    _mla_decode_reduce(qsl, plan, out, lse, 512, sp)
+    return out, lse, (plan if sp is None else sp)
 
 
 def _check(q, cache, bt, sl, qsl, causal, num_sms=None, **kw):
@@ -383,6 +395,36 @@ def test_gluon_pair_score_jumps(variant, q_gain, device):
     q = (q.float() * q_gain).to(torch.bfloat16)
     for causal in (True, False):
         _check(q, cache, bt, sl, qsl, causal, variant=variant)
+
+
+@_gpu_test
+@pytest.mark.parametrize("variant", dg.SPAN_VARIANTS)
+@pytest.mark.parametrize("num_sms", [8, 30, 132])
+@pytest.mark.parametrize("heads,qlen", [(128, "1"), (128, "2"), (64, "varlen"), (16, "4")])
+def test_gluon_decode_spans(heads, qlen, num_sms, variant, device):
+    # the request-spanning schedule: each program loops over the pieces of requests in its group's range (the
+    # mbarrier phases run on across them); few SMs: requests cut into several pieces, merged by the reduce; a
+    # request without keys, tails inside pages, block ids past the sequence invalid
+    lens = [4096, 0, 3, 8191, 1000, 33, 2048, 17, 129, 12345]
+    q, cache, bt, sl, qsl = _batch(device, heads, _qlens(qlen, len(lens)), lens, 64, bad_tail=True)
+    for causal in (True, False):
+        _, _, spans = _check(q, cache, bt, sl, qsl, causal, num_sms=num_sms, spans=True, variant=variant)
+    # (every case has a program with several items or requests cut into several pieces; most have both)
+    assert int(spans.group_indptr.diff().max()) > 1 or int(spans.num_splits.max()) > 1
+
+
+@_gpu_test
+def test_mla_decode_spans(device):
+    # mla_decode's default at h128 when the batch fills the SMs: the plan carries the request-spanning schedule
+    # (num_sms=8 here, so a small batch fills them), seesaw-pair-el runs it and the reduce merges the cut requests
+    lens = [3000, 0, 64, 8191, 5000, 77]
+    q, cache, bt, sl, qsl = _batch(device, 128, [1, 1, 2, 1, 2, 1], lens, 64)
+    plan = openmla.plan_decode(sl, qsl, 128, num_sms=8)
+    assert plan.spans is not None and int(plan.spans.num_splits.max()) > 1
+    out, lse = openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, causal=True, plan=plan)
+    ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True)
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
 
 
 # the points of each warpgroup in program order (the pair-e kernels' points 12-13 fall between 0 and 1)

@@ -83,6 +83,7 @@ import triton
 
 if TYPE_CHECKING:
     from openmla.ops.plan import DecodePlan
+    from openmla.ops.plan_spans import DecodeSpans
 
 __all__ = ["GLUON_AVAILABLE", "SEESAW_VARIANTS", "gluon_decode_config", "gluon_decode_supported",
            "mla_decode_split_gluon"]
@@ -115,6 +116,9 @@ SEESAW_WG_REGS = 240
 # "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
 SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea", "seesaw-pair-es",
                    "seesaw-pair-el")
+# the variants that run a request-spanning schedule (``spans=``: each program loops over the pieces of requests in
+# its group's range, ``openmla.ops.plan_spans``)
+SPAN_VARIANTS = ("seesaw-pair-ea", "seesaw-pair-es", "seesaw-pair-el")
 
 
 if GLUON_AVAILABLE:
@@ -437,7 +441,8 @@ def _q_copyable(q: torch.Tensor) -> bool:
 def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                            scale_log2: float, v_scale: float, causal: bool, d_v: int, *, block_n: int = 64,
                            stages: int | None = None, variant: str = "ws",
-                           box_rows: int | None = None, trace: torch.Tensor | None = None) -> None:  # fmt: skip
+                           box_rows: int | None = None, trace: torch.Tensor | None = None,
+                           spans: DecodeSpans | None = None) -> None:  # fmt: skip
     r"""Launch the Gluon split-KV kernel (same meaning as ``_mla_decode_split`` in ``ops/decode.py``).
 
     Writes the final rows of single-split requests into ``out``/``lse`` and the normalised fp32
@@ -489,6 +494,10 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             ``programs * 2 * (TRACE_NP + 1) * TRACE_NE`` elements (``programs = plan.capacity`` x head blocks x
             query blocks; the constants are in ``decode_gluon_seesaw``) that receives each warpgroup's cycle
             stamps (``benchmarks/experiments/pair_trace.py`` reads them). None (default): no trace code.
+        spans (DecodeSpans | None): ``plan.spans`` (one of ``SPAN_VARIANTS``): run the request-spanning schedule
+            instead of the plan's work items: ``spans.num_groups`` x ``spans.readers`` programs, each looping over
+            its group's items; its partials go to ``plan.o_part`` / ``plan.lse_part`` by item, and the caller runs
+            the reduce with ``spans``. ``programs`` above is then ``num_groups`` x head blocks x query blocks.
     """
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if variant not in SEESAW_VARIANTS + ("ws", "seesaw-const"):
@@ -499,6 +508,8 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
                          f"{tuple(q.stride())}")  # fmt: skip
     if trace is not None and not variant.startswith("seesaw-pair"):
         raise ValueError(f"trace needs a seesaw-pair variant; got {variant!r}")
+    if spans is not None and variant not in SPAN_VARIANTS:
+        raise ValueError(f"spans needs one of {SPAN_VARIANTS}; got {variant!r}")
     if variant.startswith("seesaw") and (fp8 or block_n != 64 or stages not in (None, 2)):
         raise ValueError("variant='seesaw' takes a bf16 cache, 64-key tiles and 2 stages; got "
                          f"{kv_cache.dtype}, block_n={block_n}, stages={stages}")  # fmt: skip
@@ -533,6 +544,11 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     rope_desc = TensorDescriptor(kv2d, shape, strides, [SUB_N, D_R], _kv_layout(fp8, D_R))
     n_hb, n_qb = triton.cdiv(H, block_h), triton.cdiv(plan.max_query_len, q_per)
     grid = (plan.capacity * n_hb * n_qb,)
+    if spans is not None:
+        if spans.readers != n_hb * n_qb or spans.num_splits.shape[0] != plan.batch_size:
+            raise ValueError(f"spans were planned for {spans.readers} programs a group and batch "
+                             f"{spans.num_splits.shape[0]}; this call has {n_hb * n_qb} and {plan.batch_size}")
+        grid = (spans.num_groups * n_hb * n_qb,)
     args = (q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split,
             plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
             q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
@@ -550,7 +566,11 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         kw = dict(PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
                   WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const", num_warps=4)
         pair = variant.startswith("seesaw-pair")
-        _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], PAIR=pair,
+        if spans is not None:  # the items' requests, key ranges and groups; the reduce reads its num_splits
+            args = args[:6] + (spans.work_req, spans.work_lo, spans.num_splits, spans.work_hi) + args[10:]
+        groups = spans.group_indptr if spans is not None else plan.work_indptr  # (unused without spans)
+        _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], group_indptr=groups, PAIR=pair,
+                                              SPANS=spans is not None,
                                               NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
                                               EARLY={"-ea": 1, "-es": 2, "-el": 3}.get(variant[-3:], 0), trace=trace,
                                               TRACE=trace is not None, **kw)  # fmt: skip

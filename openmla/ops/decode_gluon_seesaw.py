@@ -117,13 +117,14 @@ if GLUON_AVAILABLE:
         async_copy.commit_group()
 
     @gluon.jit
-    def _seesaw_wait_q(qbar):
-        """Wait for this warpgroup's Q copies (``_seesaw_issue_q``), then for the other warpgroup's."""
+    def _seesaw_wait_q(qbar, ph):
+        """Wait for this warpgroup's Q copies (``_seesaw_issue_q``), then for the other warpgroup's (phase ``ph``:
+        the parity of the items this program did before)."""
         async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(qbar, count=1)
-        mbarrier.wait(qbar, 0)
+        mbarrier.wait(qbar, ph)
 
     @gluon.jit
     def _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S: gl.constexpr, BLOCK_M: gl.constexpr, Q_PER: gl.constexpr,
@@ -137,20 +138,20 @@ if GLUON_AVAILABLE:
         return gl.expand_dims(gl.minimum(limit, kv_hi), 1)
 
     @gluon.jit
-    def _seesaw_finish(acc, b_l, m_run, l_smem, lbar, buf, num_splits, out, lse, o_part, lse_part, v_scale,
+    def _seesaw_finish(acc, b_l, m_run, l_smem, lbar, ph, buf, num_splits, out, lse, o_part, lse_part, v_scale,
                        stride_o_t, stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN: gl.constexpr,
                        BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Both warpgroups saw every tile at the same running max ``m_run``: the row sum is the sum of the two
-        halves' sums (exchanged through ``l_smem``); normalise this warpgroup's 256 output columns and store
-        them (and, from warpgroup 0, the LSE) as final rows or as the work item's partial. ``buf``: a free
-        ``[64, 256]`` bf16 shared buffer of this warpgroup (every MMA and copy is done once both warpgroups
-        passed ``lbar``) that stages bf16 final rows (``_store_out_staged``)."""
+        halves' sums (exchanged through ``l_smem``, ``lbar`` phase ``ph``); normalise this warpgroup's 256 output
+        columns and store them (and, from warpgroup 0, the LSE) as final rows or as the work item's partial.
+        ``buf``: a free ``[64, 256]`` bf16 shared buffer of this warpgroup (every MMA and copy is done once both
+        warpgroups passed ``lbar``) that stages bf16 final rows (``_store_out_staged``)."""
         ROW_S: gl.constexpr = b_l.type.layout
         VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         l_smem.index(WG).store(gl.convert_layout(b_l, VEC))
         gl.thread_barrier()
         mbarrier.arrive(lbar, count=1)
-        mbarrier.wait(lbar, 0)
+        mbarrier.wait(lbar, ph)
         b_l = b_l + gl.convert_layout(l_smem.index(1 - WG).load(VEC), ROW_S)
         n_split = gl.load(num_splits + i_b)
         if (n_split == 1) & (out.dtype.element_ty == gl.bfloat16):
@@ -395,7 +396,7 @@ if GLUON_AVAILABLE:
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_x.index(OWN), OWN, r0, r1, OWN, False)
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
 
-        _seesaw_wait_q(qbar)
+        _seesaw_wait_q(qbar, 0)
         limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
         m_prev = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
         b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
@@ -421,7 +422,7 @@ if GLUON_AVAILABLE:
                                                 pready, ready_y, (n_own - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=(acc,))
 
-        _seesaw_finish(acc, b_l, m_prev, l_smem, lbar, lat_smem.index(OWN).slice(0, HALF, dim=1), num_splits, out,
+        _seesaw_finish(acc, b_l, m_prev, l_smem, lbar, 0, lat_smem.index(OWN).slice(0, HALF, dim=1), num_splits, out,
                        lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen,
                        MAX_QLEN, BLOCK_H, Q_PER, WG)  # fmt: skip
 
@@ -937,11 +938,69 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _pair_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
                  p_ready, qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
-                 split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-                 stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
-                 BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
-                 N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
-                 R_FIRST: gl.constexpr, EARLY: gl.constexpr, trace, TRACE: gl.constexpr):  # fmt: skip
+                 split_len, group_indptr, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h,
+                 stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
+                 MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
+                 N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
+                 R_FIRST: gl.constexpr, EARLY: gl.constexpr, SPANS: gl.constexpr, trace,
+                 TRACE: gl.constexpr):  # fmt: skip
+        """One warpgroup of the pair kernel: its program's work item, or (``SPANS``) every item of its group in
+        order (``work_split`` / ``split_len`` then hold each item's first key / key end, ``group_indptr`` the
+        groups' items: ``openmla.ops.plan_spans``). The mbarriers run on across items: a stage's barriers complete
+        once a pair (``g0``, the pairs done before, gives their phase), the Q and row-sum exchanges once an item
+        (``seg``)."""
+        if SPANS:
+            pid = gl.program_id(0)
+            grp = pid // (N_HB * N_QB)
+            i_h = pid % N_HB
+            i_q = (pid // N_HB) % N_QB
+            it_lo = gl.load(group_indptr + grp)
+            it_hi = gl.load(group_indptr + grp + 1)
+            g0 = it_lo * 0
+            seg = it_lo * 0
+            for it in range(it_lo, it_hi):
+                i_b = gl.load(work_req + it).to(gl.int64)
+                q_start = gl.load(query_start_loc + i_b)
+                qlen = gl.load(query_start_loc + i_b + 1) - q_start
+                if i_q * Q_PER < qlen:  # (the same test in both warpgroups)
+                    L = gl.load(seq_lens + i_b)
+                    kv_lo = gl.load(work_split + it)
+                    kv_hi = gl.load(split_len + it)
+                    if CAUSAL:
+                        kv_hi = gl.minimum(kv_hi, L - qlen + gl.minimum(i_q * Q_PER + Q_PER, qlen))
+                    # the previous item's shared-memory reads and writes (output staging, zero tails) before this
+                    # item's copies into the same buffers
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    g0 = _pair_item(
+                        q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
+                        m_ready, p_ready, qbar, lbar, block_table, num_splits, out, lse, o_part, lse_part,
+                        scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H,
+                        num_blocks, max_blocks, it, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi, g0, seg & 1,
+                        PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY, trace,
+                        TRACE)  # fmt: skip
+                    seg += 1
+        else:
+            i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi = _seesaw_item(
+                block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB)
+            _pair_item(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
+                       m_ready, p_ready, qbar, lbar, block_table, num_splits, out, lse, o_part, lse_part, scale_log2,
+                       v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
+                       max_blocks, i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi, 0, 0, PAGE, MAX_QLEN,
+                       BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY, trace, TRACE)  # fmt: skip
+
+    @gluon.jit
+    def _pair_item(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
+                   p_ready, qbar, lbar, block_table, num_splits, out, lse, o_part, lse_part, scale_log2, v_scale,
+                   stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, i_w, i_h,
+                   i_q, i_b, q_start, qlen, L, kv_lo, kv_hi, g0, sph, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
+                   BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
+                   OPAQUE: gl.constexpr, NAMED: gl.constexpr, R_FIRST: gl.constexpr, EARLY: gl.constexpr, trace,
+                   TRACE: gl.constexpr):  # fmt: skip
+        """One work item (keys ``[kv_lo, kv_hi)`` of request ``i_b``, partial slot ``i_w``) for warpgroup ``WG``;
+        ``g0``: the pairs this program did before (the stage barriers' phase), ``sph``: the Q / row-sum barriers'
+        phase. Returns ``g0`` plus this item's pairs. The pairs are numbered on from ``g0`` (their phase is the
+        number's parity; key ``kv_lo`` is pair ``g0``'s tile a)."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # fmt: skip
@@ -950,8 +1009,6 @@ if GLUON_AVAILABLE:
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
         COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
 
-        i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi = _seesaw_item(
-            block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB)
         n_pairs = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), 128)
         p_bt = block_table + i_b * stride_bt_b
         tb = gl.program_id(0) * 2 + WG  # the trace row of this program and warpgroup
@@ -970,7 +1027,7 @@ if GLUON_AVAILABLE:
             _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(1), p_bt, kv_lo + 64, kv_hi,
                          max_blocks, num_blocks, 1, WG, WG == 0, PAGE)  # fmt: skip
 
-        _seesaw_wait_q(qbar)
+        _seesaw_wait_q(qbar, sph)
         _mark(trace, tb, -1, 1, TRACE)
         limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
         m_run = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
@@ -983,8 +1040,8 @@ if GLUON_AVAILABLE:
             z = (L >> 31) if OPAQUE else 0
             lat = lat_smem.index(WG + z)
             rope = rope_smem.index(WG + z)
-            b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_l.index(WG), 0, z, 0, WG == 1, True)
-            b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_r.index(WG), 0, z, 1, WG == 0, False)
+            b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_l.index(WG), g0 & 1, z, 0, WG == 1, True)
+            b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_r.index(WG), g0 & 1, z, 1, WG == 0, False)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
         _mark(trace, tb, -1, 2, TRACE)
         if EARLY:
@@ -995,32 +1052,33 @@ if GLUON_AVAILABLE:
             ok1 = _box_ok(p_bt, n_first + 32, kv_hi, max_blocks, num_blocks, PAGE)
             ra0, ra1, rb0, rb1 = _pair_rows_ahead(p_bt, kv_lo + 128, kv_hi, max_blocks, num_blocks, PAGE, False)
             lim_lo = gl.min(gl.min(limit, axis=1), axis=0)  # FUSED: tiles wholly below it need no mask
-            for i in range(0, n_pairs - 1):
+            kv_base = kv_lo - g0 * 128  # pair i's tile a starts at kv_base + 128 i
+            for i in range(g0, g0 + n_pairs - 1):
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
-                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
+                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi, L, limit, lim_lo,
                         key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2,
                         EARLY == 3, TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
-                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo,
+                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi, L, limit, lim_lo,
                         key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2,
                         EARLY == 3, TRACE)  # fmt: skip
             if n_pairs > 0:
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
-                        n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
-                        lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY >= 2,
-                        EARLY == 3, TRACE)  # fmt: skip
+                        g0 + n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc,
+                        q_smem, lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi,
+                        L, limit, lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True,
+                        EARLY >= 2, EARLY == 3, TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
-                        n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem,
-                        lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit,
-                        lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, EARLY >= 2,
-                        EARLY == 3, TRACE)  # fmt: skip
+                        g0 + n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc,
+                        q_smem, lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi,
+                        L, limit, lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True,
+                        EARLY >= 2, EARLY == 3, TRACE)  # fmt: skip
         else:
             for i in range(0, n_pairs - 1):
                 if WG == 0:
@@ -1046,20 +1104,23 @@ if GLUON_AVAILABLE:
                         num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, NAMED, R_FIRST, TRACE)  # fmt: skip
         _mark(trace, tb, -1, 3, TRACE)
 
-        _seesaw_finish(acc, b_l, m_run, l_smem, lbar, lat_smem.index(WG).slice(0, 256, dim=1), num_splits, out,
-                       lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen,
-                       MAX_QLEN, BLOCK_H, Q_PER, WG)  # fmt: skip
+        # staging buffer: a latent half that only this warpgroup refills at the start of the next item (stage 0's L
+        # half / stage 1's R half), so the other warpgroup's copies for that item cannot overwrite it
+        _seesaw_finish(acc, b_l, m_run, l_smem, lbar, sph, lat_smem.index(WG).slice(WG * 256, 256, dim=1),
+                       num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, i_h, i_q, i_b,
+                       q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)  # fmt: skip
         _mark(trace, tb, -1, 4, TRACE)
+        return g0 + n_pairs
 
     @gluon.jit
     def _mla_decode_gluon_seesaw_kernel(
         q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
         split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-        stride_o_t, stride_o_h, H, num_blocks, max_blocks, trace,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks, trace, group_indptr,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
         PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, R_FIRST: gl.constexpr,
-        EARLY: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr,
+        EARLY: gl.constexpr, SPANS: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The seesaw kernels (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel.
         ``PAIR=False``: ``variant="seesaw"`` (the comment above ``_seesaw_wg``); ``PAIR=True``: ``"seesaw-pair"``
@@ -1067,7 +1128,10 @@ if GLUON_AVAILABLE:
         hardware named barriers instead of mbarriers. ``lat_desc`` / ``rope_desc``: ``[32, 256]`` / ``[32, 64]``
         boxes over the cache's 2-D view. ``OPAQUE=False``: compile-time stage indices (``"seesaw-const"``,
         spills). ``TRACE`` (pair kernel only): record cycle stamps into ``trace`` (``_mark``; else ``trace`` is
-        unused and may be None)."""
+        unused and may be None). ``SPANS`` (EARLY pair kernels): the request-spanning schedule of
+        ``openmla.ops.plan_spans``: program ``pid`` runs the items ``group_indptr[g]:group_indptr[g+1]`` of group
+        ``g = pid // (N_HB * N_QB)``, with ``work_split`` / ``split_len`` holding each item's first key and key end
+        (else ``group_indptr`` is unused)."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
         gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
@@ -1075,20 +1139,22 @@ if GLUON_AVAILABLE:
         gl.static_assert(PAIR or not TRACE, "the cycle trace: the pair schedule only")
         gl.static_assert(PAIR or not EARLY, "EARLY: a pair schedule")
         gl.static_assert(not (EARLY and (NAMED or R_FIRST)), "EARLY has its own order and mbarrier handoffs")
+        gl.static_assert((not SPANS) or (EARLY >= 1), "SPANS: an EARLY pair schedule")
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VEC_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
-        pid = gl.program_id(0)
-        i_w = pid // (N_HB * N_QB)
-        i_q = (pid // N_HB) % N_QB
-        i_b = gl.load(work_req + i_w)
-        if i_b < 0:
-            return
-        i_b = i_b.to(gl.int64)
-        q_start = gl.load(query_start_loc + i_b)
-        qlen = gl.load(query_start_loc + i_b + 1) - q_start
-        if i_q * Q_PER >= qlen:
-            return
+        if not SPANS:  # programs of unused slots and query blocks past the request's rows have nothing to do
+            pid = gl.program_id(0)
+            i_w = pid // (N_HB * N_QB)
+            i_q = (pid // N_HB) % N_QB
+            i_b = gl.load(work_req + i_w)
+            if i_b < 0:
+                return
+            i_b = i_b.to(gl.int64)
+            q_start = gl.load(query_start_loc + i_b)
+            qlen = gl.load(query_start_loc + i_b + 1) - q_start
+            if i_q * Q_PER >= qlen:
+                return
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, BLOCK_M, 64], Q_SMEM)
         lat_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], lat_desc.layout)
@@ -1121,16 +1187,16 @@ if GLUON_AVAILABLE:
             gl.warp_specialize([
                 (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
-                            work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
-                            v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                            max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED,
-                            R_FIRST, EARLY, trace, TRACE)),
+                            work_req, work_split, num_splits, split_len, group_indptr, out, lse, o_part, lse_part,
+                            scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H,
+                            num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE,
+                            NAMED, R_FIRST, EARLY, SPANS, trace, TRACE)),
                 (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
-                            work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
-                            v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                            max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED,
-                            R_FIRST, EARLY, trace, TRACE)),
+                            work_req, work_split, num_splits, split_len, group_indptr, out, lse, o_part, lse_part,
+                            scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H,
+                            num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE,
+                            NAMED, R_FIRST, EARLY, SPANS, trace, TRACE)),
             ], [4], [WG_REGS])  # fmt: skip
         else:
             gl.warp_specialize([

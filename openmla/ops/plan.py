@@ -14,6 +14,7 @@ and is computed once per step and reused by every layer.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import triton.language as tl
 
 from openmla.device import INTERPRET
 from openmla.ops._validate import capturing, check_index
+from openmla.ops.plan_spans import DecodeSpans, plan_spans
 
 __all__ = ["DecodePlan", "plan_decode"]
 
@@ -33,6 +35,9 @@ _MAX_SPLIT_TILES = 128  # a split spans at most this many KV tiles (its page num
 # a work item's fixed cost (q load, partial write and its share of the reduce), in KV tokens
 _ITEM_COST = int(os.environ.get("OPENMLA_DECODE_ITEM_COST", "256"))
 _MAX_CANDIDATES = 128  # split counts tried for the longest request
+# the request-spanning schedule for the Hopper pair kernel (plan_spans.py): "auto" (where mla_decode runs that
+# kernel), "1" (wherever the tiling has 64 rows and a bf16 cache: tests) or "0"
+_SPANS_ENV = "OPENMLA_DECODE_SPANS"
 
 
 @triton.jit
@@ -191,6 +196,9 @@ class DecodePlan:
         merge_req (torch.Tensor): `[B]` int32, the requests with more than one split, in order (their
             partials are merged by the reduce), then -1.
         num_merge (torch.Tensor): `[1]` int32, how many entries of ``merge_req`` are requests.
+        spans (DecodeSpans | None): the request-spanning schedule of the same batch for the Hopper pair kernel
+            (:mod:`openmla.ops.plan_spans`; it shares ``o_part`` / ``lse_part``), where ``mla_decode`` runs that
+            kernel (64-row tiles read by 2+ programs each, a batch that fills the SMs with them); else None.
     """
 
     batch_size: int
@@ -209,6 +217,7 @@ class DecodePlan:
     lse_part: torch.Tensor
     merge_req: torch.Tensor
     num_merge: torch.Tensor
+    spans: DecodeSpans | None = None
 
     def check(self, batch_size: int, num_heads: int, d_v: int) -> None:
         """Raise when a call does not match the configuration this plan was built for."""
@@ -226,6 +235,17 @@ def _gluon_tier(device: torch.device) -> bool:
     from openmla.ops._gluon import GLUON_AVAILABLE
 
     return GLUON_AVAILABLE and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _spans_wanted(tiling: DecodeTiling, kv_cache_dtype: str, readers: int, batch: int, num_sms: int,
+                  device: torch.device) -> bool:  # fmt: skip
+    """Whether ``plan_decode`` adds the request-spanning schedule (``OPENMLA_DECODE_SPANS``, read per call)."""
+    mode = os.environ.get(_SPANS_ENV, "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{_SPANS_ENV} must be 'auto', '0' or '1'; got {mode!r}")
+    if mode == "0" or tiling.block_m != 64 or kv_cache_dtype != "auto" or readers > num_sms:
+        return False
+    return mode == "1" or (_gluon_tier(device) and readers >= 2 and batch * readers >= num_sms)
 
 
 def _default_num_sms(device: torch.device) -> int:
@@ -324,6 +344,13 @@ def plan_decode(
             merge_req=torch.empty(B, dtype=torch.int32, device=dev),
             num_merge=torch.zeros(1, dtype=torch.int32, device=dev),
         )  # fmt: skip
+    spans = None
+    if _spans_wanted(tiling, kv_cache_dtype, programs_per_split, B, num_sms, dev):
+        groups = num_sms // programs_per_split
+        reuse = out.spans if out is not None and out.spans is not None and out.spans.num_groups == groups else None
+        spans = plan_spans(seq_lens, query_start_loc, groups, programs_per_split, capacity, out=reuse)
+    if spans is not plan.spans:
+        plan = dataclasses.replace(plan, spans=spans)
     if B:
         _plan_decode_fwd_kernel[(1,)](
             seq_lens, query_start_loc, plan.split_len, plan.num_splits, plan.work_indptr, plan.work_req,

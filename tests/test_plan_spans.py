@@ -1,0 +1,111 @@
+"""The request-spanning schedule of the Hopper pair kernel (``openmla.ops.plan_spans``): the device planner against
+the plain-Python one, the schedule's invariants, and ``plan_decode``'s switch. The kernel that runs it is tested on
+the H200 (``tests/test_decode_gluon.py``, ``test_gluon_decode_spans``)."""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import openmla
+from openmla.ops.plan_spans import SPAN_FIXED, SPAN_UNIT, plan_spans, plan_spans_ref
+
+
+def _inputs(lens, qlens, device):
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=device)
+    return sl, qsl
+
+
+def _groups(spans):
+    """Per group, its items ``(request, kv_lo, kv_hi)`` as the kernel will run them."""
+    gi = spans.group_indptr.cpu().tolist()
+    req, lo, hi = (x.cpu().tolist() for x in (spans.work_req, spans.work_lo, spans.work_hi))
+    return [[(req[i], lo[i], hi[i]) for i in range(gi[g], gi[g + 1])] for g in range(spans.num_groups)]
+
+
+def _check_schedule(spans, lens, qlens, num_groups):
+    groups = _groups(spans)
+    assert groups == plan_spans_ref(lens, qlens, num_groups)
+    items = [it for g in groups for it in g]
+    n_items = len(items)
+    assert spans.group_indptr[0] == 0 and int(spans.group_indptr[-1]) == n_items
+    assert all(r == -1 for r in spans.work_req[n_items:].cpu().tolist())
+    n = spans.num_splits.cpu().tolist()
+    indptr = spans.work_indptr.cpu().tolist()
+    for b, (L, q) in enumerate(zip(lens, qlens)):
+        mine = items[indptr[b] : indptr[b + 1]]
+        assert len(mine) == n[b] and all(r == b for r, _, _ in mine)
+        if q == 0:
+            assert n[b] == 0
+            continue
+        # the pieces cover the request's keys once, in order, cut at multiples of SPAN_UNIT
+        assert mine[0][1] == 0 and mine[-1][2] == L
+        assert all(a[2] == c[1] for a, c in zip(mine, mine[1:]))
+        assert all(lo % SPAN_UNIT == 0 and lo < hi for _, lo, hi in mine) or L == 0
+    multi = [b for b in range(len(lens)) if n[b] > 1]
+    assert int(spans.num_merge) == len(multi)
+    assert spans.merge_req.cpu().tolist() == multi + [-1] * (len(lens) - len(multi))
+    return groups
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    reqs=st.lists(st.tuples(st.sampled_from([0, 1, 127, 128, 129, 640, 5000, 40000]), st.integers(0, 3)),
+                  min_size=1, max_size=30),
+    num_groups=st.integers(1, 70),
+)  # fmt: skip
+def test_spans_match_reference(reqs, num_groups):
+    from openmla.utils.testing import suite_device
+
+    lens, qlens = [n for n, _ in reqs], [q for _, q in reqs]
+    sl, qsl = _inputs(lens, qlens, suite_device())
+    spans = plan_spans(sl, qsl, num_groups, 2, len(lens) + num_groups)
+    _check_schedule(spans, lens, qlens, num_groups)
+
+
+@pytest.mark.parametrize("qlen,groups", [(1, 66), (2, 33)])
+def test_spans_balance_uniform_batch(qlen, groups, device):
+    # h128 b128 s8k on 132 SMs: no group costs more than its share plus a unit (each item costing its fixed part
+    # and its pairs), where one program per 64 rows costs 2 (qlen 1) or 4 (qlen 2) whole requests on some SMs
+    lens, qlens = [8192] * 128, [qlen] * 128
+    sl, qsl = _inputs(lens, qlens, device)
+    spans = plan_spans(sl, qsl, groups, 132 // groups, 128 + groups)
+    per_group = [sum(SPAN_FIXED + -(-(hi - lo) // SPAN_UNIT) for _, lo, hi in g)
+                 for g in _check_schedule(spans, lens, qlens, groups)]  # fmt: skip
+    assert max(per_group) <= sum(per_group) / groups + 1, per_group
+    assert max(per_group) < 2 * qlen * (SPAN_FIXED + 8192 // SPAN_UNIT)
+    assert int(spans.group_indptr[-1]) <= 128 + groups - 1
+
+
+def test_spans_empty_and_tiny(device):
+    # no keys (one empty item where the request sits), no query rows (no item), more groups than work
+    lens, qlens = [0, 5, 0, 300], [1, 1, 0, 2]
+    sl, qsl = _inputs(lens, qlens, device)
+    spans = plan_spans(sl, qsl, 40, 1, 44)
+    groups = _check_schedule(spans, lens, qlens, 40)
+    assert [it for g in groups for it in g] == [(0, 0, 0), (1, 0, 5), (3, 0, 128), (3, 128, 256), (3, 256, 300)]
+    with pytest.raises(ValueError, match="capacity"):
+        plan_spans(sl, qsl, 40, 1, 43)
+
+
+def test_plan_decode_spans_switch(device, monkeypatch):
+    # OPENMLA_DECODE_SPANS=1: plan_decode adds the schedule for 64-row tiles (any device); 0: never; the default
+    # adds it only where mla_decode runs the pair kernel (an sm90 GPU); out= keeps its buffers
+    lens, qlens = [3000, 64, 0, 9000], [1, 2, 1, 1]
+    sl, qsl = _inputs(lens, qlens, device)
+    monkeypatch.setenv("OPENMLA_DECODE_SPANS", "1")
+    plan = openmla.plan_decode(sl, qsl, 128, num_sms=16)
+    assert plan.spans is not None and plan.spans.num_groups == 4 and plan.spans.readers == 4
+    _check_schedule(plan.spans, lens, qlens, 4)
+    ptr = plan.spans.work_lo.data_ptr()
+    again = openmla.plan_decode(sl, qsl, 128, num_sms=16, max_query_len=2, out=plan)
+    assert again.spans.work_lo.data_ptr() == ptr and again.work_req.data_ptr() == plan.work_req.data_ptr()
+    assert openmla.plan_decode(sl, qsl, 16, num_sms=16).spans is None  # 16-row tiles: the pair kernel does not run
+    monkeypatch.setenv("OPENMLA_DECODE_SPANS", "0")
+    assert openmla.plan_decode(sl, qsl, 128, num_sms=16).spans is None
+    monkeypatch.setenv("OPENMLA_DECODE_SPANS", "2")
+    with pytest.raises(ValueError, match="OPENMLA_DECODE_SPANS"):
+        openmla.plan_decode(sl, qsl, 128, num_sms=16)
