@@ -44,7 +44,7 @@ def nvmma(swizzle, bits):
             "fp4_padded=False, cga_layout=[])")
 ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc": "*i32", "work_req": "*i32",
        "work_split": "*i32", "num_splits": "*i32", "split_len": "*i32", "out": "*bf16", "lse": "*fp32",
-       "o_part": "*fp32", "lse_part": "*fp32", "group_indptr": "*i32"}
+       "o_part": "*fp32", "lse_part": "*fp32", "group_indptr": "*i32", "span_indptr": "*i32", "span_flags": "*i32"}
 report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     box = 32
@@ -136,7 +136,7 @@ def test_gluon_seesaw_compiles_for_sm90():
         assert r["num_warps"] == 8 and r["setmaxnreg"], r
     spill_free = reports[:2] + reports[3:-1]
     assert all(r["stack"] == 0 and r["local"] == 0 for r in spill_free), spill_free
-    # the request-spanning loop keeps a few item values in local memory between items (104 B a thread in Triton
+    # the request-spanning loop keeps a few item values in local memory between items (64 B a thread in Triton
     # 3.6; the SASS of both pair loops has no local access, checked offline)
     assert reports[-1]["stack"] <= 128, reports[-1]
     assert reports[2]["stack"] > 0, "the compile-time-index variant no longer spills: the opaque index may be moot"
@@ -264,8 +264,9 @@ def _qlens(kind, B):
     return [int(kind)] * B
 
 
-def _gluon_decode(q, cache, bt, sl, qsl, causal, num_sms=None, spans=False, **kw):
-    """The Gluon split kernel and the reduce; ``spans``: the request-spanning schedule over ``num_sms``."""
+def _gluon_decode(q, cache, bt, sl, qsl, causal, num_sms=None, spans=None, **kw):
+    """The Gluon split kernel and the reduce; ``spans`` ("cut", "snap" or "auto"): the request-spanning schedule
+    over ``num_sms`` in that mode (the kernel merges its pieces: no reduce)."""
     from openmla.ops.decode import _mla_decode_reduce
     from openmla.ops.plan_spans import plan_spans
 
@@ -279,12 +280,13 @@ def _gluon_decode(q, cache, bt, sl, qsl, causal, num_sms=None, spans=False, **kw
     if spans:
         block_h, q_per = dg.gluon_decode_config(H, plan.max_query_len)
         readers = -(-H // block_h) * -(-plan.max_query_len // q_per)
-        sp = plan_spans(sl, qsl, max(1, plan.num_sms // readers), readers, plan.capacity)
+        sp = plan_spans(sl, qsl, max(1, plan.num_sms // readers), readers, plan.capacity, mode=spans)
     out = torch.empty(T, H, 512, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * kv_s * LOG2E, kv_s, causal, 512,
                               spans=sp, **kw)  # fmt: skip
-    _mla_decode_reduce(qsl, plan, out, lse, 512, sp)
+    if sp is None:  # (the spanning kernel merges its pieces itself)
+        _mla_decode_reduce(qsl, plan, out, lse, 512)
     return out, lse, (plan if sp is None else sp)
 
 
@@ -398,33 +400,39 @@ def test_gluon_pair_score_jumps(variant, q_gain, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("variant", dg.SPAN_VARIANTS)
+@pytest.mark.parametrize("variant,mode", [(v, "cut") for v in dg.SPAN_VARIANTS] + [("seesaw-pair-el", "snap")])
 @pytest.mark.parametrize("num_sms", [8, 30, 132])
 @pytest.mark.parametrize("heads,qlen", [(128, "1"), (128, "2"), (64, "varlen"), (16, "4")])
-def test_gluon_decode_spans(heads, qlen, num_sms, variant, device):
-    # the request-spanning schedule: each program loops over the pieces of requests in its group's range (the
-    # mbarrier phases run on across them); few SMs: requests cut into several pieces, merged by the reduce; a
-    # request without keys, tails inside pages, block ids past the sequence invalid
+def test_gluon_decode_spans(heads, qlen, num_sms, variant, mode, device):
+    # the request-spanning schedule: each program loops over its group's items, last to first (the mbarrier phases
+    # run on across them); "cut": requests cut into pieces (up to 27 here), which the kernel merges through
+    # partials and flags; "snap": whole requests. A request without keys, tails inside pages, block ids past the
+    # sequence invalid
     lens = [4096, 0, 3, 8191, 1000, 33, 2048, 17, 129, 12345]
     q, cache, bt, sl, qsl = _batch(device, heads, _qlens(qlen, len(lens)), lens, 64, bad_tail=True)
     for causal in (True, False):
-        _, _, spans = _check(q, cache, bt, sl, qsl, causal, num_sms=num_sms, spans=True, variant=variant)
-    # (every case has a program with several items or requests cut into several pieces; most have both)
-    assert int(spans.group_indptr.diff().max()) > 1 or int(spans.num_splits.max()) > 1
+        _, _, spans = _check(q, cache, bt, sl, qsl, causal, num_sms=num_sms, spans=mode, variant=variant)
+        assert int(spans.flags.abs().sum()) == 0, "a flag was not reset"
+    if mode == "snap":
+        assert int(spans.num_splits.max()) == 1
+    else:  # (every case has a program with several items or a request in several pieces; most have both)
+        assert int(spans.group_indptr.diff().max()) > 1 or int(spans.num_splits.max()) > 1
 
 
 @_gpu_test
 def test_mla_decode_spans(device):
     # mla_decode's default at h128 when the batch fills the SMs: the plan carries the request-spanning schedule
-    # (num_sms=8 here, so a small batch fills them), seesaw-pair-el runs it and the reduce merges the cut requests
+    # (num_sms=8 here, so that a small batch fills them; a ragged batch, so requests are cut), seesaw-pair-el runs it
+    # and merges the cut requests; twice with the same plan (the flags reset themselves)
     lens = [3000, 0, 64, 8191, 5000, 77]
     q, cache, bt, sl, qsl = _batch(device, 128, [1, 1, 2, 1, 2, 1], lens, 64)
     plan = openmla.plan_decode(sl, qsl, 128, num_sms=8)
     assert plan.spans is not None and int(plan.spans.num_splits.max()) > 1
-    out, lse = openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, causal=True, plan=plan)
     ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True)
-    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
-    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+    for _ in range(2):
+        out, lse = openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, causal=True, plan=plan)
+        assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+        assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
 
 
 # the points of each warpgroup in program order (the pair-e kernels' points 12-13 fall between 0 and 1)

@@ -26,9 +26,9 @@ def _groups(spans):
     return [[(req[i], lo[i], hi[i]) for i in range(gi[g], gi[g + 1])] for g in range(spans.num_groups)]
 
 
-def _check_schedule(spans, lens, qlens, num_groups):
+def _check_schedule(spans, lens, qlens, num_groups, mode="auto"):
     groups = _groups(spans)
-    assert groups == plan_spans_ref(lens, qlens, num_groups)
+    assert groups == plan_spans_ref(lens, qlens, num_groups, mode)
     items = [it for g in groups for it in g]
     n_items = len(items)
     assert spans.group_indptr[0] == 0 and int(spans.group_indptr[-1]) == n_items
@@ -45,9 +45,7 @@ def _check_schedule(spans, lens, qlens, num_groups):
         assert mine[0][1] == 0 and mine[-1][2] == L
         assert all(a[2] == c[1] for a, c in zip(mine, mine[1:]))
         assert all(lo % SPAN_UNIT == 0 and lo < hi for _, lo, hi in mine) or L == 0
-    multi = [b for b in range(len(lens)) if n[b] > 1]
-    assert int(spans.num_merge) == len(multi)
-    assert spans.merge_req.cpu().tolist() == multi + [-1] * (len(lens) - len(multi))
+    assert int(spans.flags.abs().sum()) == 0
     return groups
 
 
@@ -56,14 +54,17 @@ def _check_schedule(spans, lens, qlens, num_groups):
     reqs=st.lists(st.tuples(st.sampled_from([0, 1, 127, 128, 129, 640, 5000, 40000]), st.integers(0, 3)),
                   min_size=1, max_size=30),
     num_groups=st.integers(1, 70),
+    mode=st.sampled_from(["auto", "cut", "snap"]),
 )  # fmt: skip
-def test_spans_match_reference(reqs, num_groups):
+def test_spans_match_reference(reqs, num_groups, mode):
     from openmla.utils.testing import suite_device
 
     lens, qlens = [n for n, _ in reqs], [q for _, q in reqs]
     sl, qsl = _inputs(lens, qlens, suite_device())
-    spans = plan_spans(sl, qsl, num_groups, 2, len(lens) + num_groups)
-    _check_schedule(spans, lens, qlens, num_groups)
+    spans = plan_spans(sl, qsl, num_groups, 2, len(lens) + num_groups, mode=mode)
+    groups = _check_schedule(spans, lens, qlens, num_groups, mode)
+    if mode == "snap":  # whole requests
+        assert all(lo == 0 and hi == lens[b] for g in groups for b, lo, hi in g)
 
 
 @pytest.mark.parametrize("qlen,groups", [(1, 66), (2, 33)])
@@ -72,20 +73,35 @@ def test_spans_balance_uniform_batch(qlen, groups, device):
     # and its pairs), where one program per 64 rows costs 2 (qlen 1) or 4 (qlen 2) whole requests on some SMs
     lens, qlens = [8192] * 128, [qlen] * 128
     sl, qsl = _inputs(lens, qlens, device)
-    spans = plan_spans(sl, qsl, groups, 132 // groups, 128 + groups)
+    spans = plan_spans(sl, qsl, groups, 132 // groups, 128 + groups, mode="cut")
     per_group = [sum(SPAN_FIXED + -(-(hi - lo) // SPAN_UNIT) for _, lo, hi in g)
-                 for g in _check_schedule(spans, lens, qlens, groups)]  # fmt: skip
+                 for g in _check_schedule(spans, lens, qlens, groups, "cut")]  # fmt: skip
     assert max(per_group) <= sum(per_group) / groups + 1, per_group
     assert max(per_group) < 2 * qlen * (SPAN_FIXED + 8192 // SPAN_UNIT)
     assert int(spans.group_indptr[-1]) <= 128 + groups - 1
+    # "auto" by the cost model: at qlen 1 whole requests cost 2 a group at most, and a cut's extra cost eats the
+    # 1.5% a cut schedule saves
+    auto = plan_spans(sl, qsl, groups, 132 // groups, 128 + groups)
+    _check_schedule(auto, lens, qlens, groups)
+    if qlen == 1:
+        assert int(auto.num_splits.max()) == 1 and int(auto.group_indptr.diff().max()) == 2
+
+
+def test_spans_auto_cuts_ragged_batch(device):
+    # a ragged batch: whole requests leave one group far above its share, so "auto" cuts
+    lens = [16000, 16000, 500, 700, 900, 300, 1200, 600]
+    sl, qsl = _inputs(lens, [1] * 8, device)
+    spans = plan_spans(sl, qsl, 4, 1, 12)
+    assert int(spans.num_splits.max()) > 1
+    _check_schedule(spans, lens, [1] * 8, 4)
 
 
 def test_spans_empty_and_tiny(device):
     # no keys (one empty item where the request sits), no query rows (no item), more groups than work
     lens, qlens = [0, 5, 0, 300], [1, 1, 0, 2]
     sl, qsl = _inputs(lens, qlens, device)
-    spans = plan_spans(sl, qsl, 40, 1, 44)
-    groups = _check_schedule(spans, lens, qlens, 40)
+    spans = plan_spans(sl, qsl, 40, 1, 44, mode="cut")
+    groups = _check_schedule(spans, lens, qlens, 40, "cut")
     assert [it for g in groups for it in g] == [(0, 0, 0), (1, 0, 5), (3, 0, 128), (3, 128, 256), (3, 256, 300)]
     with pytest.raises(ValueError, match="capacity"):
         plan_spans(sl, qsl, 40, 1, 43)
@@ -109,3 +125,5 @@ def test_plan_decode_spans_switch(device, monkeypatch):
     monkeypatch.setenv("OPENMLA_DECODE_SPANS", "2")
     with pytest.raises(ValueError, match="OPENMLA_DECODE_SPANS"):
         openmla.plan_decode(sl, qsl, 128, num_sms=16)
+    with pytest.raises(ValueError, match="mode"):
+        plan_spans(sl, qsl, 4, 1, 8, mode="even")

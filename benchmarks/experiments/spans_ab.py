@@ -1,11 +1,12 @@
-"""``mla_decode`` with and without the request-spanning schedule (``openmla.ops.plan_spans``), alternating in one
-process (H200 experiment; not part of openmla). Machines differ by up to 6.5% (RESULTS.md runs 60-62), so only an
+"""``mla_decode`` with the regular plan and the request-spanning schedule (``openmla.ops.plan_spans``) in its three
+modes (snap, cut, auto), alternating in one process (H200 experiment; not part of openmla). Machines differ by up to 6.5% (RESULTS.md runs 60-62), so only an
 A/B within one process means anything.
 
     python3 benchmarks/experiments/spans_ab.py      # AB_ROUNDS (default 4) alternating timings per shape
 
-Each row times the whole call (split kernel + reduce) under a CUDA graph, per shape: the largest difference of the
-two outputs, each plan's time in every round, the medians and the TFLOPS of the medians.
+Each row times the whole call (split kernel, plus the reduce for the regular plan) under a CUDA graph, per shape: the
+largest difference of the outputs from the regular plan's, each plan's time in every round, the medians, their
+TFLOPS and the speedups over the regular plan.
 """
 
 from __future__ import annotations
@@ -44,23 +45,27 @@ def main() -> int:
         keys = int(sl.sum()) * qlen
         flops = 2.0 * keys * h * (576 + 512)
         plans = {}
-        for mode in ("0", "1"):
-            os.environ["OPENMLA_DECODE_SPANS"] = mode
-            plans[mode] = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s_max)
-        os.environ.pop("OPENMLA_DECODE_SPANS")
+        for name, spans, mode in (("regular", "0", "auto"), ("snap", "1", "snap"), ("cut", "1", "cut"),
+                                  ("auto", "1", "auto")):  # fmt: skip
+            os.environ["OPENMLA_DECODE_SPANS"], os.environ["OPENMLA_DECODE_SPAN_MODE"] = spans, mode
+            plans[name] = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s_max)
+        for var in ("OPENMLA_DECODE_SPANS", "OPENMLA_DECODE_SPAN_MODE"):
+            os.environ.pop(var)
         outs = {m: openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=p)[0].float() for m, p in plans.items()}
-        diff = (outs["0"] - outs["1"]).abs().max().item()
+        diff = max((outs["regular"] - o).abs().max().item() for o in outs.values())
         times = {m: [] for m in plans}
         for _ in range(ROUNDS):
             for m, p in plans.items():
                 times[m].append(bench_us(lambda p=p: openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=p)))
         med = {m: statistics.median(t) for m, t in times.items()}
-        sp = plans["1"].spans
-        extra = f"{sp.num_groups} groups, {int(sp.group_indptr[-1])} items" if sp is not None else "no spans"
-        print(f"## h{h} b{b} s{s} q{qlen} ({extra}; max |diff| {diff:.2e}): "
-              + " | ".join(f"spans={m} median {med[m]:.1f} us ({flops / med[m] / 1e6:.1f} TF; "
+        sp = {m: plans[m].spans for m in ("cut", "auto")}
+        auto = "cut" if int(sp["auto"].num_splits.max()) > 1 else "snap"
+        print(f"## h{h} b{b} s{s} q{qlen} (cut: {sp['cut'].num_groups} groups, {int(sp['cut'].group_indptr[-1])} "
+              f"items; auto = {auto}; max |diff| {diff:.2e}): "
+              + " | ".join(f"{m} {med[m]:.1f} us ({flops / med[m] / 1e6:.1f} TF; "
                            f"{', '.join(f'{x:.1f}' for x in t)})" for m, t in times.items())
-              + f" | spans/no {med['0'] / med['1']:.4f}x", flush=True)  # fmt: skip
+              + " | vs regular: " + ", ".join(f"{m} {med['regular'] / med[m]:.4f}x" for m in plans if m != "regular"),
+              flush=True)  # fmt: skip
         del q, cache, outs
         torch.cuda.empty_cache()
     return 0

@@ -35,7 +35,6 @@ from openmla.ops.decode_gluon import (
     mla_decode_split_gluon,
 )
 from openmla.ops.plan import DecodePlan, plan_decode
-from openmla.ops.plan_spans import DecodeSpans
 
 __all__ = ["mla_decode"]
 
@@ -436,15 +435,13 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
     )  # fmt: skip
 
 
-def _mla_decode_reduce(query_start_loc, plan: DecodePlan, out, lse, d_v: int, spans: DecodeSpans | None = None):
-    """Launch the LSE merge of the partials of multi-split requests (those of ``spans`` when the split kernel ran
-    the request-spanning schedule)."""
+def _mla_decode_reduce(query_start_loc, plan: DecodePlan, out, lse, d_v: int):
+    """Launch the LSE merge of the partials of multi-split requests."""
     H = out.shape[1]
     pdl = _pdl(out.device)
     programs, block_hb, block_d, block_s = _reduce_tiling(plan, H, d_v)
-    sched = plan if spans is None else spans
     _mla_decode_reduce_kernel[(programs,)](
-        query_start_loc, sched.num_splits, sched.work_indptr, sched.merge_req, sched.num_merge, plan.o_part,
+        query_start_loc, plan.num_splits, plan.work_indptr, plan.merge_req, plan.num_merge, plan.o_part,
         plan.lse_part, out, lse, out.stride(0), out.stride(1), H, MAX_QLEN=plan.max_query_len, D_V=d_v,
         BLOCK_S=block_s, BLOCK_HB=block_hb, BLOCK_D=block_d, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
@@ -623,12 +620,14 @@ def mla_decode(
         variant = _gluon_variant(kv_cache_dtype, H, plan.max_query_len, B, plan.num_sms)
         spans = None
         if _use_gluon(backend, q, kv_cache, plan, kv_cache_dtype):
-            # the request-spanning schedule where the plan has one and the kernel takes it (RESULTS.md run 72)
+            # the request-spanning schedule where the plan has one and the kernel takes it (RESULTS.md runs 72-73);
+            # its kernel merges cut requests itself
             spans = plan.spans if variant in SPAN_VARIANTS else None
             mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse,
                                    scale_log2, kv_s, causal, d_v, variant=variant, spans=spans)  # fmt: skip
         else:
             _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse,
                               scale_log2, kv_s, causal, d_v, compute)  # fmt: skip
-        _mla_decode_reduce(query_start_loc, plan, out, lse, d_v, spans)
+        if spans is None:
+            _mla_decode_reduce(query_start_loc, plan, out, lse, d_v)
     return out, (lse if return_lse else None)

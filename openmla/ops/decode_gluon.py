@@ -496,8 +496,9 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             stamps (``benchmarks/experiments/pair_trace.py`` reads them). None (default): no trace code.
         spans (DecodeSpans | None): ``plan.spans`` (one of ``SPAN_VARIANTS``): run the request-spanning schedule
             instead of the plan's work items: ``spans.num_groups`` x ``spans.readers`` programs, each looping over
-            its group's items; its partials go to ``plan.o_part`` / ``plan.lse_part`` by item, and the caller runs
-            the reduce with ``spans``. ``programs`` above is then ``num_groups`` x head blocks x query blocks.
+            its group's items. The kernel merges the pieces of cut requests itself (through ``plan.o_part`` /
+            ``plan.lse_part`` and ``spans.flags``) and writes every row of ``out`` / ``lse``: no reduce follows.
+            ``programs`` above is then ``num_groups`` x head blocks x query blocks.
     """
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if variant not in SEESAW_VARIANTS + ("ws", "seesaw-const"):
@@ -568,8 +569,10 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         pair = variant.startswith("seesaw-pair")
         if spans is not None:  # the items' requests, key ranges and groups; the reduce reads its num_splits
             args = args[:6] + (spans.work_req, spans.work_lo, spans.num_splits, spans.work_hi) + args[10:]
-        groups = spans.group_indptr if spans is not None else plan.work_indptr  # (unused without spans)
-        _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], group_indptr=groups, PAIR=pair,
+        # (unused without spans)
+        sp = (spans.group_indptr, spans.work_indptr, spans.flags) if spans is not None else (plan.work_indptr,) * 3
+        _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], group_indptr=sp[0],
+                                              span_indptr=sp[1], span_flags=sp[2], PAIR=pair,
                                               SPANS=spans is not None,
                                               NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
                                               EARLY={"-ea": 1, "-es": 2, "-el": 3}.get(variant[-3:], 0), trace=trace,

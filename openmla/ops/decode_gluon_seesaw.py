@@ -163,6 +163,88 @@ if GLUON_AVAILABLE:
                           WG == 0)  # fmt: skip
 
     @gluon.jit
+    def _span_finish(acc, b_l, m_run, l_smem, lbar, ph, stage, num_splits, span_indptr, span_flags, out, lse, o_part,
+                     lse_part, v_scale, stride_o_t, stride_o_h, H, it, reader, i_h, i_q, i_b, q_start, qlen,
+                     MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, READERS: gl.constexpr,
+                     WG: gl.constexpr):  # fmt: skip
+        """``_seesaw_finish`` for item ``it`` of the request-spanning schedule (``SPANS``), which merges the pieces of
+        a cut request itself (no reduce). ``stage``: this warpgroup's stage ``[64, 512]`` (free: every MMA and copy is
+        done once both warpgroups passed ``lbar``).
+        - A request in one piece: the final rows, staged through the stage's latent half this warpgroup refills for
+          the next item (``_store_out_staged``).
+        - Another piece than the request's last: its partial (normalised fp32, the LSE from both warpgroups) into
+          ``o_part`` / ``lse_part``, then this warpgroup's 128 threads count themselves into its flag
+          (``span_flags[(it * READERS + reader) * 2 + WG]``, release at GPU scope).
+        - The request's last piece: its accumulator goes to the stage as fp32 (the program's last item: nothing is
+          copied there any more); for each other piece it waits until the flag reads 128 (acquire), resets it to 0
+          for the next launch and adds the partial, weighted by the LSEs, 64 columns at a time; then the final rows.
+        The program runs its group's items last to first, so a request's last piece is its group's last item and the
+        other pieces are the first items of lower groups, whose programs (lower program ids, started no later) do
+        not wait before them: no circular wait."""
+        ROW_S: gl.constexpr = b_l.type.layout
+        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        CH: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # a [64, 64] fp32 chunk, 16-byte rows
+        ROW_C: gl.constexpr = gl.SliceLayout(1, CH)
+        F_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        l_smem.index(WG).store(gl.convert_layout(b_l, VEC))
+        gl.thread_barrier()
+        mbarrier.arrive(lbar, count=1)
+        mbarrier.wait(lbar, ph)
+        b_l = b_l + gl.convert_layout(l_smem.index(1 - WG).load(VEC), ROW_S)
+        first = gl.load(span_indptr + i_b)
+        last = gl.load(span_indptr + i_b + 1) - 1
+        zero = gl.zeros([128], gl.int32, VEC)  # one flag access per thread of the warpgroup
+        if it < last:
+            _store_result(acc, b_l, m_run, v_scale, num_splits, out, lse, o_part, lse_part, stride_o_t, stride_o_h, H,
+                          it, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG * 256, True)  # fmt: skip
+            gl.atomic_add(span_flags + ((it * READERS + reader) * 2 + WG) + zero, zero + 1, sem="release", scope="gpu")
+        elif first == last:
+            _store_out_staged(acc, b_l, m_run, v_scale, stage.slice(WG * 256, 256, dim=1), out, lse, stride_o_t,
+                              stride_o_h, H, i_h, i_q, q_start, qlen, BLOCK_H, Q_PER, WG * 256, WG == 0)  # fmt: skip
+        else:
+            f_acc = stage._reinterpret(gl.float32, [BLOCK_M, 256], F_SMEM)
+            f_acc.store(acc)
+            o_m = gl.arange(0, BLOCK_M, layout=ROW_C)
+            o_t = i_q * Q_PER + o_m // BLOCK_H
+            o_h = i_h * BLOCK_H + o_m % BLOCK_H
+            m_r = (o_t < qlen) & (o_h < H)
+            o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, CH)), 0)
+            b_m = gl.convert_layout(m_run, ROW_C)
+            b_den = gl.convert_layout(b_l, ROW_C)
+            for j in range(first, last):
+                p_f = span_flags + ((j * READERS + reader) * 2 + WG) + zero
+                n_in = gl.min(gl.atomic_add(p_f, zero, sem="acquire", scope="gpu"), axis=0)
+                while n_in < 128:
+                    n_in = gl.min(gl.atomic_add(p_f, zero, sem="acquire", scope="gpu"), axis=0)
+                gl.thread_barrier()  # every thread saw 128 before the flag goes back to 0
+                gl.store(p_f, zero)
+                row = (j.to(gl.int64) * MAX_QLEN + o_t) * H + o_h
+                lse_p = gl.load(lse_part + row, mask=m_r, other=float("-inf"), cache_modifier=".cg") * 1.4426950408889634
+                m_new = gl.maximum(b_m, lse_p)
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                a_own = gl.exp2(b_m - m_use)
+                w_p = gl.exp2(lse_p - m_use)
+                b_den = b_den * a_own + w_p
+                b_m = m_new
+                w_p = w_p / v_scale  # the partial was normalised times v_scale
+                for c in gl.static_range(4):
+                    chunk = f_acc.slice(c * 64, 64, dim=1)
+                    p_o = o_part + gl.expand_dims(row * 512 + WG * 256 + c * 64, 1) + o_c
+                    o_p = gl.load(p_o, mask=gl.expand_dims(m_r, 1), other=0.0, cache_modifier=".cg")
+                    chunk.store(chunk.load(CH) * gl.expand_dims(a_own, 1) + o_p * gl.expand_dims(w_p, 1))
+            empty_r = b_den == 0.0
+            b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_den))
+            p_out = out + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_o_t + o_h * stride_o_h + WG * 256, 1)
+            for c in gl.static_range(4):
+                b_o = f_acc.slice(c * 64, 64, dim=1).load(CH) * gl.expand_dims(b_inv, 1)
+                gl.store(p_out + c * 64 + o_c, b_o.to(out.dtype.element_ty), mask=gl.expand_dims(m_r, 1))
+            if WG == 0:
+                b_lse = gl.where(empty_r, float("-inf"),
+                                 (b_m + gl.log2(gl.where(empty_r, 1.0, b_den))) * 0.6931471805599453)  # fmt: skip
+                gl.store(lse + (q_start + o_t).to(gl.int64) * H + o_h, b_lse, mask=m_r)
+
+    @gluon.jit
     def _store_out_staged(acc, b_l, m_run, v_scale, buf, out, lse, stride_o_t, stride_o_h, H, i_h, i_q, q_start,
                           qlen, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, COL0: gl.constexpr,
                           WRITE_LSE: gl.constexpr):  # fmt: skip
@@ -938,27 +1020,31 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _pair_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
                  p_ready, qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
-                 split_len, group_indptr, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h,
+                 split_len, group_indptr, span_indptr, span_flags, out, lse, o_part, lse_part, scale_log2, v_scale,
+                 stride_q_t, stride_q_h,
                  stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
                  MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
                  N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
                  R_FIRST: gl.constexpr, EARLY: gl.constexpr, SPANS: gl.constexpr, trace,
                  TRACE: gl.constexpr):  # fmt: skip
-        """One warpgroup of the pair kernel: its program's work item, or (``SPANS``) every item of its group in
-        order (``work_split`` / ``split_len`` then hold each item's first key / key end, ``group_indptr`` the
-        groups' items: ``openmla.ops.plan_spans``). The mbarriers run on across items: a stage's barriers complete
-        once a pair (``g0``, the pairs done before, gives their phase), the Q and row-sum exchanges once an item
-        (``seg``)."""
+        """One warpgroup of the pair kernel: its program's work item, or (``SPANS``) every item of its group, last to
+        first (``work_split`` / ``split_len`` then hold each item's first key / key end, ``group_indptr`` the
+        groups' items, ``span_indptr`` the requests' items, ``span_flags`` the pieces' flags:
+        ``openmla.ops.plan_spans``, ``_span_finish``). The mbarriers run on across items: a stage's barriers
+        complete once a pair (``g0``, the pairs done before, gives their phase), the Q and row-sum exchanges once an
+        item (``seg``)."""
         if SPANS:
             pid = gl.program_id(0)
             grp = pid // (N_HB * N_QB)
+            reader = pid % (N_HB * N_QB)
             i_h = pid % N_HB
             i_q = (pid // N_HB) % N_QB
             it_lo = gl.load(group_indptr + grp)
             it_hi = gl.load(group_indptr + grp + 1)
             g0 = it_lo * 0
             seg = it_lo * 0
-            for it in range(it_lo, it_hi):
+            for k in range(it_lo, it_hi):
+                it = it_lo + it_hi - 1 - k
                 i_b = gl.load(work_req + it).to(gl.int64)
                 q_start = gl.load(query_start_loc + i_b)
                 qlen = gl.load(query_start_loc + i_b + 1) - q_start
@@ -974,33 +1060,36 @@ if GLUON_AVAILABLE:
                     gl.thread_barrier()
                     g0 = _pair_item(
                         q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
-                        m_ready, p_ready, qbar, lbar, block_table, num_splits, out, lse, o_part, lse_part,
-                        scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H,
-                        num_blocks, max_blocks, it, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi, g0, seg & 1,
-                        PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY, trace,
-                        TRACE)  # fmt: skip
+                        m_ready, p_ready, qbar, lbar, block_table, num_splits, span_indptr, span_flags, out, lse,
+                        o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
+                        stride_o_h, H, num_blocks, max_blocks, it, reader, i_h, i_q, i_b, q_start, qlen, L, kv_lo,
+                        kv_hi, g0, seg & 1, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY,
+                        True, N_HB * N_QB, trace, TRACE)  # fmt: skip
                     seg += 1
         else:
             i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi = _seesaw_item(
                 block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB)
             _pair_item(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
-                       m_ready, p_ready, qbar, lbar, block_table, num_splits, out, lse, o_part, lse_part, scale_log2,
-                       v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                       max_blocks, i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi, 0, 0, PAGE, MAX_QLEN,
-                       BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY, trace, TRACE)  # fmt: skip
+                       m_ready, p_ready, qbar, lbar, block_table, num_splits, span_indptr, span_flags, out, lse,
+                       o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
+                       stride_o_h, H, num_blocks, max_blocks, i_w, 0, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi,
+                       0, 0, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY, False, 1,
+                       trace, TRACE)  # fmt: skip
 
     @gluon.jit
     def _pair_item(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
-                   p_ready, qbar, lbar, block_table, num_splits, out, lse, o_part, lse_part, scale_log2, v_scale,
-                   stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, i_w, i_h,
-                   i_q, i_b, q_start, qlen, L, kv_lo, kv_hi, g0, sph, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr,
-                   BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-                   OPAQUE: gl.constexpr, NAMED: gl.constexpr, R_FIRST: gl.constexpr, EARLY: gl.constexpr, trace,
+                   p_ready, qbar, lbar, block_table, num_splits, span_indptr, span_flags, out, lse, o_part, lse_part,
+                   scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
+                   max_blocks, i_w, reader, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi, g0, sph,
+                   PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
+                   CAUSAL: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
+                   R_FIRST: gl.constexpr, EARLY: gl.constexpr, SPANS: gl.constexpr, READERS: gl.constexpr, trace,
                    TRACE: gl.constexpr):  # fmt: skip
         """One work item (keys ``[kv_lo, kv_hi)`` of request ``i_b``, partial slot ``i_w``) for warpgroup ``WG``;
         ``g0``: the pairs this program did before (the stage barriers' phase), ``sph``: the Q / row-sum barriers'
         phase. Returns ``g0`` plus this item's pairs. The pairs are numbered on from ``g0`` (their phase is the
-        number's parity; key ``kv_lo`` is pair ``g0``'s tile a)."""
+        number's parity; key ``kv_lo`` is pair ``g0``'s tile a). ``SPANS``: the item ends in ``_span_finish``
+        (``reader``: the program's index in its group of ``READERS``)."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # fmt: skip
@@ -1106,9 +1195,14 @@ if GLUON_AVAILABLE:
 
         # staging buffer: a latent half that only this warpgroup refills at the start of the next item (stage 0's L
         # half / stage 1's R half), so the other warpgroup's copies for that item cannot overwrite it
-        _seesaw_finish(acc, b_l, m_run, l_smem, lbar, sph, lat_smem.index(WG).slice(WG * 256, 256, dim=1),
-                       num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, i_h, i_q, i_b,
-                       q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)  # fmt: skip
+        if SPANS:
+            _span_finish(acc, b_l, m_run, l_smem, lbar, sph, lat_smem.index(WG), num_splits, span_indptr, span_flags,
+                         out, lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, reader, i_h, i_q, i_b,
+                         q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, READERS, WG)  # fmt: skip
+        else:
+            _seesaw_finish(acc, b_l, m_run, l_smem, lbar, sph, lat_smem.index(WG).slice(WG * 256, 256, dim=1),
+                           num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, i_h, i_q,
+                           i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)  # fmt: skip
         _mark(trace, tb, -1, 4, TRACE)
         return g0 + n_pairs
 
@@ -1116,7 +1210,7 @@ if GLUON_AVAILABLE:
     def _mla_decode_gluon_seesaw_kernel(
         q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
         split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-        stride_o_t, stride_o_h, H, num_blocks, max_blocks, trace, group_indptr,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks, trace, group_indptr, span_indptr, span_flags,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
         PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, R_FIRST: gl.constexpr,
@@ -1130,8 +1224,9 @@ if GLUON_AVAILABLE:
         spills). ``TRACE`` (pair kernel only): record cycle stamps into ``trace`` (``_mark``; else ``trace`` is
         unused and may be None). ``SPANS`` (EARLY pair kernels): the request-spanning schedule of
         ``openmla.ops.plan_spans``: program ``pid`` runs the items ``group_indptr[g]:group_indptr[g+1]`` of group
-        ``g = pid // (N_HB * N_QB)``, with ``work_split`` / ``split_len`` holding each item's first key and key end
-        (else ``group_indptr`` is unused)."""
+        ``g = pid // (N_HB * N_QB)``, with ``work_split`` / ``split_len`` holding each item's first key and key end,
+        ``span_indptr`` each request's items and ``span_flags`` the pieces' flags (``_span_finish``; else these
+        three are unused)."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
         gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
@@ -1187,16 +1282,16 @@ if GLUON_AVAILABLE:
             gl.warp_specialize([
                 (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
-                            work_req, work_split, num_splits, split_len, group_indptr, out, lse, o_part, lse_part,
-                            scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H,
-                            num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE,
-                            NAMED, R_FIRST, EARLY, SPANS, trace, TRACE)),
+                            work_req, work_split, num_splits, split_len, group_indptr, span_indptr, span_flags,
+                            out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
+                            stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL,
+                            N_HB, N_QB, 0, OPAQUE, NAMED, R_FIRST, EARLY, SPANS, trace, TRACE)),
                 (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
-                            work_req, work_split, num_splits, split_len, group_indptr, out, lse, o_part, lse_part,
-                            scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H,
-                            num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE,
-                            NAMED, R_FIRST, EARLY, SPANS, trace, TRACE)),
+                            work_req, work_split, num_splits, split_len, group_indptr, span_indptr, span_flags,
+                            out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
+                            stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL,
+                            N_HB, N_QB, 1, OPAQUE, NAMED, R_FIRST, EARLY, SPANS, trace, TRACE)),
             ], [4], [WG_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
