@@ -38,9 +38,10 @@ SPAN_UNIT = 128  # keys per unit: one pair of 64-key tiles
 # a request's fixed cost in units: about 12k cycles (Q and the first tiles before the first scores, the epilogue)
 # against 5.3k a pair at h128 (RESULTS.md run 64's cycle trace)
 SPAN_FIXED = 2
-# a cut's cost in units beyond the extra piece's fixed part (its partial stored and read back, the wait);
-# OPENMLA_DECODE_SPAN_CUT overrides it
-SPAN_CUT = int(os.environ.get("OPENMLA_DECODE_SPAN_CUT", "2"))
+# a cut's cost in units beyond the extra piece's fixed part (its partial stored and read back, the wait, the merge):
+# measured 4-6 at h128 (RESULTS.md run 73: cut against snap at b128 s8k q1 / q2 and s4k q1); OPENMLA_DECODE_SPAN_CUT
+# overrides it
+SPAN_CUT = int(os.environ.get("OPENMLA_DECODE_SPAN_CUT", "6"))
 _MODES = {"auto": 0, "cut": 1, "snap": 2}
 
 
