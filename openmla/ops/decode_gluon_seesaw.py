@@ -170,15 +170,14 @@ if GLUON_AVAILABLE:
         """``_seesaw_finish`` for item ``it`` of the request-spanning schedule (``SPANS``), which merges the pieces of
         a cut request itself (no reduce). ``stage``: this warpgroup's stage ``[64, 512]`` (free: every MMA and copy is
         done once both warpgroups passed ``lbar``).
-        - A request in one piece: the final rows, from registers (the stages may hold the next item's first
-          tiles, ``_pair_prefetch_q``).
+        - A request in one piece: the final rows, staged through the stage's latent half this warpgroup refills for
+          the next item (``_store_out_staged``).
         - Another piece than the request's last: its partial (normalised fp32, the LSE from both warpgroups) into
           ``o_part`` / ``lse_part``, then this warpgroup's 128 threads count themselves into its flag
           (``span_flags[(it * READERS + reader) * 2 + WG]``, release at GPU scope).
         - The request's last piece: its accumulator goes to the stage as fp32 (the program's last item: nothing is
           copied there any more); for each other piece it waits until the flag reads 128 (acquire), resets it to 0
           for the next launch and adds the partial, weighted by the LSEs, 64 columns at a time; then the final rows.
-          (A group's last item prefetches nothing.)
         The program runs its group's items last to first, so a request's last piece is its group's last item and the
         other pieces are the first items of lower groups, whose programs (lower program ids, started no later) do
         not wait before them: no circular wait."""
@@ -200,9 +199,9 @@ if GLUON_AVAILABLE:
             _store_result(acc, b_l, m_run, v_scale, num_splits, out, lse, o_part, lse_part, stride_o_t, stride_o_h, H,
                           it, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG * 256, True)  # fmt: skip
             gl.atomic_add(span_flags + ((it * READERS + reader) * 2 + WG) + zero, zero + 1, sem="release", scope="gpu")
-        elif first == last:  # (no staging: the stages may hold the next item's first tiles)
-            _store_result(acc, b_l, m_run, v_scale, num_splits, out, lse, o_part, lse_part, stride_o_t, stride_o_h, H,
-                          it, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG * 256, WG == 0)  # fmt: skip
+        elif first == last:
+            _store_out_staged(acc, b_l, m_run, v_scale, stage.slice(WG * 256, 256, dim=1), out, lse, stride_o_t,
+                              stride_o_h, H, i_h, i_q, q_start, qlen, BLOCK_H, Q_PER, WG * 256, WG == 0)  # fmt: skip
         else:
             f_acc = stage._reinterpret(gl.float32, [BLOCK_M, 256], F_SMEM)
             f_acc.store(acc)
@@ -880,51 +879,24 @@ if GLUON_AVAILABLE:
         return b_s
 
     @gluon.jit
-    def _pair_refill_wg(lat_desc, rope_desc, lat_smem, rope_smem, ready_l, ready_r, r0, r1, STAGE: gl.constexpr,
-                        WG: gl.constexpr):  # fmt: skip
-        """Warpgroup ``WG``'s refill of stage ``STAGE`` (rows ``r0`` / ``r1``) once it was the half's last reader:
-        warpgroup 0 the L half (stage 1: with the rope columns, where P_b lived), warpgroup 1 the R half (stage 0: with
-        the rope columns, where P_a lived)."""
-        gl.thread_barrier()  # this warpgroup was the last reader of that half
-        if WG == 0:
-            bar = ready_l.index(STAGE)
-        else:
-            bar = ready_r.index(STAGE)
-        _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, STAGE, r0, r1, WG, WG == STAGE ^ 1)
-
-    @gluon.jit
-    def _pair_prefetch_q(q_smem, pf, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, WG: gl.constexpr):
-        """``PREF``, in an item's last pair once both warpgroups' last scores are done: start copying the next item's
-        Q (``_seesaw_issue_q``) when ``pf[0]`` says it comes in here."""
-        if pf[0]:
-            _seesaw_issue_q(pf[7], q_smem, pf[8], pf[9], pf[5], pf[6], pf[10], pf[11], pf[12], BLOCK_H, Q_PER, WG)
-
-    @gluon.jit
     def _pair_tail(i, b_s, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, lat, rope, ready_l, ready_r, rb0, rb1,
-                   o0, o1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, trace, tb, pf, PAGE: gl.constexpr,
-                   LAST: gl.constexpr, WG: gl.constexpr, PREF: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+                   o0, o1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, trace, tb, PAGE: gl.constexpr,
+                   LAST: gl.constexpr, WG: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """The EARLY pairs' common end for warpgroup ``WG``, after its last P V: refills stage 1's half that it read
         last (the L half with the rope columns, where P_b lived, for warpgroup 0; the R half for warpgroup 1; rows
         ``rb0`` / ``rb1``), looks up the rows of the next pair's refills (the tiles two pairs after this warpgroup's
         tile at ``n0``, and the one after it) and computes the scores of its next tile from its own stage (``lat`` /
         ``rope``). Returns the scores, the validity of that tile's two boxes (rows ``o0`` / ``o1``, looked up a pair
-        ago) and the rows looked up. ``PREF`` (``SPANS``): ``pf`` (``_pair_prefetch``) says whether the next item's
-        first tiles come in here: the ``LAST`` pair refills with them, and the pair before it looks up their rows."""
+        ago) and the rows looked up."""
         if not LAST:
-            _pair_refill_wg(lat_desc, rope_desc, lat_smem, rope_smem, ready_l, ready_r, rb0, rb1, 1, WG)
-            _mark(trace, tb, i, 8, TRACE)
-        elif PREF:
-            if pf[0]:  # the next item's tile 1
-                _pair_refill_wg(lat_desc, rope_desc, lat_smem, rope_smem, ready_l, ready_r, rb0, rb1, 1, WG)
-        if PREF:
-            if pf[0] & (i == pf[1]):  # the next pair is this item's last: look up the next item's first tiles
-                na0, na1, nb0, nb1 = _pair_rows_ahead(pf[2], pf[3], pf[4], max_blocks, num_blocks, PAGE, False)
+            gl.thread_barrier()  # this warpgroup was the last reader of that half
+            if WG == 0:
+                bar = ready_l.index(1)
             else:
-                na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + (256 - 64 * WG), kv_hi, max_blocks, num_blocks,
-                                                      PAGE, LAST)  # fmt: skip
-        else:
-            na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + (256 - 64 * WG), kv_hi, max_blocks, num_blocks, PAGE,
-                                                  LAST)  # fmt: skip
+                bar = ready_r.index(1)
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, 1, rb0, rb1, WG, WG == 0)
+            _mark(trace, tb, i, 8, TRACE)
+        na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + (256 - 64 * WG), kv_hi, max_blocks, num_blocks, PAGE, LAST)
         if not LAST:
             b_s = _pair_next_scores(q_smem, lat, rope, b_s, ready_l.index(WG), ready_r.index(WG), ph ^ 1, z, WG == 1,
                                     trace, tb, i, TRACE)  # fmt: skip
@@ -934,9 +906,8 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _pair_wg0e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo, key0,
-                   scale_log2, num_blocks, max_blocks, trace, tb, pf, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, FUSED: gl.constexpr, LAZY: gl.constexpr, PREF: gl.constexpr,
-                   BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+                   scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
+                   LAST: gl.constexpr, FUSED: gl.constexpr, LAZY: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 0, pair ``i`` of the EARLY schedule (the comment above). Arguments and results as ``_pair_wg0``,
         plus the looked-up state carried from pair to pair: ``ok0`` / ``ok1`` (the validity of tile a's two 32-key
         boxes, for the mask) and ``ra*`` / ``rb*`` (the TMA rows of tiles a + 2 and b + 2, this pair's refills);
@@ -975,15 +946,11 @@ if GLUON_AVAILABLE:
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         _mark(trace, tb, i, 3, TRACE)
         if not LAST:  # stage 0's L half: warpgroup 0 was its last reader
-            _pair_refill_wg(lat_desc, rope_desc, lat_smem, rope_smem, ready_l, ready_r, ra0, ra1, 0, 0)
-        elif PREF:
-            if pf[0]:  # the next item's tile 0
-                _pair_refill_wg(lat_desc, rope_desc, lat_smem, rope_smem, ready_l, ready_r, ra0, ra1, 0, 0)
+            gl.thread_barrier()
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), 0, ra0, ra1, 0, False)
         _mark(trace, tb, i, 4, TRACE)
         mbarrier.wait(m_ready.index(1), ph)
         m_b = m_smem.index(1).load(ROW_S)
-        if LAST and PREF:  # warpgroup 1 stored M_b: both warpgroups' last scores are done with Q
-            _pair_prefetch_q(q_smem, pf, BLOCK_H, Q_PER, 0)
         _mark(trace, tb, i, 5, TRACE)
         acc, b_l = _pair_rescale(acc, b_l, m_a, m_b, ROW_O, LAZY)
         mbarrier.wait(p_ready.index(1), ph)
@@ -993,15 +960,14 @@ if GLUON_AVAILABLE:
         _mark(trace, tb, i, 7, TRACE)
         b_s, ok0, ok1, na0, na1, nb0, nb1 = _pair_tail(
             i, b_s, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, lat0, rope0, ready_l, ready_r, rb0, rb1, ra0,
-            ra1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, trace, tb, pf, PAGE, LAST, 0, PREF, TRACE)  # fmt: skip
+            ra1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, trace, tb, PAGE, LAST, 0, TRACE)  # fmt: skip
         return b_s, acc, b_l, m_b, ok0, ok1, na0, na1, nb0, nb1
 
     @gluon.jit
     def _pair_wg1e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo, key0,
-                   scale_log2, num_blocks, max_blocks, trace, tb, pf, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, FUSED: gl.constexpr, LAZY: gl.constexpr, PREF: gl.constexpr,
-                   BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+                   scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
+                   LAST: gl.constexpr, FUSED: gl.constexpr, LAZY: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
         """Warpgroup 1, pair ``i`` of the EARLY schedule (the comment above ``_pair_wg0e``); arguments and results
         as ``_pair_wg0e`` (``ok0`` / ``ok1``: tile b's boxes)."""
         O_LAYOUT: gl.constexpr = acc.type.layout
@@ -1015,8 +981,6 @@ if GLUON_AVAILABLE:
         b_s, row_max = _pair_row_max(b_s, ok0, ok1, n0, limit, lim_lo, key0, scale_log2, FUSED)
         mbarrier.wait(m_ready.index(0), ph)
         m_a = m_smem.index(0).load(ROW_S)
-        if LAST and PREF:  # warpgroup 0 stored M_a: both warpgroups' last scores are done with Q
-            _pair_prefetch_q(q_smem, pf, BLOCK_H, Q_PER, 1)
         _mark(trace, tb, i, 1, TRACE)
         m_b = _pair_ref_max(m_a, row_max, LAZY)
         m_smem.index(1).store(m_b)
@@ -1039,10 +1003,8 @@ if GLUON_AVAILABLE:
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _mark(trace, tb, i, 5, TRACE)
         if not LAST:  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
-            _pair_refill_wg(lat_desc, rope_desc, lat_smem, rope_smem, ready_l, ready_r, ra0, ra1, 0, 1)
-        elif PREF:
-            if pf[0]:  # the next item's tile 0
-                _pair_refill_wg(lat_desc, rope_desc, lat_smem, rope_smem, ready_l, ready_r, ra0, ra1, 0, 1)
+            gl.thread_barrier()
+            _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), 0, ra0, ra1, 1, True)
         _mark(trace, tb, i, 6, TRACE)
         acc, b_l = _pair_rescale(acc, b_l, m_a, m_b, ROW_O, LAZY)
         b_l = b_l + l_b
@@ -1052,23 +1014,8 @@ if GLUON_AVAILABLE:
         _mark(trace, tb, i, 7, TRACE)
         b_s, ok0, ok1, na0, na1, nb0, nb1 = _pair_tail(
             i, b_s, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, lat1, rope1, ready_l, ready_r, rb0, rb1, rb0,
-            rb1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, trace, tb, pf, PAGE, LAST, 1, PREF, TRACE)  # fmt: skip
+            rb1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, trace, tb, PAGE, LAST, 1, TRACE)  # fmt: skip
         return b_s, acc, b_l, m_b, ok0, ok1, na0, na1, nb0, nb1
-
-    @gluon.jit
-    def _span_item(work_req, work_lo, work_hi, seq_lens, query_start_loc, it, i_q, Q_PER: gl.constexpr,
-                   CAUSAL: gl.constexpr):  # fmt: skip
-        """``SPANS``: item ``it``'s request, its query rows, its keys and the item's key range ``[kv_lo, kv_hi)`` (causal:
-        cut at query block ``i_q``'s last token)."""
-        i_b = gl.load(work_req + it).to(gl.int64)
-        q_start = gl.load(query_start_loc + i_b)
-        qlen = gl.load(query_start_loc + i_b + 1) - q_start
-        L = gl.load(seq_lens + i_b)
-        kv_lo = gl.load(work_lo + it)
-        kv_hi = gl.load(work_hi + it)
-        if CAUSAL:
-            kv_hi = gl.minimum(kv_hi, L - qlen + gl.minimum(i_q * Q_PER + Q_PER, qlen))
-        return i_b, q_start, qlen, L, kv_lo, kv_hi
 
     @gluon.jit
     def _pair_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
@@ -1096,33 +1043,29 @@ if GLUON_AVAILABLE:
             it_hi = gl.load(group_indptr + grp + 1)
             g0 = it_lo * 0
             seg = it_lo * 0
-            pre = it_lo * 0  # 1: the previous item's last pair copied this item's Q and first tiles
             for k in range(it_lo, it_hi):
                 it = it_lo + it_hi - 1 - k
-                i_b, q_start, qlen, L, kv_lo, kv_hi = _span_item(work_req, work_split, split_len, seq_lens,
-                                                                 query_start_loc, it, i_q, Q_PER, CAUSAL)  # fmt: skip
-                b_n, q_start_n, qlen_n, L_n, kv_lo_n, kv_hi_n = _span_item(
-                    work_req, work_split, split_len, seq_lens, query_start_loc, gl.maximum(it - 1, it_lo), i_q, Q_PER,
-                    CAUSAL)  # fmt: skip
-                # (the same tests in both warpgroups)
-                nxt = (it > it_lo) & (i_q * Q_PER < qlen_n) & (kv_hi_n > kv_lo_n) & (kv_hi > kv_lo)
-                if i_q * Q_PER < qlen:
-                    # the previous item's shared-memory reads and writes (zero tails, merges) before this item's
-                    # copies into the same buffers
+                i_b = gl.load(work_req + it).to(gl.int64)
+                q_start = gl.load(query_start_loc + i_b)
+                qlen = gl.load(query_start_loc + i_b + 1) - q_start
+                if i_q * Q_PER < qlen:  # (the same test in both warpgroups)
+                    L = gl.load(seq_lens + i_b)
+                    kv_lo = gl.load(work_split + it)
+                    kv_hi = gl.load(split_len + it)
+                    if CAUSAL:
+                        kv_hi = gl.minimum(kv_hi, L - qlen + gl.minimum(i_q * Q_PER + Q_PER, qlen))
+                    # the previous item's shared-memory reads and writes (output staging, zero tails) before this
+                    # item's copies into the same buffers
                     fence_async_shared()
                     gl.thread_barrier()
-                    nx = (nxt, block_table + b_n * stride_bt_b, kv_lo_n, kv_hi_n, q_start_n, qlen_n)
                     g0 = _pair_item(
                         q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
                         m_ready, p_ready, qbar, lbar, block_table, num_splits, span_indptr, span_flags, out, lse,
                         o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
                         stride_o_h, H, num_blocks, max_blocks, it, reader, i_h, i_q, i_b, q_start, qlen, L, kv_lo,
-                        kv_hi, g0, seg & 1, pre, nx, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED,
-                        R_FIRST, EARLY, True, N_HB * N_QB, trace, TRACE)  # fmt: skip
+                        kv_hi, g0, seg & 1, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY,
+                        True, N_HB * N_QB, trace, TRACE)  # fmt: skip
                     seg += 1
-                    pre = nxt.to(gl.int32)
-                else:
-                    pre = it_lo * 0
         else:
             i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi = _seesaw_item(
                 block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB)
@@ -1130,14 +1073,14 @@ if GLUON_AVAILABLE:
                        m_ready, p_ready, qbar, lbar, block_table, num_splits, span_indptr, span_flags, out, lse,
                        o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
                        stride_o_h, H, num_blocks, max_blocks, i_w, 0, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi,
-                       0, 0, 0, (0, 0, 0, 0, 0, 0), PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED,
-                       R_FIRST, EARLY, False, 1, trace, TRACE)  # fmt: skip
+                       0, 0, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY, False, 1,
+                       trace, TRACE)  # fmt: skip
 
     @gluon.jit
     def _pair_item(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
                    p_ready, qbar, lbar, block_table, num_splits, span_indptr, span_flags, out, lse, o_part, lse_part,
                    scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                   max_blocks, i_w, reader, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi, g0, sph, pre, nx,
+                   max_blocks, i_w, reader, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi, g0, sph,
                    PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
                    CAUSAL: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
                    R_FIRST: gl.constexpr, EARLY: gl.constexpr, SPANS: gl.constexpr, READERS: gl.constexpr, trace,
@@ -1146,9 +1089,7 @@ if GLUON_AVAILABLE:
         ``g0``: the pairs this program did before (the stage barriers' phase), ``sph``: the Q / row-sum barriers'
         phase. Returns ``g0`` plus this item's pairs. The pairs are numbered on from ``g0`` (their phase is the
         number's parity; key ``kv_lo`` is pair ``g0``'s tile a). ``SPANS``: the item ends in ``_span_finish``
-        (``reader``: the program's index in its group of ``READERS``); ``pre``: its Q and first tiles were copied
-        during the previous item's last pair; ``nx``: whether this item's last pair copies the next item's, and that
-        item's block-table row, key range and query rows."""
+        (``reader``: the program's index in its group of ``READERS``)."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # fmt: skip
@@ -1164,19 +1105,16 @@ if GLUON_AVAILABLE:
         # NAMED: hardware barriers NAMED_BASE .. + 3 carry the 4 handoffs of a pair (m_ready 0 / 1, p_ready 0 / 1;
         # Triton's partitions use 0-2); a runtime value (seq_lens >= 0), as the asm takes it in a register
         nb = (L >> 31) + NAMED_BASE
-        pf = (nx[0], g0 + n_pairs - 2, nx[1], nx[2], nx[3], nx[4], nx[5], q, i_h, i_q, stride_q_t, stride_q_h, H)
-        if pre == 0:
-            _seesaw_issue_q(q, q_smem, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
+        _seesaw_issue_q(q, q_smem, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
         if n_pairs > 0:  # tiles 0 and 1: warpgroup 0 loads the L groups, warpgroup 1 the R groups
-            if pre == 0:
-                if WG == 0:
-                    bars = ready_l
-                else:
-                    bars = ready_r
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(0), p_bt, kv_lo, kv_hi, max_blocks,
-                             num_blocks, 0, WG, WG == 1, PAGE)  # fmt: skip
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(1), p_bt, kv_lo + 64, kv_hi,
-                             max_blocks, num_blocks, 1, WG, WG == 0, PAGE)  # fmt: skip
+            if WG == 0:
+                bars = ready_l
+            else:
+                bars = ready_r
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(0), p_bt, kv_lo, kv_hi, max_blocks,
+                         num_blocks, 0, WG, WG == 1, PAGE)  # fmt: skip
+            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(1), p_bt, kv_lo + 64, kv_hi,
+                         max_blocks, num_blocks, 1, WG, WG == 0, PAGE)  # fmt: skip
 
         _seesaw_wait_q(qbar, sph)
         _mark(trace, tb, -1, 1, TRACE)
@@ -1201,14 +1139,7 @@ if GLUON_AVAILABLE:
             n_first = kv_lo + WG * 64
             ok0 = _box_ok(p_bt, n_first, kv_hi, max_blocks, num_blocks, PAGE)
             ok1 = _box_ok(p_bt, n_first + 32, kv_hi, max_blocks, num_blocks, PAGE)
-            if SPANS:
-                if nx[0] & (n_pairs == 1):  # the first pair is the last: it refills with the next item's tiles
-                    ra0, ra1, rb0, rb1 = _pair_rows_ahead(nx[1], nx[2], nx[3], max_blocks, num_blocks, PAGE, False)
-                else:
-                    ra0, ra1, rb0, rb1 = _pair_rows_ahead(p_bt, kv_lo + 128, kv_hi, max_blocks, num_blocks, PAGE,
-                                                          False)  # fmt: skip
-            else:
-                ra0, ra1, rb0, rb1 = _pair_rows_ahead(p_bt, kv_lo + 128, kv_hi, max_blocks, num_blocks, PAGE, False)
+            ra0, ra1, rb0, rb1 = _pair_rows_ahead(p_bt, kv_lo + 128, kv_hi, max_blocks, num_blocks, PAGE, False)
             lim_lo = gl.min(gl.min(limit, axis=1), axis=0)  # FUSED: tiles wholly below it need no mask
             kv_base = kv_lo - g0 * 128  # pair i's tile a starts at kv_base + 128 i
             for i in range(g0, g0 + n_pairs - 1):
@@ -1216,27 +1147,27 @@ if GLUON_AVAILABLE:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                         rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi, L, limit, lim_lo,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, pf, PAGE, OPAQUE, False, EARLY >= 2,
-                        EARLY == 3, SPANS, BLOCK_H, Q_PER, TRACE)  # fmt: skip
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2,
+                        EARLY == 3, TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
                         rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi, L, limit, lim_lo,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, pf, PAGE, OPAQUE, False, EARLY >= 2,
-                        EARLY == 3, SPANS, BLOCK_H, Q_PER, TRACE)  # fmt: skip
+                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2,
+                        EARLY == 3, TRACE)  # fmt: skip
             if n_pairs > 0:
                 if WG == 0:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
                         g0 + n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc,
                         q_smem, lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi,
-                        L, limit, lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, pf, PAGE, OPAQUE, True,
-                        EARLY >= 2, EARLY == 3, SPANS, BLOCK_H, Q_PER, TRACE)  # fmt: skip
+                        L, limit, lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True,
+                        EARLY >= 2, EARLY == 3, TRACE)  # fmt: skip
                 else:
                     b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
                         g0 + n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc,
                         q_smem, lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi,
-                        L, limit, lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, pf, PAGE, OPAQUE, True,
-                        EARLY >= 2, EARLY == 3, SPANS, BLOCK_H, Q_PER, TRACE)  # fmt: skip
+                        L, limit, lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True,
+                        EARLY >= 2, EARLY == 3, TRACE)  # fmt: skip
         else:
             for i in range(0, n_pairs - 1):
                 if WG == 0:
