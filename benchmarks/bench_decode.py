@@ -5,8 +5,9 @@ every request + out), TFLOPS (2 * T * H * seq * (576 + 512)), the fraction of th
 bandwidth of a large ``torch.sum`` measured in the same run, and the same shape through a plain
 PyTorch implementation for scale; both kernel tiers side by side ("triton_us": the portable kernel,
 "gluon_us": the Hopper kernel where it applies, the faster one starred; "tier": the one ``mla_decode``
-picks by default, whose time is "us"). KV pages are scattered over a pool of at least ``--pool-gib`` GiB
-(larger than L2).
+picks by default, whose time is "us"; "split_us" / "red_us": its split kernel and reduce alone, the split kernel
+on the plan's request-spanning schedule where ``mla_decode`` runs it, which needs no reduce: "red_us" 0). KV pages
+are scattered over a pool of at least ``--pool-gib`` GiB (larger than L2).
 
     python benchmarks/bench_decode.py            # the target shapes and a reduced sweep
     python benchmarks/bench_decode.py --full     # h {16,32,64,128} x b {1,8,32,64,128} x s {1k..32k} x qlen {1,2}
@@ -102,16 +103,19 @@ def run_shape(h, b, s, qlen, fp8, bw, args):
     compute = dec.compute_dtype(torch.float16 if fp8 else torch.bfloat16)
 
     variant = dec._gluon_variant("fp8" if fp8 else "auto", h, qlen, b, plan.num_sms)
+    # the request-spanning schedule where mla_decode runs it (its kernel merges cut requests: no reduce)
+    spans = plan.spans if use_gluon and variant in dec.SPAN_VARIANTS else None
 
     def split():
         args = (q, cache, bt, sl, qsl, plan, out, lse, scale_log2, 1.0, True, 512)
         if use_gluon:
-            dec.mla_decode_split_gluon(*args, variant=variant)
+            dec.mla_decode_split_gluon(*args, variant=variant, spans=spans)
         else:
             dec._mla_decode_split(*args, compute)
 
     split_us = bench_us(split, graph=graph)
-    reduce_us = bench_us(lambda: dec._mla_decode_reduce(qsl, plan, out, lse, 512), graph=graph)
+    reduce_us = 0.0 if spans is not None else bench_us(lambda: dec._mla_decode_reduce(qsl, plan, out, lse, 512),
+                                                       graph=graph)  # fmt: skip
     plan_us = bench_us(lambda: openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s, out=plan),
                        False)
     row_bytes = 576 * (1 if fp8 else 2)
