@@ -1,0 +1,61 @@
+"""``mla_decode`` on the request-spanning schedule of an earlier commit against the working tree's, alternating in one
+process (H200 experiment; not part of openmla). Prepare the old package with ``ab_old.py --prepare REV`` first.
+
+    python3 benchmarks/experiments/ab_old_spans.py     # AB_ROUNDS (default 4) rounds; SPAN_MODE (default auto)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROUNDS = int(os.environ.get("AB_ROUNDS", "4"))
+SCALE = 576**-0.5
+SHAPES = [(128, 128, 8192, 1), (128, 128, 8192, 2), (128, 128, "ragged", 1)]
+
+
+def main() -> int:
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "_ab_old")]
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("ab_old_spans: needs an sm90 GPU")
+        return 0
+    import openmla_old
+    from bench_decode_gluon import make_problem
+    from common import bench_us, env_line
+
+    import openmla
+
+    print(env_line())
+    os.environ["OPENMLA_DECODE_SPANS"] = "1"
+    os.environ["OPENMLA_DECODE_SPAN_MODE"] = os.environ.get("SPAN_MODE", "auto")
+    for h, b, s, qlen in SHAPES:
+        s_max = 16384 if s == "ragged" else s
+        q, cache, bt, sl, qsl = make_problem(h, b, s_max, qlen, 2.0)
+        if s == "ragged":  # 512 .. 16384 keys, a fixed draw (as spans_ab.py)
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            sl.copy_(torch.randint(512, 16385, (b,), generator=gen, dtype=torch.int32))
+        flops = 2.0 * int(sl.sum()) * qlen * h * (576 + 512)
+        mods = {"old": openmla_old, "new": openmla}
+        plans = {k: m.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s_max) for k, m in mods.items()}
+        outs = {k: m.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=plans[k])[0].float() for k, m in mods.items()}
+        diff = (outs["old"] - outs["new"]).abs().max().item()
+        times = {k: [] for k in mods}
+        for _ in range(ROUNDS):
+            for k, m in mods.items():
+                times[k].append(bench_us(lambda m=m, p=plans[k]: m.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=p)))
+        med = {k: statistics.median(t) for k, t in times.items()}
+        print(f"## h{h} b{b} s{s} q{qlen} (max |diff| {diff:.2e}): "
+              + " | ".join(f"{k} {med[k]:.1f} us ({flops / med[k] / 1e6:.1f} TF; {', '.join(f'{x:.1f}' for x in t)})"
+                           for k, t in times.items())
+              + f" | new/old speedup {med['old'] / med['new']:.4f}x", flush=True)  # fmt: skip
+        del q, cache, outs
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
