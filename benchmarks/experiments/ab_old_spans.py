@@ -46,13 +46,13 @@ def main() -> int:
         times = {k: [] for k in mods}
         for _ in range(ROUNDS):
             for k, m in mods.items():
-                times[k].append(bench_us(lambda m=m, p=plans[k]: m.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=p)))
+                times[k].append(bench_us(lambda m=m, p=plans[k], a=(q, cache, bt, sl, qsl): m.mla_decode(*a, SCALE, plan=p)))
         med = {k: statistics.median(t) for k, t in times.items()}
         print(f"## h{h} b{b} s{s} q{qlen} (max |diff| {diff:.2e}): "
               + " | ".join(f"{k} {med[k]:.1f} us ({flops / med[k] / 1e6:.1f} TF; {', '.join(f'{x:.1f}' for x in t)})"
                            for k, t in times.items())
               + f" | new/old speedup {med['old'] / med['new']:.4f}x", flush=True)  # fmt: skip
-        del q, cache, outs
+        outs = plans = None
         torch.cuda.empty_cache()
     return 0
 

@@ -1,6 +1,6 @@
 """``mla_decode`` with the regular plan and the request-spanning schedule (``openmla.ops.plan_spans``) in its three
-modes (snap, cut, auto), alternating in one process (H200 experiment; not part of openmla). Machines differ by up to 6.5% (RESULTS.md runs 60-62), so only an
-A/B within one process means anything.
+modes (snap, cut, auto), alternating in one process (H200 experiment; not part of openmla). Machines differ by up to
+6.5% (RESULTS.md runs 60-62), so only an A/B within one process means anything.
 
     python3 benchmarks/experiments/spans_ab.py      # AB_ROUNDS (default 4) alternating timings per shape
 
@@ -56,7 +56,7 @@ def main() -> int:
         times = {m: [] for m in plans}
         for _ in range(ROUNDS):
             for m, p in plans.items():
-                times[m].append(bench_us(lambda p=p: openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=p)))
+                times[m].append(bench_us(lambda p=p, a=(q, cache, bt, sl, qsl): openmla.mla_decode(*a, SCALE, plan=p)))
         med = {m: statistics.median(t) for m, t in times.items()}
         sp = {m: plans[m].spans for m in ("cut", "auto")}
         auto = "cut" if int(sp["auto"].num_splits.max()) > 1 else "snap"
@@ -66,7 +66,7 @@ def main() -> int:
                            f"{', '.join(f'{x:.1f}' for x in t)})" for m, t in times.items())
               + " | vs regular: " + ", ".join(f"{m} {med['regular'] / med[m]:.4f}x" for m in plans if m != "regular"),
               flush=True)  # fmt: skip
-        del q, cache, outs
+        outs = plans = None
         torch.cuda.empty_cache()
     return 0
 

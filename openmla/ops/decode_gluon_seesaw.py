@@ -29,6 +29,7 @@ TRACE_NE = gl.constexpr(16)
 # scores exceed it by more than LAZY_T (log2 units), so P <= 2^LAZY_T (in range for bf16 and the fp32 sums) and
 # most tiles leave every reference max where it was: the rescale multiply of O is skipped per warp (a vote)
 LAZY_T = gl.constexpr(8.0)
+LOG2E = gl.constexpr(1.4426950408889634)
 
 # ``_seesaw_rescale_lazy``'s multiply: one asm over a thread's 128 output values (operands: 128 outputs tied to the
 # 128 inputs, 128 copies of the warp's vote, 128 factors), skipped with a uniform branch when the vote is 0
@@ -220,7 +221,7 @@ if GLUON_AVAILABLE:
                 gl.thread_barrier()  # every thread saw 128 before the flag goes back to 0
                 gl.store(p_f, zero)
                 row = (j.to(gl.int64) * MAX_QLEN + o_t) * H + o_h
-                lse_p = gl.load(lse_part + row, mask=m_r, other=float("-inf"), cache_modifier=".cg") * 1.4426950408889634
+                lse_p = gl.load(lse_part + row, mask=m_r, other=float("-inf"), cache_modifier=".cg") * LOG2E
                 m_new = gl.maximum(b_m, lse_p)
                 m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
                 a_own = gl.exp2(b_m - m_use)
