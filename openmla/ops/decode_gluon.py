@@ -567,7 +567,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         kw = dict(PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
                   WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const", num_warps=4)
         pair = variant.startswith("seesaw-pair")
-        if spans is not None:  # the items' requests, key ranges and groups; the reduce reads its num_splits
+        if spans is not None:  # the items' requests, key ranges and pieces per request (for the merge)
             args = args[:6] + (spans.work_req, spans.work_lo, spans.num_splits, spans.work_hi) + args[10:]
         # (unused without spans)
         sp = (spans.group_indptr, spans.work_indptr, spans.flags) if spans is not None else (plan.work_indptr,) * 3

@@ -1022,9 +1022,9 @@ if GLUON_AVAILABLE:
     def _pair_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
                  p_ready, qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
                  split_len, group_indptr, span_indptr, span_flags, out, lse, o_part, lse_part, scale_log2, v_scale,
-                 stride_q_t, stride_q_h,
-                 stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
-                 MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
+                 stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks,
+                 PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
+                 CAUSAL: gl.constexpr,
                  N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
                  R_FIRST: gl.constexpr, EARLY: gl.constexpr, SPANS: gl.constexpr, trace,
                  TRACE: gl.constexpr):  # fmt: skip
