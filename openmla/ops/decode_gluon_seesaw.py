@@ -139,6 +139,17 @@ if GLUON_AVAILABLE:
         return gl.expand_dims(gl.minimum(limit, kv_hi), 1)
 
     @gluon.jit
+    def _sum_row_sums(b_l, l_smem, lbar, ph, WG: gl.constexpr):
+        """The row sums of both warpgroups' halves: this warpgroup's ``b_l`` plus the other's, exchanged through
+        ``l_smem`` (``lbar`` phase ``ph``; every MMA and copy of both warpgroups is done once it returns)."""
+        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        l_smem.index(WG).store(gl.convert_layout(b_l, VEC))
+        gl.thread_barrier()
+        mbarrier.arrive(lbar, count=1)
+        mbarrier.wait(lbar, ph)
+        return b_l + gl.convert_layout(l_smem.index(1 - WG).load(VEC), b_l.type.layout)
+
+    @gluon.jit
     def _seesaw_finish(acc, b_l, m_run, l_smem, lbar, ph, buf, num_splits, out, lse, o_part, lse_part, v_scale,
                        stride_o_t, stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN: gl.constexpr,
                        BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, WG: gl.constexpr):  # fmt: skip
@@ -147,13 +158,7 @@ if GLUON_AVAILABLE:
         columns and store them (and, from warpgroup 0, the LSE) as final rows or as the work item's partial.
         ``buf``: a free ``[64, 256]`` bf16 shared buffer of this warpgroup (every MMA and copy is done once both
         warpgroups passed ``lbar``) that stages bf16 final rows (``_store_out_staged``)."""
-        ROW_S: gl.constexpr = b_l.type.layout
-        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        l_smem.index(WG).store(gl.convert_layout(b_l, VEC))
-        gl.thread_barrier()
-        mbarrier.arrive(lbar, count=1)
-        mbarrier.wait(lbar, ph)
-        b_l = b_l + gl.convert_layout(l_smem.index(1 - WG).load(VEC), ROW_S)
+        b_l = _sum_row_sums(b_l, l_smem, lbar, ph, WG)
         n_split = gl.load(num_splits + i_b)
         if (n_split == 1) & (out.dtype.element_ty == gl.bfloat16):
             _store_out_staged(acc, b_l, m_run, v_scale, buf, out, lse, stride_o_t, stride_o_h, H, i_h, i_q,
@@ -182,17 +187,12 @@ if GLUON_AVAILABLE:
         The program runs its group's items last to first, so a request's last piece is its group's last item and the
         other pieces are the first items of lower groups, whose programs (lower program ids, started no later) do
         not wait before them: no circular wait."""
-        ROW_S: gl.constexpr = b_l.type.layout
         VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         CH: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # a [64, 64] fp32 chunk, 16-byte rows
         ROW_C: gl.constexpr = gl.SliceLayout(1, CH)
         F_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
-        l_smem.index(WG).store(gl.convert_layout(b_l, VEC))
-        gl.thread_barrier()
-        mbarrier.arrive(lbar, count=1)
-        mbarrier.wait(lbar, ph)
-        b_l = b_l + gl.convert_layout(l_smem.index(1 - WG).load(VEC), ROW_S)
+        b_l = _sum_row_sums(b_l, l_smem, lbar, ph, WG)
         first = gl.load(span_indptr + i_b)
         last = gl.load(span_indptr + i_b + 1) - 1
         zero = gl.zeros([128], gl.int32, VEC)  # one flag access per thread of the warpgroup
