@@ -3,6 +3,7 @@ modes (snap, cut, auto), alternating in one process (H200 experiment; not part o
 6.5% (RESULTS.md runs 60-62), so only an A/B within one process means anything.
 
     python3 benchmarks/experiments/spans_ab.py      # AB_ROUNDS (default 4) alternating timings per shape
+    AB_SHAPES="128,128,8192,2" python3 benchmarks/experiments/spans_ab.py   # only these (h,b,seq,qlen;...)
 
 Each row times the whole call (split kernel, plus the reduce for the regular plan) under a CUDA graph, per shape: the
 largest difference of the outputs from the regular plan's, each plan's time in every round, the medians, their
@@ -21,6 +22,8 @@ SCALE = 576**-0.5
 # (h, b, seq or "ragged", qlen)
 SHAPES = [(128, 128, 8192, 1), (128, 128, 8192, 2), (128, 132, 8192, 1), (128, 64, 8192, 2), (64, 128, 8192, 2),
           (128, 128, "ragged", 1), (128, 128, 4096, 1)]
+if os.environ.get("AB_SHAPES"):
+    SHAPES = [tuple(x if x == "ragged" else int(x) for x in s.split(",")) for s in os.environ["AB_SHAPES"].split(";")]
 
 
 def main() -> int:
