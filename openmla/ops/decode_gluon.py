@@ -492,8 +492,10 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             0.3-2.2% faster, RESULTS.md run 48). None: 64 where it applies, else 32.
         trace (torch.Tensor | None): seesaw-pair variants only, a diagnostic: an int64 CUDA tensor of at least
             ``programs * 2 * (TRACE_NP + 1) * TRACE_NE`` elements (``programs = plan.capacity`` x head blocks x
-            query blocks; the constants are in ``decode_gluon_seesaw``) that receives each warpgroup's cycle
-            stamps (``benchmarks/experiments/pair_trace.py`` reads them). None (default): no trace code.
+            query blocks; with ``spans``, its item slots x ``spans.readers``, one row per item; the constants are in
+            ``decode_gluon_seesaw``) that receives each warpgroup's cycle stamps and, as the last two events of its
+            own row, ``%globaltimer`` at its start and end (``benchmarks/experiments/pair_trace.py`` and
+            ``span_trace.py`` read them). None (default): no trace code.
         spans (DecodeSpans | None): ``plan.spans`` (one of ``SPAN_VARIANTS``): run the request-spanning schedule
             instead of the plan's work items: ``spans.num_groups`` x ``spans.readers`` programs, each looping over
             its group's items. The kernel merges the pieces of cut requests itself (through ``plan.o_part`` /
@@ -557,7 +559,8 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     if trace is not None:
         from openmla.ops.decode_gluon_seesaw import TRACE_NE, TRACE_NP
 
-        need = grid[0] * 2 * (TRACE_NP.value + 1) * TRACE_NE.value
+        rows = grid[0] if spans is None else spans.work_req.shape[0] * n_hb * n_qb  # programs, or items x readers
+        need = rows * 2 * (TRACE_NP.value + 1) * TRACE_NE.value
         if trace.dtype != torch.int64 or trace.device != q.device or trace.numel() < need:
             raise ValueError(f"trace must be an int64 tensor on {q.device} with >= {need} elements; got "
                              f"{trace.dtype} {tuple(trace.shape)} on {trace.device}")  # fmt: skip

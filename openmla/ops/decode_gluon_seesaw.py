@@ -674,6 +674,15 @@ if GLUON_AVAILABLE:
             gl.store(trace + (tb * (TRACE_NP + 1) + row) * TRACE_NE + EV, t, mask=on)
 
     @gluon.jit
+    def _mark_ns(trace, tb, EV: gl.constexpr, TRACE: gl.constexpr):
+        """``TRACE``: store the GPU's nanosecond timer (``%globaltimer``, one clock for all SMs, unlike
+        ``%clock64``) as event ``EV`` of row ``tb``'s own events (``_mark``'s ``i = -1`` row)."""
+        if TRACE:
+            t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tb], dtype=gl.int64, is_pure=False,
+                                          pack=1)  # fmt: skip
+            gl.store(trace + (tb * (TRACE_NP + 1) + TRACE_NP) * TRACE_NE + EV, t)
+
+    @gluon.jit
     def _pair_wg0(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
                   ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
                   max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
@@ -1101,8 +1110,12 @@ if GLUON_AVAILABLE:
 
         n_pairs = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), 128)
         p_bt = block_table + i_b * stride_bt_b
-        tb = gl.program_id(0) * 2 + WG  # the trace row of this program and warpgroup
+        if SPANS:  # the trace row of this item, program and warpgroup (each item's own events)
+            tb = (i_w * READERS + reader) * 2 + WG
+        else:  # the trace row of this program and warpgroup
+            tb = gl.program_id(0) * 2 + WG
         _mark(trace, tb, -1, 0, TRACE)
+        _mark_ns(trace, tb, TRACE_NE - 2, TRACE)
         # NAMED: hardware barriers NAMED_BASE .. + 3 carry the 4 handoffs of a pair (m_ready 0 / 1, p_ready 0 / 1;
         # Triton's partitions use 0-2); a runtime value (seq_lens >= 0), as the asm takes it in a register
         nb = (L >> 31) + NAMED_BASE
@@ -1205,6 +1218,7 @@ if GLUON_AVAILABLE:
                            num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, i_h, i_q,
                            i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)  # fmt: skip
         _mark(trace, tb, -1, 4, TRACE)
+        _mark_ns(trace, tb, TRACE_NE - 1, TRACE)
         return g0 + n_pairs
 
     @gluon.jit
