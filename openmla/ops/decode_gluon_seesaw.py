@@ -169,11 +169,6 @@ if GLUON_AVAILABLE:
                           WG == 0)  # fmt: skip
 
     @gluon.jit
-    def _span_add_chunk(chunk, o_p, a_own, w_p, CH: gl.constexpr):
-        """One ``[64, 64]`` fp32 chunk of the merge: ``chunk = chunk * a_own + o_p * w_p`` (row factors)."""
-        chunk.store(chunk.load(CH) * a_own + o_p * w_p)
-
-    @gluon.jit
     def _span_finish(acc, b_l, m_run, l_smem, lbar, ph, stage, num_splits, span_indptr, span_flags, out, lse, o_part,
                      lse_part, v_scale, stride_o_t, stride_o_h, H, it, reader, i_h, i_q, i_b, q_start, qlen,
                      MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, READERS: gl.constexpr,
@@ -226,28 +221,19 @@ if GLUON_AVAILABLE:
                 gl.thread_barrier()  # every thread saw 128 before the flag goes back to 0
                 gl.store(p_f, zero)
                 row = (j.to(gl.int64) * MAX_QLEN + o_t) * H + o_h
-                # the LSEs and all four 64-column chunks of the partial in flight at once (one latency, not four:
-                # the registers are free, the accumulator is in the stage)
-                lse_p = gl.load(lse_part + row, mask=m_r, other=float("-inf"), cache_modifier=".cg")
-                p_o = o_part + gl.expand_dims(row * 512 + WG * 256, 1) + o_c
-                m_o = gl.expand_dims(m_r, 1)
-                o_p0 = gl.load(p_o, mask=m_o, other=0.0, cache_modifier=".cg")
-                o_p1 = gl.load(p_o + 64, mask=m_o, other=0.0, cache_modifier=".cg")
-                o_p2 = gl.load(p_o + 128, mask=m_o, other=0.0, cache_modifier=".cg")
-                o_p3 = gl.load(p_o + 192, mask=m_o, other=0.0, cache_modifier=".cg")
-                lse_p = lse_p * LOG2E
+                lse_p = gl.load(lse_part + row, mask=m_r, other=float("-inf"), cache_modifier=".cg") * LOG2E
                 m_new = gl.maximum(b_m, lse_p)
                 m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
                 a_own = gl.exp2(b_m - m_use)
                 w_p = gl.exp2(lse_p - m_use)
                 b_den = b_den * a_own + w_p
                 b_m = m_new
-                a_own = gl.expand_dims(a_own, 1)
-                w_p = gl.expand_dims(w_p / v_scale, 1)  # the partial was normalised times v_scale
-                _span_add_chunk(f_acc.slice(0, 64, dim=1), o_p0, a_own, w_p, CH)
-                _span_add_chunk(f_acc.slice(64, 64, dim=1), o_p1, a_own, w_p, CH)
-                _span_add_chunk(f_acc.slice(128, 64, dim=1), o_p2, a_own, w_p, CH)
-                _span_add_chunk(f_acc.slice(192, 64, dim=1), o_p3, a_own, w_p, CH)
+                w_p = w_p / v_scale  # the partial was normalised times v_scale
+                for c in gl.static_range(4):
+                    chunk = f_acc.slice(c * 64, 64, dim=1)
+                    p_o = o_part + gl.expand_dims(row * 512 + WG * 256 + c * 64, 1) + o_c
+                    o_p = gl.load(p_o, mask=gl.expand_dims(m_r, 1), other=0.0, cache_modifier=".cg")
+                    chunk.store(chunk.load(CH) * gl.expand_dims(a_own, 1) + o_p * gl.expand_dims(w_p, 1))
             empty_r = b_den == 0.0
             b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_den))
             p_out = out + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_o_t + o_h * stride_o_h + WG * 256, 1)
