@@ -490,6 +490,46 @@ def test_gluon_pair_trace(variant, n_events, device):
 
 
 @_gpu_test
+def test_gluon_span_trace(device):
+    # the cycle trace on the spanning schedule (cut mode): one row per item; same results as untraced; each item's
+    # own stamps rise in program order (start, Q, first scores, loop, the _span_finish steps of its kind, end), its
+    # nanosecond stamps (events NE-2 / NE-1) bracket it, and each warpgroup's items follow each other in run order
+    from openmla.ops.decode_gluon_seesaw import TRACE_NE, TRACE_NP
+
+    np_, ne = TRACE_NP.value, TRACE_NE.value
+    lens = [4096, 0, 3000, 8191, 1000, 2048]
+    q, cache, bt, sl, qsl = _batch(device, 128, [1] * len(lens), lens, 64)
+    ref_out, ref_lse, sp = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=8, spans="cut",
+                                         variant="seesaw-pair-el")  # fmt: skip
+    trace = torch.zeros(sp.work_req.shape[0] * sp.readers * 2 * (np_ + 1) * ne, dtype=torch.int64, device=device)
+    out, lse, sp = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=8, spans="cut", variant="seesaw-pair-el",
+                                 trace=trace)  # fmt: skip
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-5, 1e-5, 1e-6)
+    t = trace.view(sp.work_req.shape[0], sp.readers, 2, np_ + 1, ne)[:, :, :, np_, :].cpu()
+    req, ptr = sp.work_req.cpu().tolist(), sp.work_indptr.cpu().tolist()
+    g_ptr = sp.group_indptr.cpu().tolist()
+    n_pieces = 0
+    for g in range(sp.num_groups):
+        for r in range(sp.readers):
+            prev_end = [0, 0]  # per warpgroup (each runs on from its own finish)
+            for it in range(g_ptr[g + 1] - 1, g_ptr[g] - 1, -1):  # the order the program runs them
+                b = req[it]
+                if lens[b] == 0:  # (no pairs: no first scores)
+                    continue
+                pieces = ptr[b + 1] - ptr[b]
+                kind = [5] if pieces == 1 else ([5, 6, 7] if it < ptr[b + 1] - 1 else [5, 6, 7, 8, 9])
+                n_pieces += pieces > 1
+                for wg in (0, 1):
+                    ev = t[it, r, wg, [0, 1, 2, 3, *kind, 4]]
+                    assert bool((ev > 0).all()) and bool((ev[1:] >= ev[:-1]).all()), (it, r, wg, ev)
+                    ns0, ns1 = int(t[it, r, wg, ne - 2]), int(t[it, r, wg, ne - 1])
+                    assert 0 < ns0 <= ns1 and ns0 >= prev_end[wg], (it, r, wg, ns0, ns1, prev_end)
+                    prev_end[wg] = ns1
+    assert n_pieces > 0, "no request was cut"
+
+
+@_gpu_test
 @pytest.mark.parametrize("backend", ["gluon", "auto"])
 def test_mla_decode_backend(backend, device):
     # the public entry point with the Gluon tier selected (forced, or by "auto" at 64 rows)

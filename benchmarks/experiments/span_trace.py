@@ -7,7 +7,7 @@ shape and mode:
 - the SM clock during the traced launch (each item's cycles over its nanoseconds);
 - the loop's cycles a pair, and each kind of item's fixed cycles (its cycles less its pairs times that period; whole
   requests, first pieces of cut requests, last pieces), split into prologue (start to first scores) and epilogue
-  (loop end to finish; a last piece's merge wait is in it);
+  (loop end to finish), and the epilogue's steps (``_span_finish``'s events, medians over both warpgroups);
 - the gap between one item's finish and the next item's start in a program;
 - the programs' end times from the launch's first start (globaltimer): the mean, the largest, and the largest over
   the mean (the imbalance the schedule leaves), and the spread of the programs' start times.
@@ -34,6 +34,16 @@ SCALE_LOG2 = 576**-0.5 * 1.4426950408889634
 SHAPES = [(128, 128, 8192, 1), (128, 128, 8192, 2), (128, 128, "ragged", 1)]
 
 
+# the epilogue's steps per kind of item: (name, from event, to event); events 3 (loop done) and 4 (finished) of
+# _pair_item, 5-9 of _span_finish
+EPILOGUE = {
+    "whole": [("row sums", 3, 5), ("final rows", 5, 4)],
+    "other piece": [("row sums", 3, 5), ("partial stored", 5, 6), ("flag raised", 6, 7), ("rest", 7, 4)],
+    "last piece": [("row sums", 3, 5), ("accumulator to the stage", 5, 6), ("flag seen and reset", 6, 7),
+                   ("partial added", 7, 8), ("final rows", 8, 9), ("rest", 9, 4)],
+}
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -41,8 +51,9 @@ def med(xs: list[float]) -> float:
 def analyse(trace: torch.Tensor, spans, readers: int, np_: int, ne: int) -> dict:
     """The statistics of the module docstring from one traced launch (warpgroup 0 of every item and program)."""
     slots = spans.work_req.shape[0]
-    t = trace[: slots * readers * 2 * (np_ + 1) * ne].view(slots, readers, 2, np_ + 1, ne)[:, :, 0, np_, :]
-    t = t.cpu().double()
+    t2 = trace[: slots * readers * 2 * (np_ + 1) * ne].view(slots, readers, 2, np_ + 1, ne)[:, :, :, np_, :]
+    t2 = t2.cpu().double()  # [item, reader, warpgroup, event]
+    t = t2[:, :, 0, :]
     g_ptr = spans.group_indptr.cpu().tolist()
     lo, hi = spans.work_lo.cpu().tolist(), spans.work_hi.cpu().tolist()
     req = spans.work_req.cpu().tolist()
@@ -65,11 +76,16 @@ def analyse(trace: torch.Tensor, spans, readers: int, np_: int, ne: int) -> dict
     for k in ("whole", "other piece", "last piece"):
         sel = [it for it in ok if kind[it] == k]
         if sel:
+            steps = []
+            for name, a, b_ in EPILOGUE[k]:  # the epilogue's steps (_span_finish's events), both warpgroups
+                d = [float(t2[it, r, w, b_] - t2[it, r, w, a]) for it in sel for r in range(readers) for w in (0, 1)
+                     if t2[it, r, w, a] > 0 and t2[it, r, w, b_] > 0]  # fmt: skip
+                steps.append((name, med(d)))
             res["kinds"][k] = dict(
                 n=len(sel), pairs=med([pairs[it] for it in sel]),
                 fixed=med([float(t[it, 0, 4] - t[it, 0, 0]) - pairs[it] * period for it in sel]),
                 pro=med([float(t[it, 0, 2] - t[it, 0, 0]) for it in sel]),
-                epi=med([float(t[it, 0, 4] - t[it, 0, 3]) for it in sel]))  # fmt: skip
+                epi=med([float(t[it, 0, 4] - t[it, 0, 3]) for it in sel]), steps=steps)  # fmt: skip
     gaps, ends, starts = [], [], []
     for g in range(spans.num_groups):
         seq = list(range(g_ptr[g + 1] - 1, g_ptr[g] - 1, -1))  # the order the programs run them
@@ -115,12 +131,12 @@ def main() -> int:
             trace = torch.zeros(spans.work_req.shape[0] * readers * 2 * (np_ + 1) * ne, dtype=torch.int64,
                                 device="cuda")  # fmt: skip
 
-            def run(tr=None, plan=plan):
-                dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE_LOG2, 1.0, True, 512,
-                                          variant="seesaw-pair-el", spans=plan.spans, trace=tr)  # fmt: skip
+            def run(tr=None, plan=plan, a=(q, cache, bt, sl, qsl), o=(out, lse)):
+                dg.mla_decode_split_gluon(*a, plan, *o, SCALE_LOG2, 1.0, True, 512, variant="seesaw-pair-el",
+                                          spans=plan.spans, trace=tr)  # fmt: skip
 
             us = bench_us(run)
-            us_t = bench_us(lambda: run(trace))
+            us_t = bench_us(lambda tr=trace: run(tr))
             trace.zero_()
             run(trace)
             torch.cuda.synchronize()
@@ -132,7 +148,8 @@ def main() -> int:
                   f"{r['start_spread']:.1f} us", flush=True)  # fmt: skip
             for k, v in r["kinds"].items():
                 print(f"   {k}: {v['n']} items, median {v['pairs']:.0f} pairs; fixed {v['fixed']:.0f} cycles "
-                      f"(prologue {v['pro']:.0f}, epilogue {v['epi']:.0f})")  # fmt: skip
+                      f"(prologue {v['pro']:.0f}, epilogue {v['epi']:.0f}: "
+                      + ", ".join(f"{n} {d:.0f}" for n, d in v["steps"]) + ")")  # fmt: skip
         for var in ("OPENMLA_DECODE_SPANS", "OPENMLA_DECODE_SPAN_MODE"):
             os.environ.pop(var)
         del q, cache

@@ -172,7 +172,7 @@ if GLUON_AVAILABLE:
     def _span_finish(acc, b_l, m_run, l_smem, lbar, ph, stage, num_splits, span_indptr, span_flags, out, lse, o_part,
                      lse_part, v_scale, stride_o_t, stride_o_h, H, it, reader, i_h, i_q, i_b, q_start, qlen,
                      MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, READERS: gl.constexpr,
-                     WG: gl.constexpr):  # fmt: skip
+                     WG: gl.constexpr, trace, tb, TRACE: gl.constexpr):  # fmt: skip
         """``_seesaw_finish`` for item ``it`` of the request-spanning schedule (``SPANS``), which merges the pieces of
         a cut request itself (no reduce). ``stage``: this warpgroup's stage ``[64, 512]`` (free: every MMA and copy is
         done once both warpgroups passed ``lbar``).
@@ -186,26 +186,32 @@ if GLUON_AVAILABLE:
           for the next launch and adds the partial, weighted by the LSEs, 64 columns at a time; then the final rows.
         The program runs its group's items last to first, so a request's last piece is its group's last item and the
         other pieces are the first items of lower groups, whose programs (lower program ids, started no later) do
-        not wait before them: no circular wait."""
+        not wait before them: no circular wait. ``TRACE``: item events 5-9 of the trace row ``tb`` (``_mark``): the
+        row sums exchanged, the partial stored / the accumulator in the stage, the flag raised / seen, the partials
+        added, the final rows stored (``benchmarks/experiments/span_trace.py``)."""
         VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         CH: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # a [64, 64] fp32 chunk, 16-byte rows
         ROW_C: gl.constexpr = gl.SliceLayout(1, CH)
         F_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         b_l = _sum_row_sums(b_l, l_smem, lbar, ph, WG)
+        _mark(trace, tb, -1, 5, TRACE)
         first = gl.load(span_indptr + i_b)
         last = gl.load(span_indptr + i_b + 1) - 1
         zero = gl.zeros([128], gl.int32, VEC)  # one flag access per thread of the warpgroup
         if it < last:
             _store_result(acc, b_l, m_run, v_scale, num_splits, out, lse, o_part, lse_part, stride_o_t, stride_o_h, H,
                           it, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG * 256, True)  # fmt: skip
+            _mark(trace, tb, -1, 6, TRACE)
             gl.atomic_add(span_flags + ((it * READERS + reader) * 2 + WG) + zero, zero + 1, sem="release", scope="gpu")
+            _mark(trace, tb, -1, 7, TRACE)
         elif first == last:
             _store_out_staged(acc, b_l, m_run, v_scale, stage.slice(WG * 256, 256, dim=1), out, lse, stride_o_t,
                               stride_o_h, H, i_h, i_q, q_start, qlen, BLOCK_H, Q_PER, WG * 256, WG == 0)  # fmt: skip
         else:
             f_acc = stage._reinterpret(gl.float32, [BLOCK_M, 256], F_SMEM)
             f_acc.store(acc)
+            _mark(trace, tb, -1, 6, TRACE)
             o_m = gl.arange(0, BLOCK_M, layout=ROW_C)
             o_t = i_q * Q_PER + o_m // BLOCK_H
             o_h = i_h * BLOCK_H + o_m % BLOCK_H
@@ -220,6 +226,7 @@ if GLUON_AVAILABLE:
                     n_in = gl.min(gl.atomic_add(p_f, zero, sem="acquire", scope="gpu"), axis=0)
                 gl.thread_barrier()  # every thread saw 128 before the flag goes back to 0
                 gl.store(p_f, zero)
+                _mark(trace, tb, -1, 7, TRACE)
                 row = (j.to(gl.int64) * MAX_QLEN + o_t) * H + o_h
                 lse_p = gl.load(lse_part + row, mask=m_r, other=float("-inf"), cache_modifier=".cg") * LOG2E
                 m_new = gl.maximum(b_m, lse_p)
@@ -234,6 +241,7 @@ if GLUON_AVAILABLE:
                     p_o = o_part + gl.expand_dims(row * 512 + WG * 256 + c * 64, 1) + o_c
                     o_p = gl.load(p_o, mask=gl.expand_dims(m_r, 1), other=0.0, cache_modifier=".cg")
                     chunk.store(chunk.load(CH) * gl.expand_dims(a_own, 1) + o_p * gl.expand_dims(w_p, 1))
+                _mark(trace, tb, -1, 8, TRACE)
             empty_r = b_den == 0.0
             b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_den))
             p_out = out + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_o_t + o_h * stride_o_h + WG * 256, 1)
@@ -244,6 +252,7 @@ if GLUON_AVAILABLE:
                 b_lse = gl.where(empty_r, float("-inf"),
                                  (b_m + gl.log2(gl.where(empty_r, 1.0, b_den))) * 0.6931471805599453)  # fmt: skip
                 gl.store(lse + (q_start + o_t).to(gl.int64) * H + o_h, b_lse, mask=m_r)
+            _mark(trace, tb, -1, 9, TRACE)
 
     @gluon.jit
     def _store_out_staged(acc, b_l, m_run, v_scale, buf, out, lse, stride_o_t, stride_o_h, H, i_h, i_q, q_start,
@@ -1212,7 +1221,7 @@ if GLUON_AVAILABLE:
         if SPANS:
             _span_finish(acc, b_l, m_run, l_smem, lbar, sph, lat_smem.index(WG), num_splits, span_indptr, span_flags,
                          out, lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, reader, i_h, i_q, i_b,
-                         q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, READERS, WG)  # fmt: skip
+                         q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, READERS, WG, trace, tb, TRACE)  # fmt: skip
         else:
             _seesaw_finish(acc, b_l, m_run, l_smem, lbar, sph, lat_smem.index(WG).slice(WG * 256, 256, dim=1),
                            num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, i_h, i_q,
