@@ -57,6 +57,17 @@ def make_problem(h, b, s, qlen, pool_gib, fp8=False):
     return q, cache, block_table, seq_lens, qsl
 
 
+def make_span_problem(h, b, s, qlen):
+    """``make_problem`` over a 2 GiB pool for the spanning-schedule experiments; ``s == "ragged"``: 512 .. 16384
+    keys a request, a fixed draw. Returns ``(q, cache, block_table, seq_lens, qsl, s_max)``."""
+    s_max = 16384 if s == "ragged" else s
+    q, cache, bt, sl, qsl = make_problem(h, b, s_max, qlen, 2.0)
+    if s == "ragged":
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        sl.copy_(torch.randint(512, 16385, (b,), generator=gen, dtype=torch.int32))
+    return q, cache, bt, sl, qsl, s_max
+
+
 def run_shape(h, b, s, qlen, variants, args):
     """Print one line per kernel for one shape (tensors are freed when this returns)."""
     q, cache, bt, sl, qsl = make_problem(h, b, s, qlen, args.pool_gib, args.fp8)

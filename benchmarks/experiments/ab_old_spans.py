@@ -24,7 +24,7 @@ def main() -> int:
         print("ab_old_spans: needs an sm90 GPU")
         return 0
     import openmla_old
-    from bench_decode_gluon import make_problem
+    from bench_decode_gluon import make_span_problem
     from common import bench_us, env_line
 
     import openmla
@@ -33,11 +33,7 @@ def main() -> int:
     os.environ["OPENMLA_DECODE_SPANS"] = "1"
     os.environ["OPENMLA_DECODE_SPAN_MODE"] = os.environ.get("SPAN_MODE", "auto")
     for h, b, s, qlen in SHAPES:
-        s_max = 16384 if s == "ragged" else s
-        q, cache, bt, sl, qsl = make_problem(h, b, s_max, qlen, 2.0)
-        if s == "ragged":  # 512 .. 16384 keys, a fixed draw (as spans_ab.py)
-            gen = torch.Generator(device="cpu").manual_seed(0)
-            sl.copy_(torch.randint(512, 16385, (b,), generator=gen, dtype=torch.int32))
+        q, cache, bt, sl, qsl, s_max = make_span_problem(h, b, s, qlen)
         flops = 2.0 * int(sl.sum()) * qlen * h * (576 + 512)
         mods = {"old": openmla_old, "new": openmla}
         plans = {k: m.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s_max) for k, m in mods.items()}

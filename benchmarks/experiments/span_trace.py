@@ -107,7 +107,7 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("span_trace: needs an sm90 GPU")
         return 0
-    from bench_decode_gluon import make_problem
+    from bench_decode_gluon import make_span_problem
     from common import bench_us, env_line
 
     from openmla.ops.decode_gluon_seesaw import TRACE_NE, TRACE_NP
@@ -115,11 +115,7 @@ def main() -> int:
     np_, ne = TRACE_NP.value, TRACE_NE.value
     print(env_line())
     for h, b, s, qlen in SHAPES:
-        s_max = 16384 if s == "ragged" else s
-        q, cache, bt, sl, qsl = make_problem(h, b, s_max, qlen, 2.0)
-        if s == "ragged":  # 512 .. 16384 keys, a fixed draw (as spans_ab.py)
-            gen = torch.Generator(device="cpu").manual_seed(0)
-            sl.copy_(torch.randint(512, 16385, (b,), generator=gen, dtype=torch.int32))
+        q, cache, bt, sl, qsl, s_max = make_span_problem(h, b, s, qlen)
         flops = 2.0 * int(sl.sum()) * qlen * h * (576 + 512)
         out = torch.empty(q.shape[0], h, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(q.shape[0], h, dtype=torch.float32, device="cuda")

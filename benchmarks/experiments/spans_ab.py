@@ -33,18 +33,14 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("spans_ab: needs an sm90 GPU")
         return 0
-    from bench_decode_gluon import make_problem
+    from bench_decode_gluon import make_span_problem
     from common import bench_us, env_line
 
     import openmla
 
     print(env_line())
     for h, b, s, qlen in SHAPES:
-        s_max = 16384 if s == "ragged" else s
-        q, cache, bt, sl, qsl = make_problem(h, b, s_max, qlen, 2.0)
-        if s == "ragged":  # 512 .. 16384 keys, a fixed draw
-            gen = torch.Generator(device="cpu").manual_seed(0)
-            sl.copy_(torch.randint(512, 16385, (b,), generator=gen, dtype=torch.int32))
+        q, cache, bt, sl, qsl, s_max = make_span_problem(h, b, s, qlen)
         keys = int(sl.sum()) * qlen
         flops = 2.0 * keys * h * (576 + 512)
         plans = {}
