@@ -473,7 +473,9 @@ def test_gluon_pair_trace(variant, n_events, device):
             n_pairs = -(-max(0, min(lens[req], kv_lo + chunks[req]) - kv_lo) // 128)
         full = max(0, min(np_, n_pairs - 1 - lo))  # pairs before the last one: every point
         for wg in (0, 1):
-            assert int(t[p, wg, :, n_events[wg]:].abs().sum()) == 0
+            # no stamps past the pair points, and in the program's own row only events 0-4 and the nanosecond pair
+            assert int(t[p, wg, :np_, n_events[wg]:].abs().sum()) == 0
+            assert int(t[p, wg, np_, 5 : ne - 2].abs().sum()) == 0
             for r in range(np_):
                 row = t[p, wg, r, TRACE_ORDER[variant][wg]]
                 if r < full:
@@ -487,6 +489,8 @@ def test_gluon_pair_trace(variant, n_events, device):
             if req >= 0 and n_pairs > 0:  # the program's own stamps: start, Q stored, first scores, loop, end
                 prog = t[p, wg, np_, :5]
                 assert bool((prog > 0).all()) and bool((prog[1:] >= prog[:-1]).all()), (p, wg, prog)
+                ns = t[p, wg, np_, ne - 2 :]  # %globaltimer at the start and the end
+                assert 0 < int(ns[0]) <= int(ns[1]), (p, wg, ns)
 
 
 @_gpu_test
