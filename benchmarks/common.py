@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import statistics
 import subprocess
 
 import torch
@@ -17,6 +19,31 @@ def bench_us(fn, graph: bool = True, rep: int = 100) -> float:
         except Exception as exc:  # capture can fail for code that syncs; fall back and say so
             print(f"# cuda graph capture failed ({type(exc).__name__}: {exc}); timing with do_bench")
     return triton.testing.do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median") * 1e3
+
+
+def alternate_us(fns: dict, rounds: int) -> dict:
+    """``{name: [us per round]}``: each of ``fns`` (name -> callable) timed ``rounds`` times by ``bench_us``, the
+    callables alternating within each round (the A/B experiments: only timings in one process compare)."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            times[k].append(bench_us(fn))
+    return times
+
+
+def ab_summary(times: dict, flops: float) -> tuple[dict, str]:
+    """The medians of ``alternate_us``'s timings and one line of them: ``name median us (TFLOPS; each round) | ...``."""
+    med = {k: statistics.median(t) for k, t in times.items()}
+    line = " | ".join(f"{k} {med[k]:.1f} us ({flops / med[k] / 1e6:.1f} TF; {', '.join(f'{x:.1f}' for x in t)})"
+                      for k, t in times.items())  # fmt: skip
+    return med, line
+
+
+def shapes_from_env(default: list) -> list:
+    """``AB_SHAPES`` ("h,b,seq,qlen;..."; seq may be "ragged") as tuples, else ``default``."""
+    if not os.environ.get("AB_SHAPES"):
+        return default
+    return [tuple(x if x == "ragged" else int(x) for x in s.split(",")) for s in os.environ["AB_SHAPES"].split(";")]
 
 
 def read_bandwidth_gbs(gib: float = 4.0) -> float:

@@ -7,7 +7,6 @@ process (H200 experiment; not part of openmla). Prepare the old package with ``a
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,7 +24,7 @@ def main() -> int:
         return 0
     import openmla_old
     from bench_decode_gluon import make_span_problem
-    from common import bench_us, env_line
+    from common import ab_summary, alternate_us, env_line
 
     import openmla
 
@@ -39,15 +38,11 @@ def main() -> int:
         plans = {k: m.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s_max) for k, m in mods.items()}
         outs = {k: m.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=plans[k])[0].float() for k, m in mods.items()}
         diff = (outs["old"] - outs["new"]).abs().max().item()
-        times = {k: [] for k in mods}
-        for _ in range(ROUNDS):
-            for k, m in mods.items():
-                times[k].append(bench_us(lambda m=m, p=plans[k], a=(q, cache, bt, sl, qsl): m.mla_decode(*a, SCALE, plan=p)))
-        med = {k: statistics.median(t) for k, t in times.items()}
-        print(f"## h{h} b{b} s{s} q{qlen} (max |diff| {diff:.2e}): "
-              + " | ".join(f"{k} {med[k]:.1f} us ({flops / med[k] / 1e6:.1f} TF; {', '.join(f'{x:.1f}' for x in t)})"
-                           for k, t in times.items())
-              + f" | new/old speedup {med['old'] / med['new']:.4f}x", flush=True)  # fmt: skip
+        times = alternate_us({k: lambda m=m, p=plans[k], a=(q, cache, bt, sl, qsl): m.mla_decode(*a, SCALE, plan=p)
+                              for k, m in mods.items()}, ROUNDS)  # fmt: skip
+        med, line = ab_summary(times, flops)
+        print(f"## h{h} b{b} s{s} q{qlen} (max |diff| {diff:.2e}): {line} | new/old speedup "
+              f"{med['old'] / med['new']:.4f}x", flush=True)  # fmt: skip
         outs = plans = None
         torch.cuda.empty_cache()
     return 0

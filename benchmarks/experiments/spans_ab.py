@@ -13,7 +13,6 @@ TFLOPS and the speedups over the regular plan.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,8 +21,6 @@ SCALE = 576**-0.5
 # (h, b, seq or "ragged", qlen)
 SHAPES = [(128, 128, 8192, 1), (128, 128, 8192, 2), (128, 132, 8192, 1), (128, 64, 8192, 2), (64, 128, 8192, 2),
           (128, 128, "ragged", 1), (128, 128, 4096, 1)]
-if os.environ.get("AB_SHAPES"):
-    SHAPES = [tuple(x if x == "ragged" else int(x) for x in s.split(",")) for s in os.environ["AB_SHAPES"].split(";")]
 
 
 def main() -> int:
@@ -34,12 +31,12 @@ def main() -> int:
         print("spans_ab: needs an sm90 GPU")
         return 0
     from bench_decode_gluon import make_span_problem
-    from common import bench_us, env_line
+    from common import ab_summary, alternate_us, env_line, shapes_from_env
 
     import openmla
 
     print(env_line())
-    for h, b, s, qlen in SHAPES:
+    for h, b, s, qlen in shapes_from_env(SHAPES):
         q, cache, bt, sl, qsl, s_max = make_span_problem(h, b, s, qlen)
         keys = int(sl.sum()) * qlen
         flops = 2.0 * keys * h * (576 + 512)
@@ -52,17 +49,14 @@ def main() -> int:
             os.environ.pop(var)
         outs = {m: openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=p)[0].float() for m, p in plans.items()}
         diff = max((outs["regular"] - o).abs().max().item() for o in outs.values())
-        times = {m: [] for m in plans}
-        for _ in range(ROUNDS):
-            for m, p in plans.items():
-                times[m].append(bench_us(lambda p=p, a=(q, cache, bt, sl, qsl): openmla.mla_decode(*a, SCALE, plan=p)))
-        med = {m: statistics.median(t) for m, t in times.items()}
+        times = alternate_us({m: lambda p=p, a=(q, cache, bt, sl, qsl): openmla.mla_decode(*a, SCALE, plan=p)
+                              for m, p in plans.items()}, ROUNDS)  # fmt: skip
+        med, line = ab_summary(times, flops)
         sp = {m: plans[m].spans for m in ("cut", "auto")}
         auto = "cut" if int(sp["auto"].num_splits.max()) > 1 else "snap"
         print(f"## h{h} b{b} s{s} q{qlen} (cut: {sp['cut'].num_groups} groups, {int(sp['cut'].group_indptr[-1])} "
               f"items; auto = {auto}; max |diff| {diff:.2e}): "
-              + " | ".join(f"{m} {med[m]:.1f} us ({flops / med[m] / 1e6:.1f} TF; "
-                           f"{', '.join(f'{x:.1f}' for x in t)})" for m, t in times.items())
+              + line
               + " | vs regular: " + ", ".join(f"{m} {med['regular'] / med[m]:.4f}x" for m in plans if m != "regular"),
               flush=True)  # fmt: skip
         outs = plans = None

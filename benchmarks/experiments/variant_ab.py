@@ -13,15 +13,12 @@ the medians, their TFLOPS and B's speedup over A. The plan is ``plan_decode``'s 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROUNDS = int(os.environ.get("AB_ROUNDS", "4"))
 SCALE = 576**-0.5
 SHAPES = [(128, 128, 8192, 1), (128, 128, 8192, 2), (128, 128, "ragged", 1)]
-if os.environ.get("AB_SHAPES"):
-    SHAPES = [tuple(x if x == "ragged" else int(x) for x in s.split(",")) for s in os.environ["AB_SHAPES"].split(";")]
 
 
 def main() -> int:
@@ -32,13 +29,13 @@ def main() -> int:
         print("variant_ab: needs an sm90 GPU")
         return 0
     from bench_decode_gluon import make_span_problem
-    from common import bench_us, env_line
+    from common import ab_summary, alternate_us, env_line, shapes_from_env
 
     import openmla
 
     names = sys.argv[1:3] if len(sys.argv) >= 3 else ["seesaw-pair-es", "seesaw-pair-el"]
     print(env_line(), "|", " vs ".join(names))
-    for h, b, s, qlen in SHAPES:
+    for h, b, s, qlen in shapes_from_env(SHAPES):
         q, cache, bt, sl, qsl, s_max = make_span_problem(h, b, s, qlen)
         flops = 2.0 * int(sl.sum()) * qlen * h * (576 + 512)
         plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s_max)
@@ -49,16 +46,10 @@ def main() -> int:
 
         outs = {v: call(v).float() for v in names}
         diff = (outs[names[0]] - outs[names[1]]).abs().max().item()
-        times = {v: [] for v in names}
-        for _ in range(ROUNDS):
-            for v in names:
-                os.environ["OPENMLA_DECODE_GLUON_VARIANT"] = v
-                times[v].append(bench_us(lambda v=v: call(v)))
-        med = {v: statistics.median(t) for v, t in times.items()}
-        print(f"## h{h} b{b} s{s} q{qlen} (max |diff| {diff:.2e}): "
-              + " | ".join(f"{v} {med[v]:.1f} us ({flops / med[v] / 1e6:.1f} TF; {', '.join(f'{x:.1f}' for x in t)})"
-                           for v, t in times.items())
-              + f" | speedup {med[names[0]] / med[names[1]]:.4f}x", flush=True)  # fmt: skip
+        times = alternate_us({v: lambda v=v: call(v) for v in names}, ROUNDS)  # (call sets the variant)
+        med, line = ab_summary(times, flops)
+        print(f"## h{h} b{b} s{s} q{qlen} (max |diff| {diff:.2e}): {line} | speedup "
+              f"{med[names[0]] / med[names[1]]:.4f}x", flush=True)  # fmt: skip
         outs = plan = None
         torch.cuda.empty_cache()
     os.environ.pop("OPENMLA_DECODE_GLUON_VARIANT", None)
