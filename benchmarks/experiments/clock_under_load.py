@@ -5,10 +5,12 @@ samples the SM clock, power and throttle reasons every 100 ms; prints the median
 the kernel ran, with the kernel's time per call.
 
     PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/experiments/clock_under_load.py
+    CLOCK_SHAPES="128,128,8192,2,seesaw-pair-el;128,128,8192,2,seesaw-pair-elm" ...   # other shapes / variants
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -16,6 +18,9 @@ import time
 
 SECONDS = 4.0
 SHAPES = [(128, 128, 8192, 1, "seesaw-pair-el"), (128, 128, 8192, 2, "seesaw-pair-el"), (32, 128, 8192, 1, "seesaw")]
+if os.environ.get("CLOCK_SHAPES"):  # "h,b,seq,qlen,variant;..."
+    SHAPES = [tuple(int(x) for x in item.split(",")[:4]) + (item.split(",")[4],)
+              for item in os.environ["CLOCK_SHAPES"].split(";")]  # fmt: skip
 
 
 def main() -> int:
