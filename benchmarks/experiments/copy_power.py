@@ -39,31 +39,23 @@ def sample(run, seconds: float) -> tuple[float, float, float]:
 
 
 def main() -> int:
-    from openmla.ops._gluon import GLUON_AVAILABLE, TensorDescriptor, gl
+    from openmla.ops._gluon import GLUON_AVAILABLE
 
     if not GLUON_AVAILABLE or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("copy_power: needs Gluon and an sm90 GPU")
         return 0
-    from experiments.tma_throughput import BOX, _tma_stream
+    from experiments.tma_throughput import BOX, make_stream
 
     smi = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
                          check=False, capture_output=True, text=True).stdout.strip()  # fmt: skip
     print(f"idle: {smi} (MHz, W)", flush=True)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     iters = 4000
     for pool_bytes in (24 << 20, 2 << 30):
-        n = pool_bytes // (576 * 2) // 64 * 64
-        pool = torch.randn(n, 576, device="cuda").to(torch.bfloat16)
-        pages = n // 64
-        rows = (torch.randperm(pages, device="cuda")[: min(pages, 1 << 20)] * 64).to(torch.int32)
-        rows = rows.repeat((sms * iters) // rows.numel() + 1)[: sms * iters].contiguous()
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        desc = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [64, 256], layout)
-        cycles = torch.zeros(sms, dtype=torch.int64, device="cuda")
+        launch, _, sms, pool = make_stream(pool_bytes, iters)
         for stages in (1, 2, 4):
 
-            def run(desc=desc, rows=rows, cycles=cycles, stages=stages):
-                _tma_stream[(sms,)](desc, rows, rows.numel(), iters, cycles, STAGES=stages, num_warps=4)
+            def run(launch=launch, stages=stages):
+                launch(stages)
 
             run()
             torch.cuda.synchronize()
@@ -71,7 +63,7 @@ def main() -> int:
             gbs = calls * sms * iters * BOX / 1e9
             print(f"pool {pool_bytes / 2**20:6.0f} MiB stages {stages}: {gbs:6.0f} GB/s into the SMs, "
                   f"power median {watts:.0f} W, SM clock median {mhz:.0f} MHz", flush=True)  # fmt: skip
-        del pool
+        del launch, pool  # (the launch holds the pool's descriptor)
         torch.cuda.empty_cache()
     return 0
 

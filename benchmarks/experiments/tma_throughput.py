@@ -55,7 +55,10 @@ if GLUON_AVAILABLE:
             mbarrier.invalidate(bars.index(s))
 
 
-def measure(pool_bytes: int, stages: int, iters: int = 2000) -> str:
+def make_stream(pool_bytes: int, iters: int):
+    """A cache-shaped bf16 pool of about ``pool_bytes``, the random 64-row pages each of the SMs' programs copies
+    (``iters`` each) and its descriptor; returns ``(launch(stages), cycles, sms, pool)`` (``launch`` runs
+    ``_tma_stream`` once on every SM; keep ``pool`` alive while launching)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n = pool_bytes // (576 * 2) // 64 * 64
     pool = torch.randn(n, 576, device="cuda").to(torch.bfloat16)
@@ -66,23 +69,28 @@ def measure(pool_bytes: int, stages: int, iters: int = 2000) -> str:
     desc = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [64, 256], layout)
     cycles = torch.zeros(sms, dtype=torch.int64, device="cuda")
 
-    def run():
+    def launch(stages: int):
         _tma_stream[(sms,)](desc, rows, rows.numel(), iters, cycles, STAGES=stages, num_warps=4)
 
-    run()
+    return launch, cycles, sms, pool
+
+
+def measure(pool_bytes: int, stages: int, iters: int = 2000) -> str:
+    launch, cycles, sms, pool = make_stream(pool_bytes, iters)
+    launch(stages)
     torch.cuda.synchronize()
     times = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        run()
+        launch(stages)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
     t = min(times)
     total = sms * iters * BOX
     per_cycle = iters * BOX / cycles.double()
-    del pool
+    del launch, pool  # (the launch holds the pool's descriptor)
     torch.cuda.empty_cache()
     return (f"pool {pool_bytes / 2**20:8.0f} MiB  stages {stages}: {total / t / 1e9:7.0f} GB/s over {sms} SMs, "
             f"{per_cycle.median().item():5.1f} B/cycle a SM (min {per_cycle.min().item():.1f}, max "
