@@ -19,8 +19,7 @@ import time
 SECONDS = 4.0
 SHAPES = [(128, 128, 8192, 1, "seesaw-pair-el"), (128, 128, 8192, 2, "seesaw-pair-el"), (32, 128, 8192, 1, "seesaw")]
 if os.environ.get("CLOCK_SHAPES"):  # "h,b,seq,qlen,variant;..."
-    SHAPES = [tuple(int(x) for x in item.split(",")[:4]) + (item.split(",")[4],)
-              for item in os.environ["CLOCK_SHAPES"].split(";")]  # fmt: skip
+    SHAPES = [(*map(int, f[:4]), f[4]) for f in (item.split(",") for item in os.environ["CLOCK_SHAPES"].split(";"))]
 
 
 def main() -> int:
