@@ -48,16 +48,18 @@ ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc
 report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     box = 32
-    if str(block_n).startswith("seesaw"):  # "seesaw[-pair[-nb|-r|-ea|-es|-el]][+box64][+spans]"
+    if str(block_n).startswith("seesaw"):  # "seesaw[-pair[-nb|-r|-ea|-es|-el|-elt]][+box64][+spans]"
         fn = gs._mla_decode_gluon_seesaw_kernel
         name, *opts = block_n.split("+")
         box = 64 if "box64" in opts else 32
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
                     WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name.startswith("seesaw-pair"),
                     NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"),
-                    EARLY={"-ea": 1, "-es": 2, "-el": 3}.get(name[-3:], 0), SPANS="spans" in opts,
-                    OPAQUE=stages != "const",
+                    EARLY={"ea": 1, "es": 2, "el": 3, "elt": 3}.get(name.split("-")[-1], 0), SPANS="spans" in opts,
+                    OPAQUE=stages != "const", OUT_TMA=name.endswith("-elt"),
                     TRACE=False, trace=None, num_warps=4)
+        if not cons["OUT_TMA"]:
+            cons["out_desc"] = None
     else:
         fn = g._mla_decode_gluon_ws_kernel
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, BLOCK_N=block_n, STAGES=stages,
@@ -73,6 +75,8 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
         elif name == "rope_desc":
             bf16 = f"tensordesc<bf16[{box}, 64],{nvmma(128, 16)}>"
             sig[name] = f"tensordesc<fp8e4nv[32, 64],{nvmma(64, 8)}>" if fp8 else bf16
+        elif name == "out_desc":  # seesaw-pair-elt's final rows
+            sig[name] = f"tensordesc<bf16[{block_h}, 256],{nvmma(128, 16)}>"
         elif name in ptr:
             sig[name] = ptr[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -115,7 +119,7 @@ def test_gluon_seesaw_compiles_for_sm90():
     # away the partition-wide barrier before (and the one the compiler adds after) each handoff's arrive.
     # seesaw-pair-r: warpgroup 1 in FlashMLA's order; seesaw-pair-ea: each P out at its own row max, block ids
     # looked up a pair ahead; seesaw-pair-es: the scale folded into the exponent; seesaw-pair-el: lazy row max.
-    # "+box64": one 64-row TMA box per tile (box_rows=64).
+    # "+box64": one 64-row TMA box per tile (box_rows=64). seesaw-pair-elt: final rows by TMA (spans only).
     reports = _compile_report([["seesaw", "opaque", True, 16, False], ["seesaw", "opaque", False, 64, False],
                                ["seesaw", "const", False, 64, False], ["seesaw-pair", "opaque", True, 16, False],
                                ["seesaw-pair", "opaque", False, 64, False],
@@ -129,16 +133,19 @@ def test_gluon_seesaw_compiles_for_sm90():
                                ["seesaw-pair-es", "opaque", True, 16, False],
                                ["seesaw-pair-el+box64", "opaque", False, 64, False],
                                ["seesaw-pair-el", "opaque", True, 16, False],
-                               ["seesaw-pair-el+box64+spans", "opaque", False, 64, False]])  # fmt: skip
+                               ["seesaw-pair-el+box64+spans", "opaque", False, 64, False],
+                               ["seesaw-pair-elt+box64+spans", "opaque", True, 32, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
         assert r["num_warps"] == 8 and r["setmaxnreg"], r
-    spill_free = reports[:2] + reports[3:-1]
+    spill_free = reports[:2] + reports[3:-2]
     assert all(r["stack"] == 0 and r["local"] == 0 for r in spill_free), spill_free
     # the request-spanning loop keeps a few item values in local memory between items (64 B a thread in Triton
     # 3.6; the SASS of both pair loops has no local access, checked offline)
-    assert reports[-1]["stack"] <= 128, reports[-1]
+    assert all(r["stack"] <= 128 for r in reports[-2:]), reports[-2:]
+    # seesaw-pair-elt: two [32, 256] boxes a warpgroup (4 TMA stores each in the PTX, one a warp) besides the loads
+    assert reports[-1]["tma"] > reports[-2]["tma"], reports[-2:]
     assert reports[2]["stack"] > 0, "the compile-time-index variant no longer spills: the opaque index may be moot"
     assert reports[5]["partition_barriers"] < reports[4]["partition_barriers"], reports[4:6]
     # 64-row boxes: half the TMA copies of 32-row boxes (seesaw: 30 -> 15 in the PTX)
@@ -400,7 +407,8 @@ def test_gluon_pair_score_jumps(variant, q_gain, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("variant,mode", [(v, "cut") for v in dg.SPAN_VARIANTS] + [("seesaw-pair-el", "snap")])
+@pytest.mark.parametrize("variant,mode", [(v, "cut") for v in dg.SPAN_VARIANTS]
+                         + [("seesaw-pair-el", "snap"), ("seesaw-pair-elt", "snap"), ("seesaw-pair-elu", "snap")])
 @pytest.mark.parametrize("num_sms", [8, 30, 132])
 @pytest.mark.parametrize("heads,qlen", [(128, "1"), (128, "2"), (64, "varlen"), (16, "4")])
 def test_gluon_decode_spans(heads, qlen, num_sms, variant, mode, device):
@@ -417,6 +425,36 @@ def test_gluon_decode_spans(heads, qlen, num_sms, variant, mode, device):
         assert int(spans.num_splits.max()) == 1
     else:  # (every case has a program with several items or a request in several pieces; most have both)
         assert int(spans.group_indptr.diff().max()) > 1 or int(spans.num_splits.max()) > 1
+
+
+@_gpu_test
+@pytest.mark.parametrize("variant", ["seesaw-pair-elt", "seesaw-pair-elu"])
+@pytest.mark.parametrize("view", ["padded", "token_major"])
+def test_gluon_elt_out_views(view, variant, device):
+    # seesaw-pair-elt stores final rows by TMA where ``out``'s rows are evenly strided (here rows padded to 1024
+    # elements) and falls back to the staged stores elsewhere (here heads strided apart from tokens)
+    lens = [4096, 0, 3, 8191, 1000, 33, 2048, 17]
+    q, cache, bt, sl, qsl = _batch(device, 128, _qlens("varlen", len(lens)), lens, 64)
+    T, H = q.shape[:2]
+    from openmla.ops.plan_spans import plan_spans
+
+    plan = openmla.plan_decode(sl, qsl, H, num_sms=8)
+    block_h, q_per = dg.gluon_decode_config(H, plan.max_query_len)
+    readers = -(-H // block_h) * -(-plan.max_query_len // q_per)
+    sp = plan_spans(sl, qsl, max(1, plan.num_sms // readers), readers, plan.capacity, mode="snap")
+    if view == "padded":
+        out = torch.full((T, H, 1024), 7.0, dtype=torch.bfloat16, device=device)[..., :512]
+    else:
+        out = torch.full((H, T, 512), 7.0, dtype=torch.bfloat16, device=device).transpose(0, 1)
+    assert (dg._out_desc(out, block_h) is not None) == (view == "padded")
+    lse = torch.empty(T, H, dtype=torch.float32, device=device)
+    dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * LOG2E, 1.0, True, 512, spans=sp,
+                              variant=variant)  # fmt: skip
+    ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True)
+    assert_close("out", ref_out, out.float(), *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+    if view == "padded":  # nothing past each row's 512 elements
+        assert bool((out.as_strided((T, H, 1024), out.stride())[..., 512:] == 7.0).all())
 
 
 @_gpu_test

@@ -13,6 +13,8 @@ shape and mode:
   the mean (the imbalance the schedule leaves), and the spread of the programs' start times.
 
     PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/experiments/span_trace.py
+    TRACE_VARIANTS=seesaw-pair-el,seesaw-pair-elt TRACE_MODES=snap AB_SHAPES="128,128,8192,2" ...   # (defaults:
+        seesaw-pair-el; snap,cut; the three shapes below)
 """
 
 from __future__ import annotations
@@ -113,13 +115,17 @@ def main() -> int:
     from openmla.ops.decode_gluon_seesaw import TRACE_NE, TRACE_NP
 
     np_, ne = TRACE_NP.value, TRACE_NE.value
+    from common import shapes_from_env
+
     print(env_line())
-    for h, b, s, qlen in SHAPES:
+    variants = os.environ.get("TRACE_VARIANTS", "seesaw-pair-el").split(",")
+    modes = os.environ.get("TRACE_MODES", "snap,cut").split(",")
+    for h, b, s, qlen in shapes_from_env(SHAPES):
         q, cache, bt, sl, qsl, s_max = make_span_problem(h, b, s, qlen)
         flops = 2.0 * int(sl.sum()) * qlen * h * (576 + 512)
         out = torch.empty(q.shape[0], h, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(q.shape[0], h, dtype=torch.float32, device="cuda")
-        for mode in ("snap", "cut"):
+        for mode, variant in [(m, v) for m in modes for v in variants]:
             os.environ["OPENMLA_DECODE_SPANS"], os.environ["OPENMLA_DECODE_SPAN_MODE"] = "1", mode
             plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s_max)
             spans = plan.spans
@@ -127,9 +133,9 @@ def main() -> int:
             trace = torch.zeros(spans.work_req.shape[0] * readers * 2 * (np_ + 1) * ne, dtype=torch.int64,
                                 device="cuda")  # fmt: skip
 
-            def run(tr=None, plan=plan, a=(q, cache, bt, sl, qsl), o=(out, lse)):
-                dg.mla_decode_split_gluon(*a, plan, *o, SCALE_LOG2, 1.0, True, 512, variant="seesaw-pair-el",
-                                          spans=plan.spans, trace=tr)  # fmt: skip
+            def run(tr=None, plan=plan, a=(q, cache, bt, sl, qsl), o=(out, lse), v=variant):
+                dg.mla_decode_split_gluon(*a, plan, *o, SCALE_LOG2, 1.0, True, 512, variant=v, spans=plan.spans,
+                                          trace=tr)  # fmt: skip
 
             us = bench_us(run)
             us_t = bench_us(lambda tr=trace: run(tr))
@@ -137,7 +143,7 @@ def main() -> int:
             run(trace)
             torch.cuda.synchronize()
             r = analyse(trace, spans, readers, np_, ne)
-            print(f"## h{h} b{b} s{s} q{qlen} {mode}: {us:.1f} us ({flops / us / 1e6:.1f} TFLOPS), traced {us_t:.1f} us; "
+            print(f"## h{h} b{b} s{s} q{qlen} {mode} {variant}: {us:.1f} us ({flops / us / 1e6:.1f} TFLOPS), traced {us_t:.1f} us; "
                   f"{spans.num_groups} groups x {readers}, {r['items']} items; SM clock {r['ghz']:.3f} GHz; pair "
                   f"{r['period']:.0f} cycles; gap between items {r['gap']:.0f} cycles; program ends mean "
                   f"{r['end_mean']:.1f} us, max {r['end_max']:.1f} us (max/mean {r['imbalance']:.4f}); starts spread "

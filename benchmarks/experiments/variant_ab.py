@@ -3,6 +3,7 @@ alternating in one process (H200 experiment; not part of openmla). Machines diff
 60-62), so only an A/B within one process means anything.
 
     python3 benchmarks/experiments/variant_ab.py seesaw-pair-es seesaw-pair-el    # AB_ROUNDS (default 4) rounds
+    python3 benchmarks/experiments/variant_ab.py A B C ...    # each against the first
     AB_SHAPES="128,128,8192,2" python3 benchmarks/experiments/variant_ab.py A B     # only these (h,b,seq,qlen;...)
 
 Per shape: the largest difference of B's output from A's, each variant's time in every round (CUDA-graph replay),
@@ -33,7 +34,7 @@ def main() -> int:
 
     import openmla
 
-    names = sys.argv[1:3] if len(sys.argv) >= 3 else ["seesaw-pair-es", "seesaw-pair-el"]
+    names = sys.argv[1:] if len(sys.argv) >= 3 else ["seesaw-pair-es", "seesaw-pair-el"]
     print(env_line(), "|", " vs ".join(names))
     for h, b, s, qlen in shapes_from_env(SHAPES):
         q, cache, bt, sl, qsl, s_max = make_span_problem(h, b, s, qlen)
@@ -45,11 +46,12 @@ def main() -> int:
             return openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=plan)[0]
 
         outs = {v: call(v).float() for v in names}
-        diff = (outs[names[0]] - outs[names[1]]).abs().max().item()
+        diff = max((outs[names[0]] - outs[v]).abs().max().item() for v in names[1:])
         times = alternate_us({v: lambda v=v: call(v) for v in names}, ROUNDS)  # (call sets the variant)
         med, line = ab_summary(times, flops)
-        print(f"## h{h} b{b} s{s} q{qlen} (max |diff| {diff:.2e}): {line} | speedup "
-              f"{med[names[0]] / med[names[1]]:.4f}x", flush=True)  # fmt: skip
+        speedups = ", ".join(f"{v} {med[names[0]] / med[v]:.4f}x" for v in names[1:])
+        print(f"## h{h} b{b} s{s} q{qlen} (max |diff| against {names[0]} {diff:.2e}): {line} | speedup "
+              f"{speedups}", flush=True)  # fmt: skip
         outs = plan = None
         torch.cuda.empty_cache()
     os.environ.pop("OPENMLA_DECODE_GLUON_VARIANT", None)

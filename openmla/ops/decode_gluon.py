@@ -115,10 +115,10 @@ SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
 # "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
 SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea", "seesaw-pair-es",
-                   "seesaw-pair-el")
+                   "seesaw-pair-el", "seesaw-pair-elt", "seesaw-pair-elu")
 # the variants that run a request-spanning schedule (``spans=``: each program loops over the pieces of requests in
 # its group's range, ``openmla.ops.plan_spans``)
-SPAN_VARIANTS = ("seesaw-pair-ea", "seesaw-pair-es", "seesaw-pair-el")
+SPAN_VARIANTS = ("seesaw-pair-ea", "seesaw-pair-es", "seesaw-pair-el", "seesaw-pair-elt", "seesaw-pair-elu")
 
 
 if GLUON_AVAILABLE:
@@ -389,6 +389,18 @@ def _kv_layout(fp8: bool = False, inner: int = D_V):
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
+def _out_desc(out: torch.Tensor, block_h: int):
+    """A TMA descriptor over bf16 ``out [T, H, 512]`` as ``[T * H, 512]`` with ``[block_h, 256]`` boxes (the
+    seesaw-pair-elt final rows), or None where its rows are not evenly strided (token stride != H x head stride)
+    or not 16-byte aligned."""
+    T, H, D = out.shape
+    st, sh, sd = out.stride()
+    if out.dtype != torch.bfloat16 or D != D_V or sd != 1 or st != H * sh or sh % 8 or out.data_ptr() % 16:
+        return None
+    out2d = out.as_strided((T * H, D), (sh, 1))
+    return TensorDescriptor(out2d, [T * H, D], [sh, 1], [block_h, 256], _kv_layout())
+
+
 def _smem_bytes(block_n: int, stages: int, fp8: bool) -> int:
     """Shared memory of one program: Q + KV ring (+ the fp16 tile of the fp8 path) + P + barriers/scratch."""
     if fp8:
@@ -574,12 +586,17 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             args = args[:6] + (spans.work_req, spans.work_lo, spans.num_splits, spans.work_hi) + args[10:]
         # (unused without spans)
         sp = (spans.group_indptr, spans.work_indptr, spans.flags) if spans is not None else (plan.work_indptr,) * 3
+        tma_out = spans is not None and variant in ("seesaw-pair-elt", "seesaw-pair-elu")
+        out_desc = _out_desc(out, block_h) if tma_out else None
+        early = {"seesaw-pair-ea": 1, "seesaw-pair-es": 2, "seesaw-pair-el": 3, "seesaw-pair-elt": 3,
+                 "seesaw-pair-elu": 3}  # fmt: skip
         _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], group_indptr=sp[0],
-                                              span_indptr=sp[1], span_flags=sp[2], PAIR=pair,
+                                              span_indptr=sp[1], span_flags=sp[2], out_desc=out_desc, PAIR=pair,
                                               SPANS=spans is not None,
                                               NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
-                                              EARLY={"-ea": 1, "-es": 2, "-el": 3}.get(variant[-3:], 0), trace=trace,
-                                              TRACE=trace is not None, **kw)  # fmt: skip
+                                              EARLY=early.get(variant, 0), trace=trace, TRACE=trace is not None,
+                                              OUT_TMA=out_desc is not None,
+                                              PRE=spans is not None and variant == "seesaw-pair-elu", **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
         *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,
