@@ -115,10 +115,10 @@ SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
 # "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
 SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea", "seesaw-pair-es",
-                   "seesaw-pair-el", "seesaw-pair-elt", "seesaw-pair-elu")
+                   "seesaw-pair-el", "seesaw-pair-elt")
 # the variants that run a request-spanning schedule (``spans=``: each program loops over the pieces of requests in
 # its group's range, ``openmla.ops.plan_spans``)
-SPAN_VARIANTS = ("seesaw-pair-ea", "seesaw-pair-es", "seesaw-pair-el", "seesaw-pair-elt", "seesaw-pair-elu")
+SPAN_VARIANTS = ("seesaw-pair-ea", "seesaw-pair-es", "seesaw-pair-el", "seesaw-pair-elt")
 
 
 if GLUON_AVAILABLE:
@@ -390,9 +390,9 @@ def _kv_layout(fp8: bool = False, inner: int = D_V):
 
 
 def _out_desc(out: torch.Tensor, block_h: int):
-    """A TMA descriptor over bf16 ``out [T, H, 512]`` as ``[T * H, 512]`` with ``[block_h, 256]`` boxes (the
-    seesaw-pair-elt final rows), or None where its rows are not evenly strided (token stride != H x head stride)
-    or not 16-byte aligned."""
+    """A TMA descriptor over a bf16 ``out [T, H, 512]`` as ``[T * H, 512]`` with ``[block_h, 256]`` boxes (the final
+    rows of seesaw-pair-elt), or None where its rows are not evenly strided (token stride != H x head stride) or not
+    16-byte aligned (then the kernel stores them staged, as seesaw-pair-el does)."""
     T, H, D = out.shape
     st, sh, sd = out.stride()
     if out.dtype != torch.bfloat16 or D != D_V or sd != 1 or st != H * sh or sh % 8 or out.data_ptr() % 16:
@@ -496,7 +496,12 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             ``"seesaw-pair-el"``: seesaw-pair-es with a lazy row max: a row's reference max moves only when its
             scaled scores exceed it by more than 8 (log2), so P <= 256 and each warp skips the O rescale (128
             multiplies a thread) unless one of its rows moved (a warp vote; 4.5% faster than seesaw-pair-es at h128
-            b128 q1, 2.6% at q2, RESULTS.md run 64; ``mla_decode`` runs it at h128).
+            b128 q1, 2.6% at q2, RESULTS.md run 64).
+            ``"seesaw-pair-elt"``: seesaw-pair-el whose final rows leave by TMA on the request-spanning schedule
+            (``spans``: one box a query token, no wait; the next item refills that staging half last, after
+            ``tma.store_wait``), where ``out``'s rows are evenly strided and the query block's rows all exist (else,
+            and without ``spans``, it is seesaw-pair-el). 0-0.6% / 0.3-0.5% / 0.7-1.1% faster than seesaw-pair-el at
+            h128 b128 q1 / q2 / a ragged batch (RESULTS.md runs 96-98); ``mla_decode`` runs it at h128.
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
         box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
@@ -586,17 +591,14 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             args = args[:6] + (spans.work_req, spans.work_lo, spans.num_splits, spans.work_hi) + args[10:]
         # (unused without spans)
         sp = (spans.group_indptr, spans.work_indptr, spans.flags) if spans is not None else (plan.work_indptr,) * 3
-        tma_out = spans is not None and variant in ("seesaw-pair-elt", "seesaw-pair-elu")
-        out_desc = _out_desc(out, block_h) if tma_out else None
-        early = {"seesaw-pair-ea": 1, "seesaw-pair-es": 2, "seesaw-pair-el": 3, "seesaw-pair-elt": 3,
-                 "seesaw-pair-elu": 3}  # fmt: skip
+        out_desc = _out_desc(out, block_h) if spans is not None and variant == "seesaw-pair-elt" else None
+        early = {"seesaw-pair-ea": 1, "seesaw-pair-es": 2, "seesaw-pair-el": 3, "seesaw-pair-elt": 3}
         _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], group_indptr=sp[0],
                                               span_indptr=sp[1], span_flags=sp[2], out_desc=out_desc, PAIR=pair,
                                               SPANS=spans is not None,
                                               NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
                                               EARLY=early.get(variant, 0), trace=trace, TRACE=trace is not None,
-                                              OUT_TMA=out_desc is not None,
-                                              PRE=spans is not None and variant == "seesaw-pair-elu", **kw)  # fmt: skip
+                                              OUT_TMA=out_desc is not None, **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](
         *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,

@@ -1072,21 +1072,6 @@ if GLUON_AVAILABLE:
         return b_s, acc, b_l, m_b, ok0, ok1, na0, na1, nb0, nb1
 
     @gluon.jit
-    def _span_lookup(it, work_req, query_start_loc, seq_lens, work_split, split_len, i_q, Q_PER: gl.constexpr,
-                     CAUSAL: gl.constexpr):  # fmt: skip
-        """Item ``it`` of the request-spanning schedule for query block ``i_q``: its request, query rows, length and
-        key range (causal: cut at the block's last query token), and whether the block has query rows."""
-        i_b = gl.load(work_req + it).to(gl.int64)
-        q_start = gl.load(query_start_loc + i_b)
-        qlen = gl.load(query_start_loc + i_b + 1) - q_start
-        L = gl.load(seq_lens + i_b)
-        kv_lo = gl.load(work_split + it)
-        kv_hi = gl.load(split_len + it)
-        if CAUSAL:
-            kv_hi = gl.minimum(kv_hi, L - qlen + gl.minimum(i_q * Q_PER + Q_PER, qlen))
-        return i_b, q_start, qlen, L, kv_lo, kv_hi, i_q * Q_PER < qlen
-
-    @gluon.jit
     def _pair_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
                  p_ready, qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
                  split_len, group_indptr, span_indptr, span_flags, out, lse, o_part, lse_part, scale_log2, v_scale,
@@ -1095,52 +1080,14 @@ if GLUON_AVAILABLE:
                  CAUSAL: gl.constexpr,
                  N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
                  R_FIRST: gl.constexpr, EARLY: gl.constexpr, SPANS: gl.constexpr, trace,
-                 TRACE: gl.constexpr, out_desc, OUT_TMA: gl.constexpr, PRE: gl.constexpr):  # fmt: skip
+                 TRACE: gl.constexpr, out_desc, OUT_TMA: gl.constexpr):  # fmt: skip
         """One warpgroup of the pair kernel: its program's work item, or (``SPANS``) every item of its group, last to
         first (``work_split`` / ``split_len`` then hold each item's first key / key end, ``group_indptr`` the
         groups' items, ``span_indptr`` the requests' items, ``span_flags`` the pieces' flags:
         ``openmla.ops.plan_spans``, ``_span_finish``). The mbarriers run on across items: a stage's barriers
         complete once a pair (``g0``, the pairs done before, gives their phase), the Q and row-sum exchanges once an
-        item (``seg``). ``PRE`` (``SPANS``): each item looks up the next one and, between its last pair and its
-        finish, starts the next one's Q copy and its refill group outside the staging half (``_pair_item``)."""
-        if SPANS and PRE:
-            pid = gl.program_id(0)
-            grp = pid // (N_HB * N_QB)
-            reader = pid % (N_HB * N_QB)
-            i_h = pid % N_HB
-            i_q = (pid // N_HB) % N_QB
-            it_lo = gl.load(group_indptr + grp)
-            it_hi = gl.load(group_indptr + grp + 1)
-            g0 = it_lo * 0
-            seg = it_lo * 0
-            pre = it_lo < 0  # this item's Q and first group were started by the item before
-            for k in range(it_lo, it_hi):
-                it = it_lo + it_hi - 1 - k
-                i_b, q_start, qlen, L, kv_lo, kv_hi, ok = _span_lookup(it, work_req, query_start_loc, seq_lens,
-                                                                       work_split, split_len, i_q, Q_PER, CAUSAL)
-                # the next item (the one before in the group's range; clamped to the range, unused past its end)
-                n_b, n_q_start, n_qlen, n_L, n_kv_lo, n_kv_hi, n_ok = _span_lookup(
-                    gl.maximum(it - 1, it_lo), work_req, query_start_loc, seq_lens, work_split, split_len, i_q, Q_PER,
-                    CAUSAL)  # fmt: skip
-                n_ok = n_ok & (k + 1 < it_hi)
-                if ok:
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    g0 = _pair_item(
-                        q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
-                        m_ready, p_ready, qbar, lbar, block_table, num_splits, span_indptr, span_flags, out, lse,
-                        o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
-                        stride_o_h, H, num_blocks, max_blocks, it, reader, i_h, i_q, i_b, q_start, qlen, L, kv_lo,
-                        kv_hi, g0, seg & 1, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY,
-                        True, N_HB * N_QB, trace, TRACE, out_desc, OUT_TMA, pre, n_ok, n_b, n_q_start, n_qlen,
-                        n_kv_lo, n_kv_hi, True)  # fmt: skip
-                    seg += 1
-                    pre = n_ok
-                else:
-                    pre = it_lo < 0
-            if OUT_TMA:  # the last item's final rows leave shared memory before the program ends
-                tma.store_wait(0)
-        elif SPANS:
+        item (``seg``). ``OUT_TMA`` (``SPANS``): final rows by TMA (``_store_out_tma``)."""
+        if SPANS:
             pid = gl.program_id(0)
             grp = pid // (N_HB * N_QB)
             reader = pid % (N_HB * N_QB)
@@ -1171,8 +1118,7 @@ if GLUON_AVAILABLE:
                         o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
                         stride_o_h, H, num_blocks, max_blocks, it, reader, i_h, i_q, i_b, q_start, qlen, L, kv_lo,
                         kv_hi, g0, seg & 1, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY,
-                        True, N_HB * N_QB, trace, TRACE, out_desc, OUT_TMA, False, False, i_b, q_start, qlen, kv_lo,
-                        kv_hi, False)  # fmt: skip
+                        True, N_HB * N_QB, trace, TRACE, out_desc, OUT_TMA)  # fmt: skip
                     seg += 1
             if OUT_TMA:  # the last item's final rows leave shared memory before the program ends
                 tma.store_wait(0)
@@ -1184,8 +1130,7 @@ if GLUON_AVAILABLE:
                        o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
                        stride_o_h, H, num_blocks, max_blocks, i_w, 0, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi,
                        0, 0, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY, False, 1,
-                       trace, TRACE, out_desc, False, False, False, i_b, q_start, qlen, kv_lo, kv_hi,
-                       False)  # fmt: skip
+                       trace, TRACE, out_desc, False)  # fmt: skip
 
     @gluon.jit
     def _pair_item(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
@@ -1195,16 +1140,13 @@ if GLUON_AVAILABLE:
                    PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
                    CAUSAL: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
                    R_FIRST: gl.constexpr, EARLY: gl.constexpr, SPANS: gl.constexpr, READERS: gl.constexpr, trace,
-                   TRACE: gl.constexpr, out_desc, OUT_TMA: gl.constexpr, pre, n_ok, n_b, n_q_start, n_qlen, n_kv_lo,
-                   n_kv_hi, PRE: gl.constexpr):  # fmt: skip
+                   TRACE: gl.constexpr, out_desc, OUT_TMA: gl.constexpr):  # fmt: skip
         """One work item (keys ``[kv_lo, kv_hi)`` of request ``i_b``, partial slot ``i_w``) for warpgroup ``WG``;
         ``g0``: the pairs this program did before (the stage barriers' phase), ``sph``: the Q / row-sum barriers'
         phase. Returns ``g0`` plus this item's pairs. The pairs are numbered on from ``g0`` (their phase is the
         number's parity; key ``kv_lo`` is pair ``g0``'s tile a). ``SPANS``: the item ends in ``_span_finish``
-        (``reader``: the program's index in its group of ``READERS``). ``PRE``: ``pre`` says that the item before
-        started this item's Q copy and refill group outside the staging half; this item does the same for the next
-        one (``n_ok``: there is one; ``n_*``: its request, query rows and key range) between its last pair and its
-        finish (the last pair's MMAs are done: both warpgroups' last scores, and each half's last reader)."""
+        (``reader``: the program's index in its group of ``READERS``). ``OUT_TMA``: its final rows leave by TMA, so
+        the half that staged the previous item's rows is refilled last, after ``tma.store_wait``."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # fmt: skip
@@ -1224,26 +1166,13 @@ if GLUON_AVAILABLE:
         # NAMED: hardware barriers NAMED_BASE .. + 3 carry the 4 handoffs of a pair (m_ready 0 / 1, p_ready 0 / 1;
         # Triton's partitions use 0-2); a runtime value (seq_lens >= 0), as the asm takes it in a register
         nb = (L >> 31) + NAMED_BASE
-        if PRE:
-            if pre == 0:
-                _seesaw_issue_q(q, q_smem, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
-        else:
-            _seesaw_issue_q(q, q_smem, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
-        if WG == 0:
-            bars = ready_l
-        else:
-            bars = ready_r
+        _seesaw_issue_q(q, q_smem, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
         if n_pairs > 0:  # tiles 0 and 1: warpgroup 0 loads the L groups, warpgroup 1 the R groups
-            if PRE:
-                if pre == 0:
-                    _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(1 - WG), p_bt,
-                                 kv_lo + 64 * (1 - WG), kv_hi, max_blocks, num_blocks, 1 - WG, WG, True, PAGE)  # fmt: skip
-                if OUT_TMA:
-                    tma.store_wait(0)
-                    gl.thread_barrier()
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(WG), p_bt, kv_lo + 64 * WG, kv_hi,
-                             max_blocks, num_blocks, WG, WG, False, PAGE)  # fmt: skip
-            elif OUT_TMA:
+            if WG == 0:
+                bars = ready_l
+            else:
+                bars = ready_r
+            if OUT_TMA:
                 # the half the previous item's final rows may still be leaving by TMA (stage 0's L half / stage 1's R
                 # half) last: the other stage's group first, then the wait for the store's reads
                 _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(1 - WG), p_bt, kv_lo + 64 * (1 - WG),
@@ -1271,7 +1200,7 @@ if GLUON_AVAILABLE:
             z = (L >> 31) if OPAQUE else 0
             lat = lat_smem.index(WG + z)
             rope = rope_smem.index(WG + z)
-            if (OUT_TMA or PRE) and WG == 0:  # stage 0's R half + rope came first (warpgroup 1's), its L half last
+            if OUT_TMA and WG == 0:  # stage 0's R half + rope came first (warpgroup 1's), its L half last
                 b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_r.index(WG), g0 & 1, z, 1, True, True)
                 b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_l.index(WG), g0 & 1, z, 0, False, False)
             else:
@@ -1338,14 +1267,6 @@ if GLUON_AVAILABLE:
                         ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
                         num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, NAMED, R_FIRST, TRACE)  # fmt: skip
         _mark(trace, tb, -1, 3, TRACE)
-        if PRE:  # the next item's Q and its refill group outside the staging half, before this item's finish
-            if n_ok:
-                fence_async_shared()
-                _seesaw_issue_q(q, q_smem, i_h, i_q, n_q_start, n_qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
-                if n_kv_hi > n_kv_lo:
-                    _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, bars.index(1 - WG),
-                                 block_table + n_b * stride_bt_b, n_kv_lo + 64 * (1 - WG), n_kv_hi, max_blocks,
-                                 num_blocks, 1 - WG, WG, True, PAGE)  # fmt: skip
 
         # staging buffer: a latent half that only this warpgroup refills at the start of the next item (stage 0's L
         # half / stage 1's R half), so the other warpgroup's copies for that item cannot overwrite it
@@ -1370,7 +1291,7 @@ if GLUON_AVAILABLE:
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
         PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, R_FIRST: gl.constexpr,
-        EARLY: gl.constexpr, SPANS: gl.constexpr, TRACE: gl.constexpr, OUT_TMA: gl.constexpr, PRE: gl.constexpr,
+        EARLY: gl.constexpr, SPANS: gl.constexpr, TRACE: gl.constexpr, OUT_TMA: gl.constexpr,
         num_warps: gl.constexpr,
     ):  # fmt: skip
         """The seesaw kernels (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel.
@@ -1393,7 +1314,6 @@ if GLUON_AVAILABLE:
         gl.static_assert(not (EARLY and (NAMED or R_FIRST)), "EARLY has its own order and mbarrier handoffs")
         gl.static_assert((not SPANS) or (EARLY >= 1), "SPANS: an EARLY pair schedule")
         gl.static_assert(SPANS or not OUT_TMA, "OUT_TMA: the request-spanning schedule's final rows")
-        gl.static_assert(SPANS or not PRE, "PRE: the request-spanning schedule")
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VEC_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
@@ -1444,15 +1364,13 @@ if GLUON_AVAILABLE:
                             work_req, work_split, num_splits, split_len, group_indptr, span_indptr, span_flags,
                             out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
                             stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL,
-                            N_HB, N_QB, 0, OPAQUE, NAMED, R_FIRST, EARLY, SPANS, trace, TRACE, out_desc, OUT_TMA,
-                            PRE)),
+                            N_HB, N_QB, 0, OPAQUE, NAMED, R_FIRST, EARLY, SPANS, trace, TRACE, out_desc, OUT_TMA)),
                 (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                             work_req, work_split, num_splits, split_len, group_indptr, span_indptr, span_flags,
                             out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
                             stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL,
-                            N_HB, N_QB, 1, OPAQUE, NAMED, R_FIRST, EARLY, SPANS, trace, TRACE, out_desc, OUT_TMA,
-                            PRE)),
+                            N_HB, N_QB, 1, OPAQUE, NAMED, R_FIRST, EARLY, SPANS, trace, TRACE, out_desc, OUT_TMA)),
             ], [4], [WG_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
