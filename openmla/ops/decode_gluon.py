@@ -115,10 +115,10 @@ SEESAW_WG_REGS = 240
 # the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
 # "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
 SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea", "seesaw-pair-es",
-                   "seesaw-pair-el", "seesaw-pair-elt")
+                   "seesaw-pair-el", "seesaw-pair-elt", "seesaw-pair-eltm")
 # the variants that run a request-spanning schedule (``spans=``: each program loops over the pieces of requests in
 # its group's range, ``openmla.ops.plan_spans``)
-SPAN_VARIANTS = ("seesaw-pair-ea", "seesaw-pair-es", "seesaw-pair-el", "seesaw-pair-elt")
+SPAN_VARIANTS = ("seesaw-pair-ea", "seesaw-pair-es", "seesaw-pair-el", "seesaw-pair-elt", "seesaw-pair-eltm")
 
 
 if GLUON_AVAILABLE:
@@ -502,6 +502,9 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             ``tma.store_wait``), where ``out``'s rows are evenly strided and the query block's rows all exist (else,
             and without ``spans``, it is seesaw-pair-el). 0-0.6% / 0.3-0.5% / 0.7-1.1% faster than seesaw-pair-el at
             h128 b128 q1 / q2 / a ragged batch (RESULTS.md runs 96-98); ``mla_decode`` runs it at h128.
+            ``"seesaw-pair-eltm"`` (experiment, branch ``exp/span-merge``): seesaw-pair-elt whose last piece of a cut
+            request keeps its accumulator in registers and copies the other pieces' fp32 partials by TMA into its
+            stage for the merge (run 85: the merge took 15-17k cycles, a whole item's finish 4.4-4.8k).
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
         box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
@@ -591,10 +594,18 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             args = args[:6] + (spans.work_req, spans.work_lo, spans.num_splits, spans.work_hi) + args[10:]
         # (unused without spans)
         sp = (spans.group_indptr, spans.work_indptr, spans.flags) if spans is not None else (plan.work_indptr,) * 3
-        out_desc = _out_desc(out, block_h) if spans is not None and variant == "seesaw-pair-elt" else None
-        early = {"seesaw-pair-ea": 1, "seesaw-pair-es": 2, "seesaw-pair-el": 3, "seesaw-pair-elt": 3}
+        tma_out = spans is not None and variant in ("seesaw-pair-elt", "seesaw-pair-eltm")
+        out_desc = _out_desc(out, block_h) if tma_out else None
+        part_desc = None  # seesaw-pair-eltm: the cut requests' fp32 partials, copied by TMA for the merge
+        if spans is not None and variant == "seesaw-pair-eltm":
+            part_desc = TensorDescriptor(plan.o_part.view(-1, D_V), [plan.o_part.numel() // D_V, D_V], [D_V, 1],
+                                         [block_h, 256], gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                                              element_bitwidth=32, rank=2))  # fmt: skip
+        early = {"seesaw-pair-ea": 1, "seesaw-pair-es": 2, "seesaw-pair-el": 3, "seesaw-pair-elt": 3,
+                 "seesaw-pair-eltm": 3}  # fmt: skip
         _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], group_indptr=sp[0],
-                                              span_indptr=sp[1], span_flags=sp[2], out_desc=out_desc, PAIR=pair,
+                                              span_indptr=sp[1], span_flags=sp[2], out_desc=out_desc,
+                                              part_desc=part_desc, MERGE_TMA=part_desc is not None, PAIR=pair,
                                               SPANS=spans is not None,
                                               NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
                                               EARLY=early.get(variant, 0), trace=trace, TRACE=trace is not None,

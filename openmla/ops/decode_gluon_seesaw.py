@@ -173,7 +173,7 @@ if GLUON_AVAILABLE:
                      lse_part, v_scale, stride_o_t, stride_o_h, H, it, reader, i_h, i_q, i_b, q_start, qlen,
                      MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, READERS: gl.constexpr,
                      WG: gl.constexpr, trace, tb, TRACE: gl.constexpr, out_desc,
-                     OUT_TMA: gl.constexpr):  # fmt: skip
+                     OUT_TMA: gl.constexpr, part_desc, pbar, MERGE_TMA: gl.constexpr):  # fmt: skip
         """``_seesaw_finish`` for item ``it`` of the request-spanning schedule (``SPANS``), which merges the pieces of
         a cut request itself (no reduce). ``stage``: this warpgroup's stage ``[64, 512]`` (free: every MMA and copy is
         done once both warpgroups passed ``lbar``).
@@ -187,14 +187,12 @@ if GLUON_AVAILABLE:
           for the next launch and adds the partial, weighted by the LSEs, 64 columns at a time; then the final rows.
         The program runs its group's items last to first, so a request's last piece is its group's last item and the
         other pieces are the first items of lower groups, whose programs (lower program ids, started no later) do
-        not wait before them: no circular wait. ``TRACE``: item events 5-9 of the trace row ``tb`` (``_mark``): the
+        not wait before them: no circular wait. ``MERGE_TMA`` (a block whose rows all exist): the last piece keeps its
+        accumulator in registers and copies each other piece's partial by TMA into its stage (``_span_merge_tma``).
+        ``TRACE``: item events 5-9 of the trace row ``tb`` (``_mark``): the
         row sums exchanged, the partial stored / the accumulator in the stage, the flag raised / seen, the partials
         added, the final rows stored (``benchmarks/experiments/span_trace.py``)."""
         VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        CH: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # a [64, 64] fp32 chunk, 16-byte rows
-        ROW_C: gl.constexpr = gl.SliceLayout(1, CH)
-        F_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         b_l = _sum_row_sums(b_l, l_smem, lbar, ph, WG)
         _mark(trace, tb, -1, 5, TRACE)
         first = gl.load(span_indptr + i_b)
@@ -218,51 +216,137 @@ if GLUON_AVAILABLE:
             else:
                 _store_out_staged(acc, b_l, m_run, v_scale, buf, out, lse, stride_o_t, stride_o_h, H, i_h, i_q,
                                   q_start, qlen, BLOCK_H, Q_PER, WG * 256, WG == 0)  # fmt: skip
+        elif MERGE_TMA:
+            if (i_q * Q_PER + Q_PER <= qlen) & (i_h * BLOCK_H + BLOCK_H <= H):  # every row of the block exists
+                acc, b_l, m_run = _span_merge_tma(acc, b_l, m_run, part_desc, pbar, stage, lse_part, span_flags,
+                                                  v_scale, H, i_h, i_q, reader, first, last, MAX_QLEN, BLOCK_H, Q_PER,
+                                                  READERS, WG, trace, tb, TRACE)  # fmt: skip
+                buf = stage.slice(WG * 256, 256, dim=1)
+                if OUT_TMA:
+                    _store_out_tma(acc, b_l, m_run, v_scale, buf, out_desc, lse, H, i_h, i_q, q_start, BLOCK_H, Q_PER,
+                                   WG * 256, WG == 0)  # fmt: skip
+                else:
+                    _store_out_staged(acc, b_l, m_run, v_scale, buf, out, lse, stride_o_t, stride_o_h, H, i_h, i_q,
+                                      q_start, qlen, BLOCK_H, Q_PER, WG * 256, WG == 0)  # fmt: skip
+                _mark(trace, tb, -1, 9, TRACE)
+            else:
+                _span_last_piece(acc, b_l, m_run, stage, span_flags, out, lse, o_part, lse_part, v_scale,
+                                 stride_o_t, stride_o_h, H, reader, i_h, i_q, q_start, qlen, first, last,
+                                 MAX_QLEN, BLOCK_H, Q_PER, READERS, WG, trace, tb, TRACE)  # fmt: skip
         else:
-            f_acc = stage._reinterpret(gl.float32, [BLOCK_M, 256], F_SMEM)
-            f_acc.store(acc)
-            _mark(trace, tb, -1, 6, TRACE)
-            o_m = gl.arange(0, BLOCK_M, layout=ROW_C)
-            o_t = i_q * Q_PER + o_m // BLOCK_H
-            o_h = i_h * BLOCK_H + o_m % BLOCK_H
-            m_r = (o_t < qlen) & (o_h < H)
-            o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, CH)), 0)
-            b_m = gl.convert_layout(m_run, ROW_C)
-            b_den = gl.convert_layout(b_l, ROW_C)
-            for j in range(first, last):
-                p_f = span_flags + ((j * READERS + reader) * 2 + WG) + zero
+            _span_last_piece(acc, b_l, m_run, stage, span_flags, out, lse, o_part, lse_part, v_scale, stride_o_t,
+                             stride_o_h, H, reader, i_h, i_q, q_start, qlen, first, last, MAX_QLEN, BLOCK_H, Q_PER,
+                             READERS, WG, trace, tb, TRACE)  # fmt: skip
+
+    @gluon.jit
+    def _span_last_piece(acc, b_l, m_run, stage, span_flags, out, lse, o_part, lse_part, v_scale, stride_o_t,
+                         stride_o_h, H, reader, i_h, i_q, q_start, qlen, first, last, MAX_QLEN: gl.constexpr,
+                         BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, READERS: gl.constexpr, WG: gl.constexpr, trace, tb,
+                         TRACE: gl.constexpr):  # fmt: skip
+        """``_span_finish`` for a request's last piece: its accumulator goes to ``stage`` as fp32; for each other
+        piece it waits until the flag reads 128 (acquire), resets it and adds the partial, weighted by the LSEs, 64
+        columns at a time; then the final rows."""
+        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        CH: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # a [64, 64] fp32 chunk, 16-byte rows
+        ROW_C: gl.constexpr = gl.SliceLayout(1, CH)
+        F_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        zero = gl.zeros([128], gl.int32, VEC)  # one flag access per thread of the warpgroup
+        f_acc = stage._reinterpret(gl.float32, [BLOCK_M, 256], F_SMEM)
+        f_acc.store(acc)
+        _mark(trace, tb, -1, 6, TRACE)
+        o_m = gl.arange(0, BLOCK_M, layout=ROW_C)
+        o_t = i_q * Q_PER + o_m // BLOCK_H
+        o_h = i_h * BLOCK_H + o_m % BLOCK_H
+        m_r = (o_t < qlen) & (o_h < H)
+        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, CH)), 0)
+        b_m = gl.convert_layout(m_run, ROW_C)
+        b_den = gl.convert_layout(b_l, ROW_C)
+        for j in range(first, last):
+            p_f = span_flags + ((j * READERS + reader) * 2 + WG) + zero
+            n_in = gl.min(gl.atomic_add(p_f, zero, sem="acquire", scope="gpu"), axis=0)
+            while n_in < 128:
                 n_in = gl.min(gl.atomic_add(p_f, zero, sem="acquire", scope="gpu"), axis=0)
-                while n_in < 128:
-                    n_in = gl.min(gl.atomic_add(p_f, zero, sem="acquire", scope="gpu"), axis=0)
-                gl.thread_barrier()  # every thread saw 128 before the flag goes back to 0
-                gl.store(p_f, zero)
-                _mark(trace, tb, -1, 7, TRACE)
-                row = (j.to(gl.int64) * MAX_QLEN + o_t) * H + o_h
-                lse_p = gl.load(lse_part + row, mask=m_r, other=float("-inf"), cache_modifier=".cg") * LOG2E
-                m_new = gl.maximum(b_m, lse_p)
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                a_own = gl.exp2(b_m - m_use)
-                w_p = gl.exp2(lse_p - m_use)
-                b_den = b_den * a_own + w_p
-                b_m = m_new
-                w_p = w_p / v_scale  # the partial was normalised times v_scale
-                for c in gl.static_range(4):
-                    chunk = f_acc.slice(c * 64, 64, dim=1)
-                    p_o = o_part + gl.expand_dims(row * 512 + WG * 256 + c * 64, 1) + o_c
-                    o_p = gl.load(p_o, mask=gl.expand_dims(m_r, 1), other=0.0, cache_modifier=".cg")
-                    chunk.store(chunk.load(CH) * gl.expand_dims(a_own, 1) + o_p * gl.expand_dims(w_p, 1))
-                _mark(trace, tb, -1, 8, TRACE)
-            empty_r = b_den == 0.0
-            b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_den))
-            p_out = out + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_o_t + o_h * stride_o_h + WG * 256, 1)
+            gl.thread_barrier()  # every thread saw 128 before the flag goes back to 0
+            gl.store(p_f, zero)
+            _mark(trace, tb, -1, 7, TRACE)
+            row = (j.to(gl.int64) * MAX_QLEN + o_t) * H + o_h
+            lse_p = gl.load(lse_part + row, mask=m_r, other=float("-inf"), cache_modifier=".cg") * LOG2E
+            m_new = gl.maximum(b_m, lse_p)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            a_own = gl.exp2(b_m - m_use)
+            w_p = gl.exp2(lse_p - m_use)
+            b_den = b_den * a_own + w_p
+            b_m = m_new
+            w_p = w_p / v_scale  # the partial was normalised times v_scale
             for c in gl.static_range(4):
-                b_o = f_acc.slice(c * 64, 64, dim=1).load(CH) * gl.expand_dims(b_inv, 1)
-                gl.store(p_out + c * 64 + o_c, b_o.to(out.dtype.element_ty), mask=gl.expand_dims(m_r, 1))
-            if WG == 0:
-                b_lse = gl.where(empty_r, float("-inf"),
-                                 (b_m + gl.log2(gl.where(empty_r, 1.0, b_den))) * 0.6931471805599453)  # fmt: skip
-                gl.store(lse + (q_start + o_t).to(gl.int64) * H + o_h, b_lse, mask=m_r)
-            _mark(trace, tb, -1, 9, TRACE)
+                chunk = f_acc.slice(c * 64, 64, dim=1)
+                p_o = o_part + gl.expand_dims(row * 512 + WG * 256 + c * 64, 1) + o_c
+                o_p = gl.load(p_o, mask=gl.expand_dims(m_r, 1), other=0.0, cache_modifier=".cg")
+                chunk.store(chunk.load(CH) * gl.expand_dims(a_own, 1) + o_p * gl.expand_dims(w_p, 1))
+            _mark(trace, tb, -1, 8, TRACE)
+        empty_r = b_den == 0.0
+        b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_den))
+        p_out = out + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_o_t + o_h * stride_o_h + WG * 256, 1)
+        for c in gl.static_range(4):
+            b_o = f_acc.slice(c * 64, 64, dim=1).load(CH) * gl.expand_dims(b_inv, 1)
+            gl.store(p_out + c * 64 + o_c, b_o.to(out.dtype.element_ty), mask=gl.expand_dims(m_r, 1))
+        if WG == 0:
+            b_lse = gl.where(empty_r, float("-inf"),
+                             (b_m + gl.log2(gl.where(empty_r, 1.0, b_den))) * 0.6931471805599453)  # fmt: skip
+            gl.store(lse + (q_start + o_t).to(gl.int64) * H + o_h, b_lse, mask=m_r)
+        _mark(trace, tb, -1, 9, TRACE)
+
+    @gluon.jit
+    def _span_merge_tma(acc, b_l, m_run, part_desc, pbar, stage, lse_part, span_flags, v_scale, H, i_h, i_q, reader,
+                        first, last, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
+                        READERS: gl.constexpr, WG: gl.constexpr, trace, tb, TRACE: gl.constexpr):  # fmt: skip
+        """``_span_finish``'s merge for a request's last piece whose block rows all exist: for each other piece
+        ``j`` of the request, wait for its flag (acquire; then reset it), copy its fp32 partial (this warpgroup's
+        ``[64, 256]``, ``part_desc``: ``o_part`` as ``[rows, 512]``) by TMA into this warpgroup's stage (free: the
+        program's last item, every MMA done), and add it, weighted by the LSEs, into the accumulator in registers.
+        Returns the accumulator, row sums and row max to finish with."""
+        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
+        ROW_S: gl.constexpr = b_l.type.layout
+        ROW_O: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        part = stage._reinterpret(gl.float32, [BLOCK_M, 256], part_desc.layout)
+        o_ms = gl.arange(0, BLOCK_M, layout=ROW_S)
+        o_ts = i_q * Q_PER + o_ms // BLOCK_H
+        o_hs = i_h * BLOCK_H + o_ms % BLOCK_H
+        zero = gl.zeros([128], gl.int32, VEC)  # one flag access per thread of the warpgroup
+        _mark(trace, tb, -1, 6, TRACE)  # (no accumulator to put into the stage here)
+        for j in range(first, last):
+            p_f = span_flags + ((j * READERS + reader) * 2 + WG) + zero
+            n_in = gl.min(gl.atomic_add(p_f, zero, sem="acquire", scope="gpu"), axis=0)
+            while n_in < 128:
+                n_in = gl.min(gl.atomic_add(p_f, zero, sem="acquire", scope="gpu"), axis=0)
+            gl.thread_barrier()  # every thread saw 128 before the flag goes back to 0
+            gl.store(p_f, zero)
+            _mark(trace, tb, -1, 7, TRACE)
+            # the partial's generic stores (seen through the acquire) before this copy's async-proxy reads
+            gl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+            row0 = (j * MAX_QLEN + i_q * Q_PER) * H + i_h * BLOCK_H
+            mbarrier.expect(pbar, BLOCK_M * 256 * 4)
+            for t in gl.static_range(Q_PER):
+                tma.async_copy_global_to_shared(part_desc, [row0 + t * H, WG * 256], pbar,
+                                                part.slice(t * BLOCK_H, BLOCK_H, dim=0))  # fmt: skip
+            lse_p = gl.load(lse_part + (j.to(gl.int64) * MAX_QLEN + o_ts) * H + o_hs, cache_modifier=".cg") * LOG2E
+            m_new = gl.maximum(m_run, lse_p)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            a_own = gl.exp2(m_run - m_use)
+            w_p = gl.exp2(lse_p - m_use)
+            b_l = b_l * a_own + w_p
+            m_run = m_new
+            w_p = w_p / v_scale  # the partial was normalised times v_scale
+            mbarrier.wait(pbar, (j - first) & 1)
+            o_p = part.load(acc.type.layout)
+            acc = acc * gl.expand_dims(gl.convert_layout(a_own, ROW_O), 1) + \
+                o_p * gl.expand_dims(gl.convert_layout(w_p, ROW_O), 1)
+            gl.thread_barrier()  # every thread read the partial before the next copy (or the final rows) lands there
+            _mark(trace, tb, -1, 8, TRACE)
+        return acc, b_l, m_run
 
     @gluon.jit
     def _store_out_staged(acc, b_l, m_run, v_scale, buf, out, lse, stride_o_t, stride_o_h, H, i_h, i_q, q_start,
@@ -1080,7 +1164,8 @@ if GLUON_AVAILABLE:
                  CAUSAL: gl.constexpr,
                  N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
                  R_FIRST: gl.constexpr, EARLY: gl.constexpr, SPANS: gl.constexpr, trace,
-                 TRACE: gl.constexpr, out_desc, OUT_TMA: gl.constexpr):  # fmt: skip
+                 TRACE: gl.constexpr, out_desc, OUT_TMA: gl.constexpr, part_desc, pbar,
+                 MERGE_TMA: gl.constexpr):  # fmt: skip
         """One warpgroup of the pair kernel: its program's work item, or (``SPANS``) every item of its group, last to
         first (``work_split`` / ``split_len`` then hold each item's first key / key end, ``group_indptr`` the
         groups' items, ``span_indptr`` the requests' items, ``span_flags`` the pieces' flags:
@@ -1118,7 +1203,7 @@ if GLUON_AVAILABLE:
                         o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
                         stride_o_h, H, num_blocks, max_blocks, it, reader, i_h, i_q, i_b, q_start, qlen, L, kv_lo,
                         kv_hi, g0, seg & 1, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY,
-                        True, N_HB * N_QB, trace, TRACE, out_desc, OUT_TMA)  # fmt: skip
+                        True, N_HB * N_QB, trace, TRACE, out_desc, OUT_TMA, part_desc, pbar, MERGE_TMA)  # fmt: skip
                     seg += 1
             if OUT_TMA:  # the last item's final rows leave shared memory before the program ends
                 tma.store_wait(0)
@@ -1130,7 +1215,7 @@ if GLUON_AVAILABLE:
                        o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
                        stride_o_h, H, num_blocks, max_blocks, i_w, 0, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi,
                        0, 0, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY, False, 1,
-                       trace, TRACE, out_desc, False)  # fmt: skip
+                       trace, TRACE, out_desc, False, part_desc, pbar, False)  # fmt: skip
 
     @gluon.jit
     def _pair_item(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
@@ -1140,7 +1225,8 @@ if GLUON_AVAILABLE:
                    PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
                    CAUSAL: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
                    R_FIRST: gl.constexpr, EARLY: gl.constexpr, SPANS: gl.constexpr, READERS: gl.constexpr, trace,
-                   TRACE: gl.constexpr, out_desc, OUT_TMA: gl.constexpr):  # fmt: skip
+                   TRACE: gl.constexpr, out_desc, OUT_TMA: gl.constexpr, part_desc, pbar,
+                   MERGE_TMA: gl.constexpr):  # fmt: skip
         """One work item (keys ``[kv_lo, kv_hi)`` of request ``i_b``, partial slot ``i_w``) for warpgroup ``WG``;
         ``g0``: the pairs this program did before (the stage barriers' phase), ``sph``: the Q / row-sum barriers'
         phase. Returns ``g0`` plus this item's pairs. The pairs are numbered on from ``g0`` (their phase is the
@@ -1274,7 +1360,7 @@ if GLUON_AVAILABLE:
             _span_finish(acc, b_l, m_run, l_smem, lbar, sph, lat_smem.index(WG), num_splits, span_indptr, span_flags,
                          out, lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, reader, i_h, i_q, i_b,
                          q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, READERS, WG, trace, tb, TRACE, out_desc,
-                         OUT_TMA)  # fmt: skip
+                         OUT_TMA, part_desc, pbar.index(WG), MERGE_TMA)  # fmt: skip
         else:
             _seesaw_finish(acc, b_l, m_run, l_smem, lbar, sph, lat_smem.index(WG).slice(WG * 256, 256, dim=1),
                            num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, i_h, i_q,
@@ -1288,11 +1374,11 @@ if GLUON_AVAILABLE:
         q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
         split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
         stride_o_t, stride_o_h, H, num_blocks, max_blocks, trace, group_indptr, span_indptr, span_flags, out_desc,
-        PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
+        part_desc, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
         PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, R_FIRST: gl.constexpr,
         EARLY: gl.constexpr, SPANS: gl.constexpr, TRACE: gl.constexpr, OUT_TMA: gl.constexpr,
-        num_warps: gl.constexpr,
+        MERGE_TMA: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The seesaw kernels (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel.
         ``PAIR=False``: ``variant="seesaw"`` (the comment above ``_seesaw_wg``); ``PAIR=True``: ``"seesaw-pair"``
@@ -1314,6 +1400,7 @@ if GLUON_AVAILABLE:
         gl.static_assert(not (EARLY and (NAMED or R_FIRST)), "EARLY has its own order and mbarrier handoffs")
         gl.static_assert((not SPANS) or (EARLY >= 1), "SPANS: an EARLY pair schedule")
         gl.static_assert(SPANS or not OUT_TMA, "OUT_TMA: the request-spanning schedule's final rows")
+        gl.static_assert(SPANS or not MERGE_TMA, "MERGE_TMA: the request-spanning schedule's merges")
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VEC_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
@@ -1353,6 +1440,12 @@ if GLUON_AVAILABLE:
             mbarrier.init(bar_c.index(st), count=1)
             mbarrier.init(bar_d.index(st), count=1)
             mbarrier.init(sync.index(st), count=2)  # 0: Q stored (both halves); 1: row sums stored
+        if MERGE_TMA:  # per warpgroup: a partial copied for the merge (_span_merge_tma)
+            pbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for st in gl.static_range(2):
+                mbarrier.init(pbar.index(st), count=1)
+        else:
+            pbar = sync
         fence_async_shared()
 
         # (the partition list and the argument tuples must be literals: a JIT function in a variable, or a tuple
@@ -1364,13 +1457,15 @@ if GLUON_AVAILABLE:
                             work_req, work_split, num_splits, split_len, group_indptr, span_indptr, span_flags,
                             out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
                             stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL,
-                            N_HB, N_QB, 0, OPAQUE, NAMED, R_FIRST, EARLY, SPANS, trace, TRACE, out_desc, OUT_TMA)),
+                            N_HB, N_QB, 0, OPAQUE, NAMED, R_FIRST, EARLY, SPANS, trace, TRACE, out_desc, OUT_TMA,
+                            part_desc, pbar, MERGE_TMA)),
                 (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                             work_req, work_split, num_splits, split_len, group_indptr, span_indptr, span_flags,
                             out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
                             stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL,
-                            N_HB, N_QB, 1, OPAQUE, NAMED, R_FIRST, EARLY, SPANS, trace, TRACE, out_desc, OUT_TMA)),
+                            N_HB, N_QB, 1, OPAQUE, NAMED, R_FIRST, EARLY, SPANS, trace, TRACE, out_desc, OUT_TMA,
+                            part_desc, pbar, MERGE_TMA)),
             ], [4], [WG_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
@@ -1392,3 +1487,5 @@ if GLUON_AVAILABLE:
             mbarrier.invalidate(bar_c.index(st))
             mbarrier.invalidate(bar_d.index(st))
             mbarrier.invalidate(sync.index(st))
+            if MERGE_TMA:
+                mbarrier.invalidate(pbar.index(st))
