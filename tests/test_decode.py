@@ -335,18 +335,18 @@ def test_gluon_variant_env(device, monkeypatch):
     from openmla.ops.decode import _gluon_variant
     from openmla.ops.decode_gluon import SEESAW_VARIANTS
 
-    for env in (None, "auto"):  # auto: seesaw-pair-el once 2+ programs of 64 rows read each KV tile
+    for env in (None, "auto"):  # auto: seesaw-pair-eltm once 2+ programs of 64 rows read each KV tile
         if env is None:
             monkeypatch.delenv("OPENMLA_DECODE_GLUON_VARIANT", raising=False)
         else:
             monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", env)
         # (kv dtype, heads, max query len, batch, SMs); pair-el also needs a wave of such programs (batch x readers)
-        assert _gluon_variant("auto", 128, 1, 128, 132) == "seesaw-pair-elt"
-        assert _gluon_variant("auto", 128, 2, 128, 132) == "seesaw-pair-elt"
+        assert _gluon_variant("auto", 128, 1, 128, 132) == "seesaw-pair-eltm"
+        assert _gluon_variant("auto", 128, 2, 128, 132) == "seesaw-pair-eltm"
         assert _gluon_variant("auto", 128, 1, 1, 132) == "seesaw"  # batch 1: short splits, seesaw measured faster
         assert _gluon_variant("auto", 128, 1, 65, 132) == "seesaw"  # under one wave of programs
         assert _gluon_variant("auto", 64, 1, 128, 132) == "seesaw"  # one reader per tile
-        assert _gluon_variant("auto", 64, 2, 128, 132) == "seesaw-pair-elt"
+        assert _gluon_variant("auto", 64, 2, 128, 132) == "seesaw-pair-eltm"
         assert _gluon_variant("auto", 16, 4, 128, 132) == "seesaw"
         assert _gluon_variant("auto", 32, 1, 128, 132) == "seesaw"
         assert _gluon_variant("fp8", 128, 2, 128, 132) == "ws"

@@ -414,7 +414,7 @@ def test_gluon_pair_score_jumps(variant, q_gain, device):
 
 @_gpu_test
 @pytest.mark.parametrize("variant,mode", [(v, "cut") for v in dg.SPAN_VARIANTS]
-                         + [("seesaw-pair-el", "snap"), ("seesaw-pair-elt", "snap")])
+                         + [("seesaw-pair-el", "snap"), ("seesaw-pair-elt", "snap"), ("seesaw-pair-eltm", "snap")])
 @pytest.mark.parametrize("num_sms", [8, 30, 132])
 @pytest.mark.parametrize("heads,qlen", [(128, "1"), (128, "2"), (64, "varlen"), (16, "4")])
 def test_gluon_decode_spans(heads, qlen, num_sms, variant, mode, device):
@@ -434,10 +434,12 @@ def test_gluon_decode_spans(heads, qlen, num_sms, variant, mode, device):
 
 
 @_gpu_test
+@pytest.mark.parametrize("variant,mode", [("seesaw-pair-elt", "snap"), ("seesaw-pair-eltm", "cut")])
 @pytest.mark.parametrize("view", ["padded", "token_major"])
-def test_gluon_elt_out_views(view, device):
+def test_gluon_elt_out_views(view, variant, mode, device):
     # seesaw-pair-elt stores final rows by TMA where the rows of ``out`` are evenly strided (here padded to 1024
-    # elements) and falls back to the staged stores elsewhere (here heads strided apart from tokens); q-lengths 1-5
+    # elements) and falls back to the staged stores elsewhere (here heads strided apart from tokens); q-lengths 1-5.
+    # seesaw-pair-eltm in cut mode: the same two ways out after the merge of a cut request's pieces
     from openmla.ops.plan_spans import plan_spans
 
     lens = [4096, 0, 3, 8191, 1000, 33, 2048, 17]
@@ -447,14 +449,16 @@ def test_gluon_elt_out_views(view, device):
         out = torch.full((T, H, 1024), 7.0, dtype=torch.bfloat16, device=device)[..., :512]
     else:
         out = torch.full((H, T, 512), 7.0, dtype=torch.bfloat16, device=device).transpose(0, 1)
-    plan = openmla.plan_decode(sl, qsl, H, num_sms=8)
+    plan = openmla.plan_decode(sl, qsl, H, num_sms=40)  # (4 groups of 10 readers)
     block_h, q_per = dg.gluon_decode_config(H, plan.max_query_len)
     assert (dg._out_desc(out, block_h) is not None) == (view == "padded")
     readers = -(-H // block_h) * -(-plan.max_query_len // q_per)
-    sp = plan_spans(sl, qsl, max(1, plan.num_sms // readers), readers, plan.capacity, mode="snap")
+    sp = plan_spans(sl, qsl, max(1, plan.num_sms // readers), readers, plan.capacity, mode=mode)
+    assert (int(sp.num_splits.max()) > 1) == (mode == "cut")
     lse = torch.empty(T, H, dtype=torch.float32, device=device)
     dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * LOG2E, 1.0, True, 512, spans=sp,
-                              variant="seesaw-pair-elt")  # fmt: skip
+                              variant=variant)  # fmt: skip
+    assert int(sp.flags.abs().sum()) == 0, "a flag was not reset"
     ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True)
     assert_close("out", ref_out, out.float(), *TOLERANCES[torch.bfloat16])
     assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)

@@ -471,7 +471,7 @@ def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtyp
 def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int, batch_size: int, num_sms: int) -> str:
     """The Gluon kernel variant (``OPENMLA_DECODE_GLUON_VARIANT``, read per call: ``auto``, the default, ``ws`` or
     one of ``decode_gluon.SEESAW_VARIANTS``). fp8 caches always run ``ws`` (the seesaw kernels take bf16 caches
-    only). ``auto``: ``seesaw-pair-elt`` when at least 2 programs of 64 rows read each KV tile (head blocks x query
+    only). ``auto``: ``seesaw-pair-eltm`` when at least 2 programs of 64 rows read each KV tile (head blocks x query
     blocks: h128, or h64 with 2+ query tokens), so that half the tiles or more come from L2, and the batch alone
     fills a wave of such programs; ``seesaw`` otherwise. On the H200 (RESULTS.md run 48, split kernels, 64-row
     TMA boxes) seesaw-pair-r against seesaw: h128 b128 s8k q1 580.8 vs 604.3 us, q2 1077.1 vs 1125.1; h32 (one
@@ -480,7 +480,10 @@ def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int, batc
     against seesaw-pair-ea (run 60): q1 515.6 vs 532.0 us, q2 966.0 vs 1005.6. seesaw-pair-el against seesaw-pair-es
     (run 64): q1 529.5 vs 553.5 us, q2 991.4 vs 1017.1. seesaw-pair-elt (final rows by TMA on the spanning
     schedule, else seesaw-pair-el) against seesaw-pair-el (runs 96-98, three H200s): q1 1.0002-1.0059x, q2
-    1.0033-1.0047x, a ragged batch 1.0070-1.0108x. seesaw measured 12-22% faster than ws at h32-h128 (run 33)."""
+    1.0033-1.0047x, a ragged batch 1.0070-1.0108x. seesaw-pair-eltm (cut requests merged from partials copied by
+    TMA) against seesaw-pair-elt (runs 102-103): a ragged batch 1.0044-1.0093x; where nothing is cut (uniform
+    batches snap) it runs the same code, with the same outputs. seesaw measured 12-22% faster than ws at h32-h128
+    (run 33)."""
     variant = os.environ.get("OPENMLA_DECODE_GLUON_VARIANT", "auto")
     if variant not in ("auto", "ws") + SEESAW_VARIANTS:
         raise ValueError(f"OPENMLA_DECODE_GLUON_VARIANT must be 'auto', 'ws' or one of {SEESAW_VARIANTS}; "
@@ -490,7 +493,7 @@ def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int, batc
     if variant == "auto":
         block_h, q_per = gluon_decode_config(num_heads, max_query_len)
         readers = triton.cdiv(num_heads, block_h) * triton.cdiv(max_query_len, q_per)
-        return "seesaw-pair-elt" if readers >= 2 and batch_size * readers >= num_sms else "seesaw"
+        return "seesaw-pair-eltm" if readers >= 2 and batch_size * readers >= num_sms else "seesaw"
     return variant
 
 

@@ -501,10 +501,11 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             (``spans``: one box a query token, no wait; the next item refills that staging half last, after
             ``tma.store_wait``), where ``out``'s rows are evenly strided and the query block's rows all exist (else,
             and without ``spans``, it is seesaw-pair-el). 0-0.6% / 0.3-0.5% / 0.7-1.1% faster than seesaw-pair-el at
-            h128 b128 q1 / q2 / a ragged batch (RESULTS.md runs 96-98); ``mla_decode`` runs it at h128.
-            ``"seesaw-pair-eltm"`` (experiment, branch ``exp/span-merge``): seesaw-pair-elt whose last piece of a cut
-            request keeps its accumulator in registers and copies the other pieces' fp32 partials by TMA into its
-            stage for the merge (run 85: the merge took 15-17k cycles, a whole item's finish 4.4-4.8k).
+            h128 b128 q1 / q2 / a ragged batch (RESULTS.md runs 96-98).
+            ``"seesaw-pair-eltm"``: seesaw-pair-elt whose last piece of a cut request keeps its accumulator in
+            registers and copies the other pieces' fp32 partials by TMA into its stage for the merge, where the
+            query block's rows all exist (a cut's last piece 18.7k -> 12.2k fixed cycles at h128 q2; a ragged
+            batch 0.4-0.9% faster than seesaw-pair-elt, RESULTS.md runs 102-103); ``mla_decode`` runs it at h128.
             ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
             offline compile test).
         box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
