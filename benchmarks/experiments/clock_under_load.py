@@ -1,11 +1,14 @@
 """The SM clock and board power while one decode shape runs back to back (issue 6: the 700 W cap at h128).
 
-Runs ``mla_decode_split_gluon`` (split kernel only) for about ``SECONDS`` seconds per shape while ``nvidia-smi``
-samples the SM clock, power and throttle reasons every 100 ms; prints the medians over the samples taken while
-the kernel ran, with the kernel's time per call.
+Runs ``mla_decode_split_gluon`` (split kernel only, the regular plan) for about ``SECONDS`` seconds per shape while
+``nvidia-smi`` samples the SM clock, power and throttle reasons every 100 ms; prints the medians over the samples
+taken while the kernel ran, with the kernel's time per call and the energy a call takes (median power x time).
+A sixth field ``snap`` / ``cut`` / ``auto`` runs ``mla_decode`` instead, with the request-spanning schedule in that
+mode (``OPENMLA_DECODE_SPAN_MODE``; ``seq`` may then be ``ragged``: 512-16384 keys a request, a fixed draw).
 
     PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/experiments/clock_under_load.py
     CLOCK_SHAPES="128,128,8192,2,seesaw-pair-el;128,128,8192,2,seesaw-pair-elm" ...   # other shapes / variants
+    CLOCK_SHAPES="128,128,8192,2,seesaw-pair-eltm,snap;128,128,8192,2,seesaw-pair-eltm,cut" ...   # spanning modes
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ import sys
 import time
 
 SECONDS = 4.0
-SHAPES = [(128, 128, 8192, 1, "seesaw-pair-el"), (128, 128, 8192, 2, "seesaw-pair-el"), (32, 128, 8192, 1, "seesaw")]
-if os.environ.get("CLOCK_SHAPES"):  # "h,b,seq,qlen,variant;..."
-    SHAPES = [(*map(int, f[:4]), f[4]) for f in (item.split(",") for item in os.environ["CLOCK_SHAPES"].split(";"))]
+SHAPES = [(128, 128, 8192, 1, "seesaw-pair-el", None), (128, 128, 8192, 2, "seesaw-pair-el", None),
+          (32, 128, 8192, 1, "seesaw", None)]
+if os.environ.get("CLOCK_SHAPES"):  # "h,b,seq,qlen,variant[,mode];..."
+    SHAPES = [(int(f[0]), int(f[1]), f[2] if f[2] == "ragged" else int(f[2]), int(f[3]), f[4],
+               f[5] if len(f) > 5 else None)
+              for f in (item.split(",") for item in os.environ["CLOCK_SHAPES"].split(";"))]  # fmt: skip
+SCALE = 576**-0.5
 
 
 def main() -> int:
@@ -28,21 +35,29 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("clock_under_load: needs an sm90 GPU")
         return 0
-    from bench_decode_gluon import make_problem
+    from bench_decode_gluon import make_span_problem
 
     import openmla
     from openmla.ops import decode_gluon as dg
 
-    scale_log2 = 576**-0.5 * 1.4426950408889634
-    for h, b, s, qlen, variant in SHAPES:
-        q, cache, bt, sl, qsl = make_problem(h, b, s, qlen, 2.0)
-        plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s)
+    scale_log2 = SCALE * 1.4426950408889634
+    for h, b, s, qlen, variant, mode in SHAPES:
+        q, cache, bt, sl, qsl, s_max = make_span_problem(h, b, s, qlen)
         out = torch.empty(q.shape[0], h, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(q.shape[0], h, dtype=torch.float32, device="cuda")
+        if mode is None:
+            plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s_max)
 
-        def run():
-            dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, scale_log2, 1.0, True, 512,
-                                      variant=variant)  # fmt: skip
+            def run():
+                dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, scale_log2, 1.0, True, 512,
+                                          variant=variant)  # fmt: skip
+        else:  # mla_decode (split kernel and, for cut pieces, nothing else) on the spanning schedule
+            os.environ["OPENMLA_DECODE_SPANS"], os.environ["OPENMLA_DECODE_SPAN_MODE"] = "1", mode
+            os.environ["OPENMLA_DECODE_GLUON_VARIANT"] = variant
+            plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s_max)
+
+            def run():
+                openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=plan, out=out, lse=lse)
 
         run()
         torch.cuda.synchronize()
@@ -64,16 +79,19 @@ def main() -> int:
         rows = [line.split(", ") for line in smi.communicate()[0].strip().splitlines()]
         busy = [(float(c), float(p), r) for c, p, r in rows if float(p) > 300]
         us = start.elapsed_time(end) * 1e3 / n
-        flops = 2.0 * q.shape[0] * h * s * (576 + 512)
+        flops = 2.0 * int(sl.sum()) * qlen * h * (576 + 512)
+        name = f"h{h} b{b} s{s} q{qlen} {variant}" + (f" {mode}" if mode else "")
+        for var in ("OPENMLA_DECODE_SPANS", "OPENMLA_DECODE_SPAN_MODE", "OPENMLA_DECODE_GLUON_VARIANT"):
+            os.environ.pop(var, None)
         if busy:
             clock = statistics.median(c for c, _, _ in busy)
             power = statistics.median(p for _, p, _ in busy)
             reasons = sorted({r for _, _, r in busy})
-            print(f"h{h} b{b} s{s} q{qlen} {variant}: {us:.1f} us a call ({flops / us / 1e6:.1f} TF), "
-                  f"SM clock median {clock:.0f} MHz, power median {power:.0f} W over {len(busy)} samples, "
-                  f"throttle reasons {reasons}", flush=True)  # fmt: skip
+            print(f"{name}: {us:.1f} us a call ({flops / us / 1e6:.1f} TF), "
+                  f"SM clock median {clock:.0f} MHz, power median {power:.0f} W over {len(busy)} samples "
+                  f"({power * us / 1e3:.1f} mJ a call), throttle reasons {reasons}", flush=True)  # fmt: skip
         else:
-            print(f"h{h} q{qlen} {variant}: {us:.1f} us a call, no busy sample ({rows[:3]})", flush=True)
+            print(f"{name}: {us:.1f} us a call, no busy sample ({rows[:3]})", flush=True)
         del q, cache
         torch.cuda.empty_cache()
     return 0
