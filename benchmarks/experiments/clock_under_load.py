@@ -5,6 +5,8 @@ Runs ``mla_decode_split_gluon`` (split kernel only, the regular plan) for about 
 taken while the kernel ran, with the kernel's time per call and the energy a call takes (median power x time).
 A sixth field ``snap`` / ``cut`` / ``auto`` runs ``mla_decode`` instead, with the request-spanning schedule in that
 mode (``OPENMLA_DECODE_SPAN_MODE``; ``seq`` may then be ``ragged``: 512-16384 keys a request, a fixed draw).
+``CLOCK_L2=1``: every request reads request 0's pages (after the first touch every KV tile is an L2 hit), so that the
+energy a call takes with and without the HBM reads can be compared.
 
     PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/experiments/clock_under_load.py
     CLOCK_SHAPES="128,128,8192,2,seesaw-pair-el;128,128,8192,2,seesaw-pair-elm" ...   # other shapes / variants
@@ -43,6 +45,8 @@ def main() -> int:
     scale_log2 = SCALE * 1.4426950408889634
     for h, b, s, qlen, variant, mode in SHAPES:
         q, cache, bt, sl, qsl, s_max = make_span_problem(h, b, s, qlen)
+        if os.environ.get("CLOCK_L2") == "1":
+            bt.copy_(bt[:1].expand_as(bt))
         out = torch.empty(q.shape[0], h, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(q.shape[0], h, dtype=torch.float32, device="cuda")
         if mode is None:
@@ -81,6 +85,7 @@ def main() -> int:
         us = start.elapsed_time(end) * 1e3 / n
         flops = 2.0 * int(sl.sum()) * qlen * h * (576 + 512)
         name = f"h{h} b{b} s{s} q{qlen} {variant}" + (f" {mode}" if mode else "")
+        name += " (L2-resident)" if os.environ.get("CLOCK_L2") == "1" else ""
         for var in ("OPENMLA_DECODE_SPANS", "OPENMLA_DECODE_SPAN_MODE", "OPENMLA_DECODE_GLUON_VARIANT"):
             os.environ.pop(var, None)
         if busy:
