@@ -3,6 +3,8 @@
 Runs ``mla_decode_split_gluon`` (split kernel only, the regular plan) for about ``SECONDS`` seconds per shape while
 ``nvidia-smi`` samples the SM clock, power and throttle reasons every 100 ms; prints the medians over the samples
 taken while the kernel ran, with the kernel's time per call and the energy a call takes (median power x time).
+Before that, after a second's rest, the same call timed as the benchmarks time it (``bench_us``: CUDA-graph replays
+of about 50 ms, "burst"): at the 700 W cap the two can rank kernels differently (RESULTS.md run 107).
 A sixth field ``snap`` / ``cut`` / ``auto`` runs ``mla_decode`` instead, with the request-spanning schedule in that
 mode (``OPENMLA_DECODE_SPAN_MODE``; ``seq`` may then be ``ragged``: 512-16384 keys a request, a fixed draw).
 ``CLOCK_L2=1``: every request reads request 0's pages (after the first touch every KV tile is an L2 hit), so that the
@@ -38,6 +40,7 @@ def main() -> int:
         print("clock_under_load: needs an sm90 GPU")
         return 0
     from bench_decode_gluon import make_span_problem
+    from common import bench_us
 
     import openmla
     from openmla.ops import decode_gluon as dg
@@ -65,6 +68,8 @@ def main() -> int:
 
         run()
         torch.cuda.synchronize()
+        time.sleep(1.0)
+        burst = bench_us(run, rep=50)  # (bench_decode.py --rep 50)
         smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
                                 "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, text=True)
         time.sleep(0.3)
@@ -92,11 +97,13 @@ def main() -> int:
             clock = statistics.median(c for c, _, _ in busy)
             power = statistics.median(p for _, p, _ in busy)
             reasons = sorted({r for _, _, r in busy})
-            print(f"{name}: {us:.1f} us a call ({flops / us / 1e6:.1f} TF), "
+            print(f"{name}: burst {burst:.1f} us ({flops / burst / 1e6:.1f} TF); sustained {us:.1f} us a call "
+                  f"({flops / us / 1e6:.1f} TF), "
                   f"SM clock median {clock:.0f} MHz, power median {power:.0f} W over {len(busy)} samples "
                   f"({power * us / 1e3:.1f} mJ a call), throttle reasons {reasons}", flush=True)  # fmt: skip
         else:
-            print(f"{name}: {us:.1f} us a call, no busy sample ({rows[:3]})", flush=True)
+            print(f"{name}: burst {burst:.1f} us; sustained {us:.1f} us a call, no busy sample ({rows[:3]})",
+                  flush=True)  # fmt: skip
         del q, cache
         torch.cuda.empty_cache()
     return 0
