@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import statistics
 import subprocess
+import time
 
 import torch
 import triton
@@ -44,6 +45,35 @@ def shapes_from_env(default: list) -> list:
     if not os.environ.get("AB_SHAPES"):
         return default
     return [tuple(x if x == "ragged" else int(x) for x in s.split(",")) for s in os.environ["AB_SHAPES"].split(";")]
+
+
+def sustained_load(run, seconds: float) -> dict:
+    """Call ``run`` back to back (20 calls between synchronisations) for about ``seconds`` while ``nvidia-smi``
+    samples the SM clock, board power and throttle reasons every 100 ms. Returns ``us`` (per call), and the medians
+    ``clock`` (MHz) and ``power`` (W) with the ``reasons`` over the ``samples`` drawing more than 300 W (``clock`` and
+    ``power`` None when there is none; ``rows`` then holds the raw samples)."""
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                            "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    n, t0 = 0, time.perf_counter()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            run()
+        n += 20
+        torch.cuda.synchronize()
+    end.record()
+    torch.cuda.synchronize()
+    smi.terminate()
+    rows = [line.split(", ") for line in smi.communicate()[0].strip().splitlines()]
+    busy = [(float(c), float(p), r) for c, p, r in rows if float(p) > 300]
+    res = dict(us=start.elapsed_time(end) * 1e3 / n, samples=len(busy), rows=rows[:3], clock=None, power=None,
+               reasons=sorted({r for _, _, r in busy}))  # fmt: skip
+    if busy:
+        res.update(clock=statistics.median(c for c, _, _ in busy), power=statistics.median(p for _, p, _ in busy))
+    return res
 
 
 def read_bandwidth_gbs(gib: float = 4.0) -> float:

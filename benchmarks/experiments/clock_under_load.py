@@ -18,8 +18,6 @@ energy a call takes with and without the HBM reads can be compared.
 from __future__ import annotations
 
 import os
-import statistics
-import subprocess
 import sys
 import time
 
@@ -40,7 +38,7 @@ def main() -> int:
         print("clock_under_load: needs an sm90 GPU")
         return 0
     from bench_decode_gluon import make_span_problem
-    from common import bench_us
+    from common import bench_us, sustained_load
 
     import openmla
     from openmla.ops import decode_gluon as dg
@@ -70,39 +68,20 @@ def main() -> int:
         torch.cuda.synchronize()
         time.sleep(1.0)
         burst = bench_us(run, rep=50)  # (bench_decode.py --rep 50)
-        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
-                                "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, text=True)
-        time.sleep(0.3)
-        n, t0 = 0, time.perf_counter()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        while time.perf_counter() - t0 < SECONDS:
-            for _ in range(20):
-                run()
-            n += 20
-            torch.cuda.synchronize()
-        end.record()
-        torch.cuda.synchronize()
-        smi.terminate()
-        rows = [line.split(", ") for line in smi.communicate()[0].strip().splitlines()]
-        busy = [(float(c), float(p), r) for c, p, r in rows if float(p) > 300]
-        us = start.elapsed_time(end) * 1e3 / n
+        load = sustained_load(run, SECONDS)
+        us = load["us"]
         flops = 2.0 * int(sl.sum()) * qlen * h * (576 + 512)
         name = f"h{h} b{b} s{s} q{qlen} {variant}" + (f" {mode}" if mode else "")
         name += " (L2-resident)" if os.environ.get("CLOCK_L2") == "1" else ""
         for var in ("OPENMLA_DECODE_SPANS", "OPENMLA_DECODE_SPAN_MODE", "OPENMLA_DECODE_GLUON_VARIANT"):
             os.environ.pop(var, None)
-        if busy:
-            clock = statistics.median(c for c, _, _ in busy)
-            power = statistics.median(p for _, p, _ in busy)
-            reasons = sorted({r for _, _, r in busy})
+        if load["power"] is not None:
             print(f"{name}: burst {burst:.1f} us ({flops / burst / 1e6:.1f} TF); sustained {us:.1f} us a call "
-                  f"({flops / us / 1e6:.1f} TF), "
-                  f"SM clock median {clock:.0f} MHz, power median {power:.0f} W over {len(busy)} samples "
-                  f"({power * us / 1e3:.1f} mJ a call), throttle reasons {reasons}", flush=True)  # fmt: skip
+                  f"({flops / us / 1e6:.1f} TF), SM clock median {load['clock']:.0f} MHz, power median "
+                  f"{load['power']:.0f} W over {load['samples']} samples ({load['power'] * us / 1e3:.1f} mJ a call), "
+                  f"throttle reasons {load['reasons']}", flush=True)  # fmt: skip
         else:
-            print(f"{name}: burst {burst:.1f} us; sustained {us:.1f} us a call, no busy sample ({rows[:3]})",
+            print(f"{name}: burst {burst:.1f} us; sustained {us:.1f} us a call, no busy sample ({load['rows']})",
                   flush=True)  # fmt: skip
         del q, cache
         torch.cuda.empty_cache()

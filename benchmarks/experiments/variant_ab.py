@@ -8,7 +8,7 @@ alternating in one process (H200 experiment; not part of openmla). Machines diff
 
 Per shape: the largest difference of B's output from A's, each variant's time in every round (CUDA-graph replay),
 the medians, their TFLOPS and B's speedup over A. The plan is ``plan_decode``'s (with its spanning schedule where
-``OPENMLA_DECODE_SPANS`` allows).
+``OPENMLA_DECODE_SPANS`` allows), for ``AB_NUM_SMS`` SMs if set.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def main() -> int:
     for h, b, s, qlen in shapes_from_env(SHAPES):
         q, cache, bt, sl, qsl, s_max = make_span_problem(h, b, s, qlen)
         flops = 2.0 * int(sl.sum()) * qlen * h * (576 + 512)
-        plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s_max)
+        num_sms = int(os.environ["AB_NUM_SMS"]) if os.environ.get("AB_NUM_SMS") else None
+        plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s_max, num_sms=num_sms)
 
         def call(v):
             os.environ["OPENMLA_DECODE_GLUON_VARIANT"] = v

@@ -1,0 +1,339 @@
+"""What the tensor-core work of the h128 decode kernel costs in energy alone (H200 experiment; not part of openmla).
+
+One program per SM, two warpgroups, each looping over ``warpgroup_mma`` chains on operands that never leave shared
+memory (random bf16 written once; no global traffic in the loop): the shapes the seesaw-pair kernels issue, and the
+ones a different schedule could. Each case runs about ``SECONDS`` seconds back to back while ``nvidia-smi`` samples
+the clock and power (``common.sustained_load``), and prints TFLOPS, the SM clock, the power and pJ a FLOP, after a
+burst timing (``bench_us``) as the benchmarks time it. At the 700 W cap a kernel's speed is its energy a FLOP
+(RESULTS.md runs 104-106), so these figures bound what the decode kernel can reach at each MMA shape.
+
+    PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/experiments/mma_energy.py
+    MMA_CASES="64,0;256,1,2000;256,0,0,8" ...   # N (keys or columns of one MMA), A from registers (1) or shared
+        # memory (0), ns every warp sleeps after each chain (default 0), KV tiles copied from L2 a chain (default 0)
+
+Cases (default): ``N=64`` shared A / B is the scores of one 64-key tile (Q x K^T, m64n64k16); ``N=128`` the scores of
+a pair of tiles in one MMA; ``N=256`` the P V of a warpgroup's half of the output columns (m64n256k16), from shared
+memory or (``RS``) with P in registers. With a sleep after each chain (``nanosleep``, the tensor pipe idle while
+the SMs stay clocked) the same MMAs show what the cycles without tensor work cost: the decode kernel keeps the tensor
+pipe busy about three quarters of its cycles. With KV tiles copied by TMA from an L2-resident pool during each chain
+(72 KB a tile, into a stage nothing reads) they show what the copies cost: a chain is 67 MFLOP, as much as 7.5 tiles
+of the decode kernel at h128 q2 (each tile copied into the 4 SMs that read it), 15 at q1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from triton.experimental.gluon import language as gl
+
+SECONDS = float(os.environ.get("MMA_SECONDS", "3"))
+CASES = [(64, 0, 0, 0), (128, 0, 0, 0), (256, 0, 0, 0), (256, 1, 0, 0), (256, 0, 2000, 0), (256, 0, 4000, 0),
+         (256, 0, 0, 4), (256, 0, 0, 8), (256, 0, 0, 16)]
+if os.environ.get("MMA_CASES"):
+    CASES = [tuple(int(x) for x in (c + ",0,0").split(",")[:4]) for c in os.environ["MMA_CASES"].split(";")]
+TILES = 16  # the copies' pool: 16 KV tiles of 64 rows (1.2 MB, L2-resident)
+# (mode, tiles a chain, cluster size) of the inline-PTX copies: "ptx" each CTA copies every tile for itself, "mc"
+# each CTA of a 2-CTA cluster copies half of every tile's boxes, multicast into both
+PTX_CASES = [("ptx", 8, 1), ("ptx", 8, 2), ("mc", 8, 2), ("ptx", 16, 2), ("mc", 16, 2)]
+CHUNKS = 4  # 64-column chunks of A and B in shared memory (the loop cycles over them)
+CHAIN = 16  # MMAs (each K = 64) issued between waits
+PEAK_PER_GHZ = 132 * 4 * 1024 * 1e-3  # dense bf16 TFLOPS per GHz of the H200's 132 SMs (4 x 1024 FLOP a clock each)
+
+
+def _kernel():
+    from openmla.ops._gluon import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+    @gluon.jit
+    def mma_loop(x, out, iters, gap_ns, n_copy, half_desc, rope_desc, N: gl.constexpr, RS: gl.constexpr,
+                 CHUNKS: gl.constexpr, CHAIN: gl.constexpr, TILES: gl.constexpr, num_warps: gl.constexpr):
+        M: gl.constexpr = 16 * num_warps  # 64 rows a warpgroup
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, N, 16])  # fmt: skip
+        SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        a_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, M, 64], SMEM)
+        # always 256 rows of B and a KV stage, so that every case holds one program per SM (200 KB)
+        b_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS // 2, 256, 64], SMEM)
+        # the copies' destination (as a decode stage: two [64, 256] latent halves and the [64, 64] rope; nothing
+        # reads it) and one mbarrier per copy slot
+        lat_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], half_desc.layout)
+        rope_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], rope_desc.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(2):
+            mbarrier.init(bar.index(j), count=1)
+        o_k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
+        o_m = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, LD)), 1)
+        o_n = gl.expand_dims(gl.arange(0, 256, layout=gl.SliceLayout(1, LD)), 1)
+        for c in gl.static_range(CHUNKS):
+            a_s.index(c).store(gl.load(x + (c * M + o_m) * 64 + o_k))
+        for c in gl.static_range(CHUNKS // 2):
+            b_s.index(c).store(gl.load(x + (CHUNKS * M + c * 256 + o_n) * 64 + o_k))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = gl.zeros([M, N], gl.float32, ACC)
+        a_r = a_s.index(0).load(gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2))
+        gap = gl.full([32 * num_warps], gap_ns, gl.int32, gl.BlockedLayout([1], [32], [num_warps], [0]))
+        n_done = iters * 0  # copies issued so far (slot n % 2, its phase (n // 2) & 1)
+        for _ in range(iters):
+            for c in gl.static_range(CHAIN):
+                b = b_s.index(c % (CHUNKS // 2)).slice(0, N, dim=0).permute((1, 0))
+                if RS:
+                    acc = warpgroup_mma(a_r, b, acc, is_async=True)
+                else:
+                    acc = warpgroup_mma(a_s.index(c % CHUNKS), b, acc, is_async=True)
+            # n_copy KV tiles (72 KB each) from an L2-resident pool while the chain runs, two in flight
+            for t in range(n_copy):
+                n = n_done + t
+                if n >= 2:
+                    mbarrier.wait(bar.index(n % 2), ((n - 2) // 2) & 1)
+                row = ((gl.program_id(0) * 7 + n) % TILES) * 64
+                mbarrier.expect(bar.index(n % 2), 64 * 576 * 2)
+                tma.async_copy_global_to_shared(half_desc, [row, 0], bar.index(n % 2), lat_s.index(0))
+                tma.async_copy_global_to_shared(half_desc, [row, 256], bar.index(n % 2), lat_s.index(1))
+                tma.async_copy_global_to_shared(rope_desc, [row, 512], bar.index(n % 2), rope_s)
+            n_done += n_copy
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            if gap_ns > 0:
+                gap = gl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, $1;", "=r,r", [gap], dtype=gl.int32,
+                                                is_pure=False, pack=1)
+        for n in range(gl.maximum(n_done - 2, 0), n_done):  # the copies still in flight
+            mbarrier.wait(bar.index(n % 2), (n // 2) & 1)
+        gl.store(out + gl.program_id(0), gl.sum(gl.sum(acc, axis=1), axis=0) + gl.sum(gap, axis=0).to(gl.float32))
+
+    return mma_loop
+
+
+def _ptx_copy_asm(mc: bool) -> str:
+    """Thread 0 arms the tile's mbarrier ($2: its byte offset from ``global_smem``) for 72 KB and copies the tile at
+    row $5 as nine [64, 64] boxes (8 latent chunks and the rope) through the tensor map at $4 into the 72 KB at
+    offset $3. ``mc``: each CTA of a 2-CTA cluster copies the boxes of its parity (rank 0: even, rank 1: odd),
+    multicast into both CTAs at the same offsets."""
+    body = ["{ .reg .pred q, p; .reg .b32 s, b, d, k, c; .reg .b16 m; setp.eq.s32 q, $1, 0; mov.b32 s, global_smem; "
+            "add.s32 b, s, $2; mov.u32 k, %cluster_ctarank; mov.b16 m, 3; "
+            "@q mbarrier.arrive.expect_tx.shared::cta.b64 _, [b], 73728; "]
+    for i in range(9):
+        body.append(f"add.s32 d, s, $3; add.s32 d, d, {i * 8192}; mov.b32 c, {i * 64}; ")
+        if mc:
+            body.append(f"setp.eq.and.s32 p, k, {i % 2}, q; @p cp.async.bulk.tensor.2d.shared::cluster.global"
+                        ".mbarrier::complete_tx::bytes.multicast::cluster [d], [$4, {c, $5}], [b], m; ")
+        else:
+            body.append("@q cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                        "[d], [$4, {c, $5}], [b]; ")
+    body.append("mov.b32 $0, 0; }")
+    return "".join(body)
+
+
+PTX_COPY_ASM = gl.constexpr(_ptx_copy_asm(False))
+PTX_MC_ASM = gl.constexpr(_ptx_copy_asm(True))
+# every thread waits for phase $2 of the mbarrier at byte offset $1
+PTX_WAIT_ASM = gl.constexpr("{ .reg .pred P1; .reg .b32 s, b; mov.b32 s, global_smem; add.s32 b, s, $1; waitLoop: "
+                            "mbarrier.try_wait.parity.shared::cta.b64 P1, [b], $2; @!P1 bra waitLoop; mov.b32 $0, 0; }")
+# the cluster barrier (every thread of both CTAs); with ``fence.mbarrier_init`` first at the start
+PTX_CLUSTER_SYNC = gl.constexpr("barrier.cluster.arrive.release; barrier.cluster.wait.acquire; mov.b32 $0, $1;")
+PTX_INIT_SYNC = gl.constexpr("fence.mbarrier_init.release.cluster; barrier.cluster.arrive.release; "
+                             "barrier.cluster.wait.acquire; mov.b32 $0, $1;")
+
+
+def _ptx_kernel():
+    """``mma_loop`` with the tiles copied by inline PTX (``cp.async.bulk.tensor`` from one thread, nine [64, 64] boxes
+    a tile, each tile on its own mbarrier, a cluster barrier before each chain), so that the same copies can be
+    multicast (``MC``) in 2-CTA clusters: each SM still receives every tile, but the L2 serves each tile once per
+    cluster. ``DST_OFF`` / ``BAR_OFF``: the byte offsets Triton gives the destination and the 16 mbarriers (read from
+    a first compile's TTGIR, ``_alloc_offsets``)."""
+    from openmla.ops._gluon import fence_async_shared, gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+    @gluon.jit
+    def mma_loop_ptx(x, out, iters, n_copy, tmap, N: gl.constexpr, CHUNKS: gl.constexpr, CHAIN: gl.constexpr,
+                     TILES: gl.constexpr, MC: gl.constexpr, CLUSTER: gl.constexpr, DST_OFF: gl.constexpr,
+                     BAR_OFF: gl.constexpr, num_warps: gl.constexpr):
+        M: gl.constexpr = 16 * num_warps
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, N, 16])  # fmt: skip
+        SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        a_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, M, 64], SMEM)
+        b_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS // 2, 256, 64], SMEM)
+        dst = gl.allocate_shared_memory(gl.bfloat16, [9, 64, 64], SMEM)  # a tile: 8 latent chunks and the rope
+        bar = gl.allocate_shared_memory(gl.int64, [16, 1], mbarrier.MBarrierLayout())  # one per tile of a chain
+        for j in gl.static_range(16):
+            mbarrier.init(bar.index(j), count=1)
+        o_k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
+        o_m = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, LD)), 1)
+        o_n = gl.expand_dims(gl.arange(0, 256, layout=gl.SliceLayout(1, LD)), 1)
+        for c in gl.static_range(CHUNKS):
+            a_s.index(c).store(gl.load(x + (c * M + o_m) * 64 + o_k))
+        for c in gl.static_range(CHUNKS // 2):
+            b_s.index(c).store(gl.load(x + (CHUNKS * M + c * 256 + o_n) * 64 + o_k))
+        fence_async_shared()
+        gl.thread_barrier()
+        tid = gl.arange(0, 32 * num_warps, layout=VEC)
+        zero = tid * 0
+        tok = gl.inline_asm_elementwise("{ .reg .pred p; setp.eq.s32 p, $1, 0; @p fence.proxy.tensormap::generic"
+                                        ".acquire.gpu [$2], 128; mov.b32 $0, 0; }", "=r,r,l",
+                                        [tid, zero.to(gl.int64) + tmap], dtype=gl.int32, is_pure=False, pack=1)
+        tok = gl.inline_asm_elementwise(PTX_INIT_SYNC, "=r,r", [tok], dtype=gl.int32, is_pure=False, pack=1)
+        # the tiles of a cluster (both CTAs copy the same rows; without MC as well, for the same addresses)
+        row0 = (gl.program_id(0) // CLUSTER) * 7
+        acc = gl.zeros([M, N], gl.float32, ACC)
+        for it in range(iters):
+            # the peer waited for all of its previous chain's tiles
+            tok = gl.inline_asm_elementwise(PTX_CLUSTER_SYNC, "=r,r", [tok], dtype=gl.int32, is_pure=False, pack=1)
+            for c in gl.static_range(CHAIN):
+                b = b_s.index(c % (CHUNKS // 2)).slice(0, N, dim=0).permute((1, 0))
+                acc = warpgroup_mma(a_s.index(c % CHUNKS), b, acc, is_async=True)
+            for t in range(n_copy):  # two tiles in flight
+                if t >= 2:
+                    prev = [zero + BAR_OFF + (t - 2) * 8, zero + (it & 1)]
+                    tok = gl.inline_asm_elementwise(PTX_WAIT_ASM, "=r,r,r", prev, dtype=gl.int32, is_pure=False,
+                                                    pack=1)  # fmt: skip
+                row = zero + ((row0 + t) % TILES) * 64
+                args = [tid, zero + BAR_OFF + t * 8, zero + DST_OFF, zero.to(gl.int64) + tmap, row]
+                if MC:
+                    tok = gl.inline_asm_elementwise(PTX_MC_ASM, "=r,r,r,r,l,r", args, dtype=gl.int32, is_pure=False,
+                                                    pack=1)  # fmt: skip
+                else:
+                    tok = gl.inline_asm_elementwise(PTX_COPY_ASM, "=r,r,r,r,l,r", args, dtype=gl.int32, is_pure=False,
+                                                    pack=1)  # fmt: skip
+            for t in range(gl.maximum(n_copy - 2, 0), n_copy):
+                tok = gl.inline_asm_elementwise(PTX_WAIT_ASM, "=r,r,r", [zero + BAR_OFF + t * 8, zero + (it & 1)],
+                                                dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        # no multicast lands in a CTA that has exited
+        tok = gl.inline_asm_elementwise(PTX_CLUSTER_SYNC, "=r,r", [tok], dtype=gl.int32, is_pure=False, pack=1)
+        last = gl.sum(gl.sum(dst.index(0).load(LD).to(gl.float32), axis=1), axis=0)  # (keeps dst allocated)
+        gl.store(out + gl.program_id(0), gl.sum(gl.sum(acc, axis=1), axis=0) + gl.sum(tok, axis=0).to(gl.float32)
+                 + last)
+
+    return mma_loop_ptx
+
+
+def _alloc_offsets(ttgir: str) -> tuple[int, int]:
+    """The byte offsets of ``mma_loop_ptx``'s ``dst`` and ``bar`` as Triton's shared-memory allocation pass for sm90
+    places them (the first passes of the NVIDIA backend's ``make_llir``, run on the kernel's TTGIR)."""
+    import re
+    import tempfile
+
+    from triton._C.libtriton import ir, nvidia, passes
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    CUDABackend(GPUTarget("cuda", 90, 32)).load_dialects(ctx)
+    with tempfile.NamedTemporaryFile("w", suffix=".ttgir") as f:
+        f.write(ttgir)
+        f.flush()
+        mod = ir.parse_mlir_module(f.name, ctx)
+    mod.context = ctx
+    pm = ir.pass_manager(ctx)
+    passes.ttgpuir.add_combine_tensor_select_and_if(pm)
+    passes.ttgpuir.add_allocate_warp_groups(pm)
+    passes.convert.add_scf_to_cf(pm)
+    passes.gluon.add_inliner(pm)
+    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, 90, 86)
+    pm.run(mod, "alloc_offsets")
+    found = dict(re.findall(r"%([A-Za-z_][A-Za-z0-9_]*) = ttg\.local_alloc \{allocation\.offset = (\d+) : i32\}",
+                            str(mod)))  # fmt: skip
+    return int(found["dst"]), int(found["bar"])
+
+
+def _tensor_map(pool) -> int:
+    """The global address of a CUtensorMap over ``pool`` (``[rows, 576]`` bf16) with ``[64, 64]`` boxes and the
+    128-byte swizzle, for ``mma_loop_ptx`` (a uint8 CUDA tensor holding it stays referenced in ``_MAPS``)."""
+    import ctypes
+
+    import torch
+    import triton
+
+    fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+    desc = fill(pool.data_ptr(), 3, 2, 9, [64, 64], list(pool.shape), [pool.stride(0), 1], 0)
+    raw = ctypes.string_at(id(desc) + 128, 128)  # PyCUtensorMapObject: the 128-byte-aligned map after the head
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(pool.device)
+    _MAPS.append((buf, pool))
+    return buf.data_ptr()
+
+
+_MAPS: list = []
+
+
+def _report(name, flops, burst, load, copy_bytes):
+    if load["power"] is None:
+        print(f"{name}: burst {flops / burst / 1e6:.1f} TF; no busy sample ({load['rows']})", flush=True)
+        return
+    tf = flops / load["us"] / 1e6
+    ghz = load["clock"] * 1e-3
+    print(f"{name}: burst {flops / burst / 1e6:.1f} TF; sustained {tf:.1f} TF, SM clock {load['clock']:.0f} MHz, "
+          f"{load['power']:.0f} W, {load['power'] / tf:.3f} pJ a FLOP, {tf / ghz:.1f} TF per GHz "
+          f"({tf / ghz / PEAK_PER_GHZ:.0%} of the tensor pipe), copies into the SMs "
+          f"{copy_bytes / load['us'] / 1e6:.2f} TB/s, throttle {load['reasons']}", flush=True)  # fmt: skip
+
+
+def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("mma_energy: needs an sm90 GPU")
+        return 0
+    from common import bench_us, env_line, sustained_load
+
+    from openmla.ops._gluon import TensorDescriptor
+
+    kern = _kernel()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    num_warps = 8
+    m = 16 * num_warps
+    x = (torch.randn(CHUNKS * (m + 256) * 64, device="cuda") * 0.5).to(torch.bfloat16)
+    out = torch.empty(sms, device="cuda")
+    pool = torch.randn(TILES * 64, 576, device="cuda").to(torch.bfloat16)
+    swz = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    half_desc = TensorDescriptor(pool, list(pool.shape), [576, 1], [64, 256], swz)
+    rope_desc = TensorDescriptor(pool, list(pool.shape), [576, 1], [64, 64], swz)
+    print(env_line(), f"| {sms} programs x {num_warps} warps, chains of {CHAIN} MMAs (K = 64 each)")
+
+    def measure(name, run, flops, copy_bytes):
+        run()
+        torch.cuda.synchronize()
+        time.sleep(1.0)
+        _report(name, flops, bench_us(run, rep=50), sustained_load(run, SECONDS), copy_bytes)
+
+    for n, rs, gap, n_copy in CASES:
+        iters = 3000 * 64 // n  # about 10 ms a launch (without a gap)
+
+        def run(n=n, rs=rs, iters=iters, gap=gap, n_copy=n_copy):
+            kern[(sms,)](x, out, iters, gap, n_copy, half_desc, rope_desc, N=n, RS=bool(rs), CHUNKS=CHUNKS,
+                         CHAIN=CHAIN, TILES=TILES, num_warps=num_warps)  # fmt: skip
+
+        name = f"m64n{n}k16 {'A in registers' if rs else 'A in shared memory'}"
+        name += f", {gap} ns sleep a chain" if gap else ""
+        name += f", {n_copy} tiles copied a chain" if n_copy else ""
+        measure(name, run, 2.0 * sms * iters * CHAIN * m * n * 64, sms * iters * n_copy * 64 * 576 * 2)
+
+    # the same copies by inline PTX: alone, in 2-CTA clusters, and multicast in them
+    kp = _ptx_kernel()
+    tmap = _tensor_map(pool)
+    for mode, n_copy, cluster in PTX_CASES:
+        iters = 3000 * 64 // 256
+        kw = dict(N=256, CHUNKS=CHUNKS, CHAIN=CHAIN, TILES=TILES, MC=mode == "mc", CLUSTER=cluster,
+                  num_warps=num_warps)  # fmt: skip
+        args = (x, out, iters, n_copy, tmap)
+        first = kp.warmup(*args, grid=(sms,), DST_OFF=0, BAR_OFF=0, **kw)
+        dst_off, bar_off = _alloc_offsets(first.asm["ttgir"])
+        kw.update(DST_OFF=dst_off, BAR_OFF=bar_off)
+        k = kp.warmup(*args, grid=(sms,), **kw)
+        if cluster > 1:  # compiled for one CTA; Triton's launcher multiplies the grid by the metadata's cluster size
+            k.packed_metadata = (k.packed_metadata[0], cluster) + tuple(k.packed_metadata[2:])
+
+        def run(args=args, kw=kw, cluster=cluster):
+            kp[(sms // cluster,)](*args, **kw)
+
+        name = f"m64n256k16, {n_copy} tiles a chain by PTX" + (f", clusters of {cluster}" if cluster > 1 else "")
+        name += ", multicast" if mode == "mc" else ""
+        measure(name, run, 2.0 * sms * iters * CHAIN * m * 256 * 64, sms * iters * n_copy * 64 * 576 * 2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
