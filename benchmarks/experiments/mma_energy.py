@@ -37,6 +37,19 @@ TILES = 16  # the copies' pool: 16 KV tiles of 64 rows (1.2 MB, L2-resident)
 # (mode, tiles a chain, cluster size) of the inline-PTX copies: "ptx" each CTA copies every tile for itself, "mc"
 # each CTA of a 2-CTA cluster copies half of every tile's boxes, multicast into both
 PTX_CASES = [("ptx", 8, 1), ("ptx", 8, 2), ("mc", 8, 2), ("ptx", 16, 2), ("mc", 16, 2)]
+# (box keys, stages, pool tiles, WS) of the ring (``_ring_kernel``): 16 pool tiles stay in L2, 32768 (2.4 GB) come
+# from HBM
+RING_CASES = [(64, 2, 16, 0), (64, 2, 16, 1), (32, 4, 16, 0), (32, 4, 16, 1), (64, 2, 32768, 0), (64, 2, 32768, 1),
+              (32, 4, 32768, 0), (32, 4, 32768, 1)]
+if os.environ.get("MMA_RING_CASES") is not None:
+    RING_CASES = [tuple(int(x) for x in c.split(",")) for c in os.environ["MMA_RING_CASES"].split(";") if c]
+# tiles a chain copied from a 1-warp partition (``_ws_kernel``)
+WS_CASES = [0, 8, 16]
+if os.environ.get("MMA_WS_CASES") is not None:
+    WS_CASES = [int(c) for c in os.environ["MMA_WS_CASES"].split(",") if c]
+if os.environ.get("MMA_PTX_CASES") is not None:
+    PTX_CASES = [(f[0], int(f[1]), int(f[2]))
+                 for f in (c.split(",") for c in os.environ["MMA_PTX_CASES"].split(";") if c)]
 CHUNKS = 4  # 64-column chunks of A and B in shared memory (the loop cycles over them)
 CHAIN = 16  # MMAs (each K = 64) issued between waits
 PEAK_PER_GHZ = 132 * 4 * 1024 * 1e-3  # dense bf16 TFLOPS per GHz of the H200's 132 SMs (4 x 1024 FLOP a clock each)
@@ -103,6 +116,167 @@ def _kernel():
         gl.store(out + gl.program_id(0), gl.sum(gl.sum(acc, axis=1), axis=0) + gl.sum(gap, axis=0).to(gl.float32))
 
     return mma_loop
+
+
+def _ws_kernel():
+    """``mma_loop`` with the copies issued by a 1-warp partition of their own (``gl.warp_specialize``), so that the
+    warpgroups issuing the MMAs never wait on a copy: at the start of chain k they wait only until the copy warp is
+    done with chain k - 1's tiles, and the copy warp waits for chain k to start before it copies chain k's tiles (two
+    in flight). What is left of the slowdown is the copies' own interference with the MMAs."""
+    from openmla.ops._gluon import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+    @gluon.jit
+    def _mma_part(a_s, b_s, go, done, out, iters, N: gl.constexpr, CHUNKS: gl.constexpr, CHAIN: gl.constexpr,
+                  NW: gl.constexpr):
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, N, 16])
+        acc = gl.zeros([16 * NW, N], gl.float32, ACC)
+        for it in range(iters):
+            if it > 0:
+                mbarrier.wait(done, (it - 1) & 1)
+            mbarrier.arrive(go, count=1)
+            for c in gl.static_range(CHAIN):
+                b = b_s.index(c % (CHUNKS // 2)).slice(0, N, dim=0).permute((1, 0))
+                acc = warpgroup_mma(a_s.index(c % CHUNKS), b, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.store(out + gl.program_id(0), gl.sum(gl.sum(acc, axis=1), axis=0))
+
+    @gluon.jit
+    def _copy_part(half_desc, rope_desc, lat_s, rope_s, bar, go, done, iters, n_copy, TILES: gl.constexpr):
+        n_done = iters * 0
+        for it in range(iters):
+            mbarrier.wait(go, it & 1)
+            for t in range(n_copy):
+                n = n_done + t
+                if n >= 2:
+                    mbarrier.wait(bar.index(n % 2), ((n - 2) // 2) & 1)
+                row = ((gl.program_id(0) * 7 + n) % TILES) * 64
+                mbarrier.expect(bar.index(n % 2), 64 * 576 * 2)
+                tma.async_copy_global_to_shared(half_desc, [row, 0], bar.index(n % 2), lat_s.index(0))
+                tma.async_copy_global_to_shared(half_desc, [row, 256], bar.index(n % 2), lat_s.index(1))
+                tma.async_copy_global_to_shared(rope_desc, [row, 512], bar.index(n % 2), rope_s)
+            n_done += n_copy
+            for n in range(gl.maximum(n_done - 2, 0), n_done):
+                mbarrier.wait(bar.index(n % 2), (n // 2) & 1)
+            mbarrier.arrive(done, count=1)
+
+    @gluon.jit
+    def mma_loop_ws(x, out, iters, n_copy, half_desc, rope_desc, N: gl.constexpr, CHUNKS: gl.constexpr,
+                    CHAIN: gl.constexpr, TILES: gl.constexpr, num_warps: gl.constexpr):
+        M: gl.constexpr = 16 * num_warps
+        SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        a_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, M, 64], SMEM)
+        b_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS // 2, 256, 64], SMEM)
+        lat_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], half_desc.layout)
+        rope_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], rope_desc.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        go = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(2):
+            mbarrier.init(bar.index(j), count=1)
+        mbarrier.init(go.index(0), count=1)
+        mbarrier.init(done.index(0), count=1)
+        o_k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
+        o_m = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, LD)), 1)
+        o_n = gl.expand_dims(gl.arange(0, 256, layout=gl.SliceLayout(1, LD)), 1)
+        for c in gl.static_range(CHUNKS):
+            a_s.index(c).store(gl.load(x + (c * M + o_m) * 64 + o_k))
+        for c in gl.static_range(CHUNKS // 2):
+            b_s.index(c).store(gl.load(x + (CHUNKS * M + c * 256 + o_n) * 64 + o_k))
+        fence_async_shared()
+        gl.thread_barrier()
+        gl.warp_specialize([
+            (_mma_part, (a_s, b_s, go.index(0), done.index(0), out, iters, N, CHUNKS, CHAIN, num_warps)),
+            (_copy_part, (half_desc, rope_desc, lat_s, rope_s, bar, go.index(0), done.index(0), iters, n_copy,
+                          TILES)),
+        ], [1], [48])  # fmt: skip
+
+    return mma_loop_ws
+
+
+def _ring_kernel():
+    """MMAs fed through a ring of KV stages, as the decode kernel is: tile t's MMAs wait until its stage has landed
+    (``ready``), and a stage is refilled with tile t + STAGES once tile t's MMAs have completed (``empty``). The MMAs
+    read the program's own operands (the same energy as reading the stage, runs 109-110), so a tile is only a
+    dependency: ``MMAS`` m128n256k64 MMAs (8.4 MFLOP for a 64-key tile, the kernel's 8.9) per ``BOX``-key tile
+    (``BOX`` x 576 bf16). ``WS``: the refills come from a 1-warp partition of their own; else the MMA warps issue
+    each refill themselves right after the tile's MMAs completed (the decode kernel's way)."""
+    from openmla.ops._gluon import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+    @gluon.jit
+    def _refill(half_desc, rope_desc, lat_s, rope_s, ready, t, TILES: gl.constexpr, STAGES: gl.constexpr,
+                BOX: gl.constexpr):
+        s = t % STAGES
+        row = ((gl.program_id(0) * 7919 + t * 13) % TILES) * BOX
+        mbarrier.expect(ready.index(s), BOX * 576 * 2)
+        tma.async_copy_global_to_shared(half_desc, [row, 0], ready.index(s), lat_s.index(2 * s))
+        tma.async_copy_global_to_shared(half_desc, [row, 256], ready.index(s), lat_s.index(2 * s + 1))
+        tma.async_copy_global_to_shared(rope_desc, [row, 512], ready.index(s), rope_s.index(s))
+
+    @gluon.jit
+    def _ring_mma(a_s, b_s, half_desc, rope_desc, lat_s, rope_s, ready, empty, out, n_tiles, MMAS: gl.constexpr,
+                  STAGES: gl.constexpr, BOX: gl.constexpr, TILES: gl.constexpr, WS: gl.constexpr, NW: gl.constexpr):
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                      instr_shape=[16, 256, 16])  # fmt: skip
+        acc = gl.zeros([16 * NW, 256], gl.float32, ACC)
+        if not WS:
+            for t in gl.static_range(STAGES):
+                _refill(half_desc, rope_desc, lat_s, rope_s, ready, t, TILES, STAGES, BOX)
+        for t in range(n_tiles):
+            mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
+            for c in gl.static_range(MMAS):
+                acc = warpgroup_mma(a_s.index(c % 2), b_s.index(0).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=MMAS, deps=[acc])  # tile t - 1's MMAs completed
+            if t > 0:
+                if WS:
+                    mbarrier.arrive(empty.index((t - 1) % STAGES), count=1)
+                elif t - 1 + STAGES < n_tiles:
+                    _refill(half_desc, rope_desc, lat_s, rope_s, ready, t - 1 + STAGES, TILES, STAGES, BOX)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.store(out + gl.program_id(0), gl.sum(gl.sum(acc, axis=1), axis=0))
+
+    @gluon.jit
+    def _ring_copy(half_desc, rope_desc, lat_s, rope_s, ready, empty, n_tiles, STAGES: gl.constexpr,
+                   BOX: gl.constexpr, TILES: gl.constexpr):
+        for t in range(n_tiles):
+            if t >= STAGES:
+                mbarrier.wait(empty.index(t % STAGES), ((t - STAGES) // STAGES) & 1)
+            _refill(half_desc, rope_desc, lat_s, rope_s, ready, t, TILES, STAGES, BOX)
+
+    @gluon.jit
+    def mma_ring(x, out, n_tiles, half_desc, rope_desc, MMAS: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr,
+                 TILES: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
+        M: gl.constexpr = 16 * num_warps
+        SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        a_s = gl.allocate_shared_memory(gl.bfloat16, [2, M, 64], SMEM)
+        b_s = gl.allocate_shared_memory(gl.bfloat16, [1, 256, 64], SMEM)
+        lat_s = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BOX, 256], half_desc.layout)
+        rope_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BOX, 64], rope_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(STAGES):
+            mbarrier.init(ready.index(j), count=1)
+            mbarrier.init(empty.index(j), count=1)
+        o_k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
+        o_m = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, LD)), 1)
+        o_n = gl.expand_dims(gl.arange(0, 256, layout=gl.SliceLayout(1, LD)), 1)
+        for c in gl.static_range(2):
+            a_s.index(c).store(gl.load(x + (c * M + o_m) * 64 + o_k))
+        b_s.index(0).store(gl.load(x + (2 * M + o_n) * 64 + o_k))
+        fence_async_shared()
+        gl.thread_barrier()
+        if WS:
+            gl.warp_specialize([
+                (_ring_mma, (a_s, b_s, half_desc, rope_desc, lat_s, rope_s, ready, empty, out, n_tiles, MMAS, STAGES,
+                             BOX, TILES, WS, num_warps)),
+                (_ring_copy, (half_desc, rope_desc, lat_s, rope_s, ready, empty, n_tiles, STAGES, BOX, TILES)),
+            ], [1], [48])  # fmt: skip
+        else:
+            _ring_mma(a_s, b_s, half_desc, rope_desc, lat_s, rope_s, ready, empty, out, n_tiles, MMAS, STAGES, BOX,
+                      TILES, WS, num_warps)  # fmt: skip
+
+    return mma_ring
 
 
 def _ptx_copy_asm(mc: bool) -> str:
@@ -310,6 +484,38 @@ def main() -> int:
         name += f", {gap} ns sleep a chain" if gap else ""
         name += f", {n_copy} tiles copied a chain" if n_copy else ""
         measure(name, run, 2.0 * sms * iters * CHAIN * m * n * 64, sms * iters * n_copy * 64 * 576 * 2)
+
+    # MMAs fed through a ring of stages (the decode kernel's data flow), refilled by the MMA warps or by a copy warp
+    kr = _ring_kernel()
+    big = torch.randn(max(t for _, _, t, _ in RING_CASES) * 64, 576, device="cuda").to(torch.bfloat16) if RING_CASES \
+        else pool  # fmt: skip
+    for box, stages, tiles, ws in RING_CASES:
+        src = big if tiles * 64 > pool.shape[0] else pool
+        descs = (TensorDescriptor(src, list(src.shape), [576, 1], [box, 256], swz),
+                 TensorDescriptor(src, list(src.shape), [576, 1], [box, 64], swz))
+        mmas = box // 32
+        n_tiles = 7700 * 2 // mmas
+
+        def run(n_tiles=n_tiles, descs=descs, mmas=mmas, stages=stages, box=box, tiles=tiles, ws=ws):
+            kr[(sms,)](x, out, n_tiles, *descs, MMAS=mmas, STAGES=stages, BOX=box, TILES=tiles, WS=bool(ws),
+                       num_warps=num_warps)  # fmt: skip
+
+        name = (f"ring of {stages} x {box}-key stages from {'L2' if tiles <= 64 else 'HBM'}, refills by "
+                f"{'a copy warp' if ws else 'the MMA warps'}")
+        measure(name, run, 2.0 * sms * n_tiles * mmas * m * 256 * 64, sms * n_tiles * box * 576 * 2)
+    big = None
+
+    # the copies from a warp of their own (the MMAs never wait on a copy's issue)
+    kw_ = _ws_kernel()
+    for n_copy in WS_CASES:
+        iters = 3000 * 64 // 256
+
+        def run(iters=iters, n_copy=n_copy):
+            kw_[(sms,)](x, out, iters, n_copy, half_desc, rope_desc, N=256, CHUNKS=CHUNKS, CHAIN=CHAIN, TILES=TILES,
+                        num_warps=num_warps)  # fmt: skip
+
+        measure(f"m64n256k16, {n_copy} tiles a chain from a copy warp", run, 2.0 * sms * iters * CHAIN * m * 256 * 64,
+                sms * iters * n_copy * 64 * 576 * 2)  # fmt: skip
 
     # the same copies by inline PTX: alone, in 2-CTA clusters, and multicast in them
     kp = _ptx_kernel()
