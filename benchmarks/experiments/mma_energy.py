@@ -55,8 +55,45 @@ CHAIN = 16  # MMAs (each K = 64) issued between waits
 PEAK_PER_GHZ = 132 * 4 * 1024 * 1e-3  # dense bf16 TFLOPS per GHz of the H200's 132 SMs (4 x 1024 FLOP a clock each)
 
 
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
+
+
+@gluon.jit
+def _fill_operands(x, a_s, b_s, A_CHUNKS: gl.constexpr, B_CHUNKS: gl.constexpr, num_warps: gl.constexpr):
+    """Write the loops' MMA operands once: ``A_CHUNKS`` chunks ``[M, 64]`` of ``a_s`` and ``B_CHUNKS`` chunks
+    ``[256, 64]`` of ``b_s`` from ``x`` (random bf16), visible to the MMAs when it returns."""
+    M: gl.constexpr = a_s.shape[1]
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    o_k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
+    o_m = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, LD)), 1)
+    o_n = gl.expand_dims(gl.arange(0, 256, layout=gl.SliceLayout(1, LD)), 1)
+    for c in gl.static_range(A_CHUNKS):
+        a_s.index(c).store(gl.load(x + (c * M + o_m) * 64 + o_k))
+    for c in gl.static_range(B_CHUNKS):
+        b_s.index(c).store(gl.load(x + (A_CHUNKS * M + c * 256 + o_n) * 64 + o_k))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _copy_tiles(half_desc, rope_desc, lat_s, rope_s, bar, n_done, n_copy, TILES: gl.constexpr):
+    """Copy ``n_copy`` KV tiles (72 KB each: two [64, 256] latent boxes and the [64, 64] rope) from the pool into
+    ``lat_s`` / ``rope_s`` (nothing reads them), two in flight on the two mbarriers ``bar``: copy ``n`` (counted
+    from ``n_done``, the copies issued before) waits for copy ``n - 2``."""
+    for t in range(n_copy):
+        n = n_done + t
+        if n >= 2:
+            mbarrier.wait(bar.index(n % 2), ((n - 2) // 2) & 1)
+        row = ((gl.program_id(0) * 7 + n) % TILES) * 64
+        mbarrier.expect(bar.index(n % 2), 64 * 576 * 2)
+        tma.async_copy_global_to_shared(half_desc, [row, 0], bar.index(n % 2), lat_s.index(0))
+        tma.async_copy_global_to_shared(half_desc, [row, 256], bar.index(n % 2), lat_s.index(1))
+        tma.async_copy_global_to_shared(rope_desc, [row, 512], bar.index(n % 2), rope_s)
+
+
 def _kernel():
-    from openmla.ops._gluon import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from openmla.ops._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
     def mma_loop(x, out, iters, gap_ns, n_copy, half_desc, rope_desc, N: gl.constexpr, RS: gl.constexpr,
@@ -65,7 +102,6 @@ def _kernel():
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, N, 16])  # fmt: skip
         SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         a_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, M, 64], SMEM)
         # always 256 rows of B and a KV stage, so that every case holds one program per SM (200 KB)
         b_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS // 2, 256, 64], SMEM)
@@ -76,15 +112,7 @@ def _kernel():
         bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(2):
             mbarrier.init(bar.index(j), count=1)
-        o_k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
-        o_m = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, LD)), 1)
-        o_n = gl.expand_dims(gl.arange(0, 256, layout=gl.SliceLayout(1, LD)), 1)
-        for c in gl.static_range(CHUNKS):
-            a_s.index(c).store(gl.load(x + (c * M + o_m) * 64 + o_k))
-        for c in gl.static_range(CHUNKS // 2):
-            b_s.index(c).store(gl.load(x + (CHUNKS * M + c * 256 + o_n) * 64 + o_k))
-        fence_async_shared()
-        gl.thread_barrier()
+        _fill_operands(x, a_s, b_s, CHUNKS, CHUNKS // 2, num_warps)
         acc = gl.zeros([M, N], gl.float32, ACC)
         a_r = a_s.index(0).load(gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2))
         gap = gl.full([32 * num_warps], gap_ns, gl.int32, gl.BlockedLayout([1], [32], [num_warps], [0]))
@@ -97,15 +125,7 @@ def _kernel():
                 else:
                     acc = warpgroup_mma(a_s.index(c % CHUNKS), b, acc, is_async=True)
             # n_copy KV tiles (72 KB each) from an L2-resident pool while the chain runs, two in flight
-            for t in range(n_copy):
-                n = n_done + t
-                if n >= 2:
-                    mbarrier.wait(bar.index(n % 2), ((n - 2) // 2) & 1)
-                row = ((gl.program_id(0) * 7 + n) % TILES) * 64
-                mbarrier.expect(bar.index(n % 2), 64 * 576 * 2)
-                tma.async_copy_global_to_shared(half_desc, [row, 0], bar.index(n % 2), lat_s.index(0))
-                tma.async_copy_global_to_shared(half_desc, [row, 256], bar.index(n % 2), lat_s.index(1))
-                tma.async_copy_global_to_shared(rope_desc, [row, 512], bar.index(n % 2), rope_s)
+            _copy_tiles(half_desc, rope_desc, lat_s, rope_s, bar, n_done, n_copy, TILES)
             n_done += n_copy
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             if gap_ns > 0:
@@ -123,7 +143,7 @@ def _ws_kernel():
     warpgroups issuing the MMAs never wait on a copy: at the start of chain k they wait only until the copy warp is
     done with chain k - 1's tiles, and the copy warp waits for chain k to start before it copies chain k's tiles (two
     in flight). What is left of the slowdown is the copies' own interference with the MMAs."""
-    from openmla.ops._gluon import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from openmla.ops._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
     def _mma_part(a_s, b_s, go, done, out, iters, N: gl.constexpr, CHUNKS: gl.constexpr, CHAIN: gl.constexpr,
@@ -145,15 +165,7 @@ def _ws_kernel():
         n_done = iters * 0
         for it in range(iters):
             mbarrier.wait(go, it & 1)
-            for t in range(n_copy):
-                n = n_done + t
-                if n >= 2:
-                    mbarrier.wait(bar.index(n % 2), ((n - 2) // 2) & 1)
-                row = ((gl.program_id(0) * 7 + n) % TILES) * 64
-                mbarrier.expect(bar.index(n % 2), 64 * 576 * 2)
-                tma.async_copy_global_to_shared(half_desc, [row, 0], bar.index(n % 2), lat_s.index(0))
-                tma.async_copy_global_to_shared(half_desc, [row, 256], bar.index(n % 2), lat_s.index(1))
-                tma.async_copy_global_to_shared(rope_desc, [row, 512], bar.index(n % 2), rope_s)
+            _copy_tiles(half_desc, rope_desc, lat_s, rope_s, bar, n_done, n_copy, TILES)
             n_done += n_copy
             for n in range(gl.maximum(n_done - 2, 0), n_done):
                 mbarrier.wait(bar.index(n % 2), (n // 2) & 1)
@@ -164,7 +176,6 @@ def _ws_kernel():
                     CHAIN: gl.constexpr, TILES: gl.constexpr, num_warps: gl.constexpr):
         M: gl.constexpr = 16 * num_warps
         SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         a_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, M, 64], SMEM)
         b_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS // 2, 256, 64], SMEM)
         lat_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], half_desc.layout)
@@ -176,15 +187,7 @@ def _ws_kernel():
             mbarrier.init(bar.index(j), count=1)
         mbarrier.init(go.index(0), count=1)
         mbarrier.init(done.index(0), count=1)
-        o_k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
-        o_m = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, LD)), 1)
-        o_n = gl.expand_dims(gl.arange(0, 256, layout=gl.SliceLayout(1, LD)), 1)
-        for c in gl.static_range(CHUNKS):
-            a_s.index(c).store(gl.load(x + (c * M + o_m) * 64 + o_k))
-        for c in gl.static_range(CHUNKS // 2):
-            b_s.index(c).store(gl.load(x + (CHUNKS * M + c * 256 + o_n) * 64 + o_k))
-        fence_async_shared()
-        gl.thread_barrier()
+        _fill_operands(x, a_s, b_s, CHUNKS, CHUNKS // 2, num_warps)
         gl.warp_specialize([
             (_mma_part, (a_s, b_s, go.index(0), done.index(0), out, iters, N, CHUNKS, CHAIN, num_warps)),
             (_copy_part, (half_desc, rope_desc, lat_s, rope_s, bar, go.index(0), done.index(0), iters, n_copy,
@@ -201,7 +204,7 @@ def _ring_kernel():
     dependency: ``MMAS`` m128n256k64 MMAs (8.4 MFLOP for a 64-key tile, the kernel's 8.9) per ``BOX``-key tile
     (``BOX`` x 576 bf16). ``WS``: the refills come from a 1-warp partition of their own; else the MMA warps issue
     each refill themselves right after the tile's MMAs completed (the decode kernel's way)."""
-    from openmla.ops._gluon import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from openmla.ops._gluon import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
     def _refill(half_desc, rope_desc, lat_s, rope_s, ready, t, TILES: gl.constexpr, STAGES: gl.constexpr,
@@ -248,7 +251,6 @@ def _ring_kernel():
                  TILES: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
         M: gl.constexpr = 16 * num_warps
         SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         a_s = gl.allocate_shared_memory(gl.bfloat16, [2, M, 64], SMEM)
         b_s = gl.allocate_shared_memory(gl.bfloat16, [1, 256, 64], SMEM)
         lat_s = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BOX, 256], half_desc.layout)
@@ -258,14 +260,7 @@ def _ring_kernel():
         for j in gl.static_range(STAGES):
             mbarrier.init(ready.index(j), count=1)
             mbarrier.init(empty.index(j), count=1)
-        o_k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
-        o_m = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, LD)), 1)
-        o_n = gl.expand_dims(gl.arange(0, 256, layout=gl.SliceLayout(1, LD)), 1)
-        for c in gl.static_range(2):
-            a_s.index(c).store(gl.load(x + (c * M + o_m) * 64 + o_k))
-        b_s.index(0).store(gl.load(x + (2 * M + o_n) * 64 + o_k))
-        fence_async_shared()
-        gl.thread_barrier()
+        _fill_operands(x, a_s, b_s, 2, 1, num_warps)
         if WS:
             gl.warp_specialize([
                 (_ring_mma, (a_s, b_s, half_desc, rope_desc, lat_s, rope_s, ready, empty, out, n_tiles, MMAS, STAGES,
@@ -316,7 +311,7 @@ def _ptx_kernel():
     multicast (``MC``) in 2-CTA clusters: each SM still receives every tile, but the L2 serves each tile once per
     cluster. ``DST_OFF`` / ``BAR_OFF``: the byte offsets Triton gives the destination and the 16 mbarriers (read from
     a first compile's TTGIR, ``_alloc_offsets``)."""
-    from openmla.ops._gluon import fence_async_shared, gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from openmla.ops._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
     def mma_loop_ptx(x, out, iters, n_copy, tmap, N: gl.constexpr, CHUNKS: gl.constexpr, CHAIN: gl.constexpr,
@@ -334,15 +329,7 @@ def _ptx_kernel():
         bar = gl.allocate_shared_memory(gl.int64, [16, 1], mbarrier.MBarrierLayout())  # one per tile of a chain
         for j in gl.static_range(16):
             mbarrier.init(bar.index(j), count=1)
-        o_k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
-        o_m = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, LD)), 1)
-        o_n = gl.expand_dims(gl.arange(0, 256, layout=gl.SliceLayout(1, LD)), 1)
-        for c in gl.static_range(CHUNKS):
-            a_s.index(c).store(gl.load(x + (c * M + o_m) * 64 + o_k))
-        for c in gl.static_range(CHUNKS // 2):
-            b_s.index(c).store(gl.load(x + (CHUNKS * M + c * 256 + o_n) * 64 + o_k))
-        fence_async_shared()
-        gl.thread_barrier()
+        _fill_operands(x, a_s, b_s, CHUNKS, CHUNKS // 2, num_warps)
         tid = gl.arange(0, 32 * num_warps, layout=VEC)
         zero = tid * 0
         tok = gl.inline_asm_elementwise("{ .reg .pred p; setp.eq.s32 p, $1, 0; @p fence.proxy.tensormap::generic"
@@ -385,33 +372,11 @@ def _ptx_kernel():
 
 
 def _alloc_offsets(ttgir: str) -> tuple[int, int]:
-    """The byte offsets of ``mma_loop_ptx``'s ``dst`` and ``bar`` as Triton's shared-memory allocation pass for sm90
-    places them (the first passes of the NVIDIA backend's ``make_llir``, run on the kernel's TTGIR)."""
-    import re
-    import tempfile
+    """The byte offsets of ``mma_loop_ptx``'s ``dst`` and ``bar`` (``openmla.utils.sm90_report.alloc_offsets``)."""
+    from openmla.utils.sm90_report import alloc_offsets
 
-    from triton._C.libtriton import ir, nvidia, passes
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    CUDABackend(GPUTarget("cuda", 90, 32)).load_dialects(ctx)
-    with tempfile.NamedTemporaryFile("w", suffix=".ttgir") as f:
-        f.write(ttgir)
-        f.flush()
-        mod = ir.parse_mlir_module(f.name, ctx)
-    mod.context = ctx
-    pm = ir.pass_manager(ctx)
-    passes.ttgpuir.add_combine_tensor_select_and_if(pm)
-    passes.ttgpuir.add_allocate_warp_groups(pm)
-    passes.convert.add_scf_to_cf(pm)
-    passes.gluon.add_inliner(pm)
-    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, 90, 86)
-    pm.run(mod, "alloc_offsets")
-    found = dict(re.findall(r"%([A-Za-z_][A-Za-z0-9_]*) = ttg\.local_alloc \{allocation\.offset = (\d+) : i32\}",
-                            str(mod)))  # fmt: skip
-    return int(found["dst"]), int(found["bar"])
+    found = alloc_offsets(ttgir)
+    return found["dst"], found["bar"]
 
 
 def _tensor_map(pool) -> int:

@@ -68,6 +68,7 @@ import torch
 import triton
 
 from openmla.ops import decode_gluon as dg
+from openmla.utils.sm90_report import alloc_offsets
 from openmla.ops._gluon import (
     GLUON_AVAILABLE,
     TensorDescriptor,
@@ -514,34 +515,6 @@ if GLUON_AVAILABLE:
 _BAR_NAMES = {"empty": "EMPTY_OFF", "pready": "PREADY_OFF", "pfree": "PFREE_OFF", "sync": "SYNC_OFF"}
 
 
-def alloc_offsets(ttgir: str) -> dict[str, int]:
-    """``{alloc name: byte offset}`` of every ``ttg.local_alloc`` of a kernel's TTGIR, from Triton's own
-    shared-memory allocation (the first passes of the NVIDIA backend's ``make_llir``, sm90)."""
-    from triton._C.libtriton import ir, nvidia, passes
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    CUDABackend(GPUTarget("cuda", 90, 32)).load_dialects(ctx)
-    with tempfile.NamedTemporaryFile("w", suffix=".ttgir") as f:
-        f.write(ttgir)
-        f.flush()
-        mod = ir.parse_mlir_module(f.name, ctx)
-    mod.context = ctx
-    pm = ir.pass_manager(ctx)
-    passes.ttgpuir.add_combine_tensor_select_and_if(pm)
-    passes.ttgpuir.add_allocate_warp_groups(pm)
-    passes.convert.add_scf_to_cf(pm)
-    passes.gluon.add_inliner(pm)
-    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, 90, 86)
-    pm.run(mod, "seesaw_debug_alloc")
-    found = {}
-    for m in re.finditer(
-        r"%([A-Za-z_][A-Za-z0-9_]*) = ttg\.local_alloc \{allocation\.offset = (\d+) : i32\}", str(mod)
-    ):
-        found[m.group(1)] = int(m.group(2))
-    return found
 
 
 def barrier_offsets(ttgir: str) -> dict[str, int]:

@@ -52,6 +52,34 @@ def resource_report(kernel) -> dict:
     }
 
 
+def alloc_offsets(ttgir: str) -> dict[str, int]:
+    """``{allocation name: byte offset}`` of every ``ttg.local_alloc`` of a kernel's TTGIR (``kernel.asm["ttgir"]``)
+    as Triton's shared-memory allocation pass for sm90 places them (the first passes of the NVIDIA backend's
+    ``make_llir``); the names are the kernel's variable names. Inline PTX that names shared memory by offset from
+    ``global_smem`` reads its offsets here (``benchmarks/experiments``)."""
+    from triton._C.libtriton import ir, nvidia, passes
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    CUDABackend(GPUTarget("cuda", 90, 32)).load_dialects(ctx)
+    with tempfile.NamedTemporaryFile("w", suffix=".ttgir") as f:
+        f.write(ttgir)
+        f.flush()
+        mod = ir.parse_mlir_module(f.name, ctx)
+    mod.context = ctx
+    pm = ir.pass_manager(ctx)
+    passes.ttgpuir.add_combine_tensor_select_and_if(pm)
+    passes.ttgpuir.add_allocate_warp_groups(pm)
+    passes.convert.add_scf_to_cf(pm)
+    passes.gluon.add_inliner(pm)
+    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, 90, 86)
+    pm.run(mod, "alloc_offsets")
+    pattern = r"%([A-Za-z_][A-Za-z0-9_]*) = ttg\.local_alloc \{allocation\.offset = (\d+) : i32\}"
+    return {m.group(1): int(m.group(2)) for m in re.finditer(pattern, str(mod))}
+
+
 def run_report_script(script: str, variants: list) -> list[dict]:
     """Run ``script`` in a subprocess with ``TRITON_INTERPRET=0`` and the repository on the path.
 
