@@ -48,7 +48,7 @@ if GLUON_AVAILABLE:
         _seesaw_wait_q,
         _sum_row_sums,
     )
-    from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
+    from openmla.ops.decode_gluon_tiles import _box_ok, _store_result, _zero_tail
 
     @gluon.jit
     def _pw_tail(i, b_s, q_smem, lat, rope, ready_l, ready_r, empty, o0, o1, p_bt, n0, kv_hi, max_blocks,
