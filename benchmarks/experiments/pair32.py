@@ -13,8 +13,8 @@ compile-time constant (plus a runtime zero, as el's). The final rows go out from
     PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/experiments/pair32.py      # A/B against seesaw-pair-el
     AB_SHAPES="128,128,8192,2" AB_ROUNDS=3 ...
 
-Per shape: the largest difference from seesaw-pair-el's output (the same plan, split kernel only), and both split
-kernels' times alternating in one process.
+Per shape (``proto_ab.ab_against_el``): the largest differences from seesaw-pair-el's outputs (the same plan, split
+kernels only: final rows, LSE and the partials of split requests) and both kernels' times alternating in one process.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks"), os.path.dirname(os.path.abspath(__file__))]
 
 from openmla.ops._gluon import (  # noqa: E402
     GLUON_AVAILABLE,
-    TensorDescriptor,
     fence_async_shared,
     gl,
     gluon,
@@ -37,7 +36,6 @@ from openmla.ops._gluon import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
-ROUNDS = int(os.environ.get("AB_ROUNDS", "3"))
 SHAPES = [(128, 128, 8192, 1), (128, 128, 8192, 2)]
 
 if GLUON_AVAILABLE:
@@ -293,72 +291,18 @@ if GLUON_AVAILABLE:
 
 def launch_pair32(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse, scale_log2: float,
                   causal: bool = True) -> None:  # fmt: skip
-    """The prototype's split kernel with ``mla_decode_split_gluon``'s arguments (bf16 cache, a page size that is a
-    multiple of 32, the regular plan): final rows of single-split requests, partials of the others."""
-    import triton
+    """The prototype's split kernel with ``mla_decode_split_gluon``'s arguments (bf16 cache, the regular plan,
+    32-row boxes): final rows of single-split requests, partials of the others."""
+    from proto_ab import launch_proto
 
-    from openmla.ops import decode_gluon as dg
-
-    num_blocks, page, _ = kv_cache.shape
-    H = q.shape[1]
-    block_h, q_per = dg.gluon_decode_config(H, plan.max_query_len)
-    kv2d = kv_cache.as_strided((num_blocks * page, 576), (kv_cache.stride(1), 1))
-    shape, strides = [num_blocks * page, 576], [kv_cache.stride(1), 1]
-    lat_desc = TensorDescriptor(kv2d, shape, strides, [32, 256], dg._kv_layout())
-    rope_desc = TensorDescriptor(kv2d, shape, strides, [32, 64], dg._kv_layout(False, 64))
-    n_hb, n_qb = triton.cdiv(H, block_h), triton.cdiv(plan.max_query_len, q_per)
-    _p32_kernel[(plan.capacity * n_hb * n_qb,)](
-        q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split,
-        plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, 1.0, q.stride(0),
-        q.stride(1), block_table.stride(0), out.stride(0), out.stride(1), H, num_blocks, block_table.shape[1],
-        PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
-        WG_REGS=dg.SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, num_warps=4)  # fmt: skip
+    launch_proto(_p32_kernel, 32, q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse, scale_log2,
+                 causal)
 
 
 def main() -> int:
-    import torch
+    from proto_ab import ab_against_el
 
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        print("pair32: needs an sm90 GPU")
-        return 0
-    from bench_decode_gluon import make_span_problem
-    from common import ab_summary, alternate_us, env_line, shapes_from_env
-
-    import openmla
-    from openmla.ops import decode_gluon as dg
-
-    scale = 576**-0.5
-    scale_log2 = scale * 1.4426950408889634
-    print(env_line(), "| seesaw-pair-el vs pair32 (split kernel, regular plan)")
-    for h, b, s, qlen in shapes_from_env(SHAPES):
-        q, cache, bt, sl, qsl, s_max = make_span_problem(h, b, s, qlen)
-        flops = 2.0 * int(sl.sum()) * qlen * h * (576 + 512)
-        plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s_max)
-        outs, lses = {}, {}
-        for name in ("el", "p32"):
-            outs[name] = torch.zeros(q.shape[0], h, 512, dtype=torch.bfloat16, device="cuda")
-            lses[name] = torch.zeros(q.shape[0], h, dtype=torch.float32, device="cuda")
-
-        def el(o=outs["el"], lz=lses["el"]):
-            dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, o, lz, scale_log2, 1.0, True, 512,
-                                      variant="seesaw-pair-el")  # fmt: skip
-
-        def p32(o=outs["p32"], lz=lses["p32"]):
-            launch_pair32(q, cache, bt, sl, qsl, plan, o, lz, scale_log2)
-
-        el()
-        p32()
-        torch.cuda.synchronize()
-        single = bool((plan.num_splits[:b] == 1).all())
-        diff = (outs["el"].float() - outs["p32"].float()).abs().max().item()
-        dl = (lses["el"] - lses["p32"]).abs().max().item()
-        times = alternate_us({"el": el, "p32": p32}, ROUNDS)
-        med, line = ab_summary(times, flops)
-        print(f"## h{h} b{b} s{s} q{qlen} (single-split requests: {single}; max |diff| out {diff:.2e}, lse {dl:.2e}): "
-              f"{line} | speedup p32 {med['el'] / med['p32']:.4f}x", flush=True)  # fmt: skip
-        outs = plan = None
-        torch.cuda.empty_cache()
-    return 0
+    return ab_against_el("p32", launch_pair32, SHAPES)
 
 
 if __name__ == "__main__":

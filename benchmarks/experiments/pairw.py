@@ -11,8 +11,9 @@ lookups; the prologue's first tiles too). The warpgroups still look up the rows 
     PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/experiments/pairw.py      # A/B against seesaw-pair-el
     AB_SHAPES="128,128,8192,2" AB_ROUNDS=3 ...
 
-Per shape: the largest difference from seesaw-pair-el's output (the same plan, split kernel only) and both split
-kernels' times alternating in one process. Not yet run on the H200 (prepared in the nineteenth session).
+Per shape (``proto_ab.ab_against_el``): the largest differences from seesaw-pair-el's outputs (the same plan, split
+kernels only: final rows, LSE and the partials of split requests) and both kernels' times alternating in one process.
+Not yet run on the H200 (prepared in the nineteenth session).
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks"), os.path.dirname(os.path.abspath(__file__))]
 
 from openmla.ops._gluon import GLUON_AVAILABLE, fence_async_shared, gl, gluon, mbarrier  # noqa: E402
 from openmla.ops._gluon import warpgroup_mma, warpgroup_mma_wait  # noqa: E402
 
-ROUNDS = int(os.environ.get("AB_ROUNDS", "3"))
 SHAPES = [(128, 16, 1000, 2), (128, 128, 8192, 1), (128, 128, 8192, 2)]
 COPY_REGS = 32  # registers of each copy warp
 
@@ -312,79 +312,18 @@ if GLUON_AVAILABLE:
 
 def launch_pairw(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse, scale_log2: float,
                  causal: bool = True) -> None:  # fmt: skip
-    """The prototype's split kernel with ``mla_decode_split_gluon``'s arguments (bf16 cache, 64-token pages, the
-    regular plan with split lengths that are multiples of 64): final rows of single-split requests, partials of the
-    others."""
-    import triton
+    """The prototype's split kernel with ``mla_decode_split_gluon``'s arguments (bf16 cache, the regular plan,
+    64-row boxes): final rows of single-split requests, partials of the others."""
+    from proto_ab import launch_proto
 
-    from openmla.ops import decode_gluon as dg
-    from openmla.ops._gluon import TensorDescriptor
-
-    num_blocks, page, _ = kv_cache.shape
-    if page % 64 or plan.tiling.block_n % 64:
-        raise ValueError(f"pairw copies 64-row boxes: needs pages and split lengths that are multiples of 64; got "
-                         f"page {page}, block_n {plan.tiling.block_n}")  # fmt: skip
-    H = q.shape[1]
-    block_h, q_per = dg.gluon_decode_config(H, plan.max_query_len)
-    kv2d = kv_cache.as_strided((num_blocks * page, 576), (kv_cache.stride(1), 1))
-    shape, strides = [num_blocks * page, 576], [kv_cache.stride(1), 1]
-    lat_desc = TensorDescriptor(kv2d, shape, strides, [64, 256], dg._kv_layout())
-    rope_desc = TensorDescriptor(kv2d, shape, strides, [64, 64], dg._kv_layout(False, 64))
-    n_hb, n_qb = triton.cdiv(H, block_h), triton.cdiv(plan.max_query_len, q_per)
-    _pw_kernel[(plan.capacity * n_hb * n_qb,)](
-        q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split,
-        plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, 1.0, q.stride(0),
-        q.stride(1), block_table.stride(0), out.stride(0), out.stride(1), H, num_blocks, block_table.shape[1],
-        PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
-        WG_REGS=dg.SEESAW_WG_REGS, COPY_REGS=COPY_REGS, N_HB=n_hb, N_QB=n_qb, num_warps=4)  # fmt: skip
+    launch_proto(_pw_kernel, 64, q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse, scale_log2,
+                 causal, COPY_REGS=COPY_REGS)
 
 
 def main() -> int:
-    import torch
+    from proto_ab import ab_against_el
 
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        print("pairw: needs an sm90 GPU")
-        return 0
-    from bench_decode_gluon import make_span_problem
-    from common import ab_summary, alternate_us, env_line, shapes_from_env
-
-    import openmla
-    from openmla.ops import decode_gluon as dg
-
-    scale_log2 = 576**-0.5 * 1.4426950408889634
-    print(env_line(), "| seesaw-pair-el vs pairw (split kernel, regular plan)")
-    for h, b, s, qlen in shapes_from_env(SHAPES):
-        q, cache, bt, sl, qsl, s_max = make_span_problem(h, b, s, qlen)
-        flops = 2.0 * int(sl.sum()) * qlen * h * (576 + 512)
-        plan = openmla.plan_decode(sl, qsl, h, max_query_len=qlen, max_seq_len=s_max)
-        res = {n: (torch.zeros(q.shape[0], h, 512, dtype=torch.bfloat16, device="cuda"),
-                   torch.zeros(q.shape[0], h, dtype=torch.float32, device="cuda"),
-                   torch.zeros_like(plan.o_part), torch.zeros_like(plan.lse_part)) for n in ("el", "pw")}  # fmt: skip
-
-        def el(r=res["el"]):
-            dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, r[0], r[1], scale_log2, 1.0, True, 512,
-                                      variant="seesaw-pair-el")  # fmt: skip
-
-        def pw(r=res["pw"]):
-            launch_pairw(q, cache, bt, sl, qsl, plan, r[0], r[1], scale_log2)
-
-        # both write their partials into plan.o_part / lse_part: compare them too, each run on its own
-        el()
-        torch.cuda.synchronize()
-        res["el"][2].copy_(plan.o_part)
-        res["el"][3].copy_(plan.lse_part)
-        pw()
-        torch.cuda.synchronize()
-        res["pw"][2].copy_(plan.o_part)
-        res["pw"][3].copy_(plan.lse_part)
-        diffs = [(res["el"][k].float() - res["pw"][k].float()).abs().nan_to_num(0.0).max().item() for k in range(4)]
-        times = alternate_us({"el": el, "pw": pw}, ROUNDS)
-        med, line = ab_summary(times, flops)
-        print(f"## h{h} b{b} s{s} q{qlen} (max |diff| out {diffs[0]:.2e}, lse {diffs[1]:.2e}, partials {diffs[2]:.2e} "
-              f"/ {diffs[3]:.2e}): {line} | speedup pw {med['el'] / med['pw']:.4f}x", flush=True)  # fmt: skip
-        res = plan = None
-        torch.cuda.empty_cache()
-    return 0
+    return ab_against_el("pw", launch_pairw, SHAPES)
 
 
 if __name__ == "__main__":
