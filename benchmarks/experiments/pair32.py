@@ -39,6 +39,7 @@ from openmla.ops._gluon import (  # noqa: E402
 SHAPES = [(128, 128, 8192, 1), (128, 128, 8192, 2)]
 
 if GLUON_AVAILABLE:
+    from proto_ab import _program_has_rows
     from openmla.ops.decode_gluon_seesaw import (
         _lazy_max,
         _pair_qk_half,
@@ -244,16 +245,7 @@ if GLUON_AVAILABLE:
                     MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
                     WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
                     num_warps: gl.constexpr):  # fmt: skip
-        pid = gl.program_id(0)
-        i_w = pid // (N_HB * N_QB)
-        i_q = (pid // N_HB) % N_QB
-        i_b = gl.load(work_req + i_w)
-        if i_b < 0:
-            return
-        i_b = i_b.to(gl.int64)
-        q_start = gl.load(query_start_loc + i_b)
-        qlen = gl.load(query_start_loc + i_b + 1) - q_start
-        if i_q * Q_PER >= qlen:
+        if not _program_has_rows(work_req, query_start_loc, Q_PER, N_HB, N_QB):
             return
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VEC_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])

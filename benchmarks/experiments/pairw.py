@@ -31,6 +31,7 @@ SHAPES = [(128, 16, 1000, 2), (128, 128, 8192, 1), (128, 128, 8192, 2)]
 COPY_REGS = 32  # registers of each copy warp
 
 if GLUON_AVAILABLE:
+    from proto_ab import _program_has_rows
     from openmla.ops.decode_gluon_seesaw import (
         _pair_exp,
         _pair_next_scores,
@@ -256,16 +257,7 @@ if GLUON_AVAILABLE:
                    BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, WG_REGS: gl.constexpr,
                    COPY_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
                    num_warps: gl.constexpr):  # fmt: skip
-        pid = gl.program_id(0)
-        i_w = pid // (N_HB * N_QB)
-        i_q = (pid // N_HB) % N_QB
-        i_b = gl.load(work_req + i_w)
-        if i_b < 0:
-            return
-        i_b = i_b.to(gl.int64)
-        q_start = gl.load(query_start_loc + i_b)
-        qlen = gl.load(query_start_loc + i_b + 1) - q_start
-        if i_q * Q_PER >= qlen:
+        if not _program_has_rows(work_req, query_start_loc, Q_PER, N_HB, N_QB):
             return
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)

@@ -1,12 +1,28 @@
 """The A/B of a prototype split kernel against ``seesaw-pair-el`` (``pair32.py``, ``pairw.py``; H200 experiment, not
-part of openmla): both on ``plan_decode``'s regular plan, each run once on its own to compare the outputs (final rows,
-LSE, and the partials of split requests), then timed alternating in one process (``AB_ROUNDS`` rounds)."""
+part of openmla): both on ``plan_decode``'s regular plan, each run once on its own to compare the outputs (final
+rows, LSE, and the partials of split requests), then timed alternating in one process (``AB_ROUNDS`` rounds). Also
+what the two kernels share: their launcher and the test for a program with no rows."""
 
 from __future__ import annotations
 
 import os
 
+from openmla.ops._gluon import GLUON_AVAILABLE, gl, gluon
+
 ROUNDS = int(os.environ.get("AB_ROUNDS", "3"))
+
+if GLUON_AVAILABLE:
+
+    @gluon.jit
+    def _program_has_rows(work_req, query_start_loc, Q_PER: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr):
+        """Whether this program (work item x head block x query block of the regular plan) has rows to compute:
+        its work slot is used and its query block starts before the request's last query token."""
+        pid = gl.program_id(0)
+        i_b = gl.load(work_req + pid // (N_HB * N_QB))
+        used = i_b >= 0
+        i_b = gl.where(used, i_b, 0).to(gl.int64)
+        qlen = gl.load(query_start_loc + i_b + 1) - gl.load(query_start_loc + i_b)
+        return used & (((pid // N_HB) % N_QB) * Q_PER < qlen)
 
 
 def ab_against_el(label: str, launch, shapes: list) -> int:
