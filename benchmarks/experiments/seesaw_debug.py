@@ -68,7 +68,6 @@ import torch
 import triton
 
 from openmla.ops import decode_gluon as dg
-from openmla.utils.sm90_report import alloc_offsets
 from openmla.ops._gluon import (
     GLUON_AVAILABLE,
     TensorDescriptor,
@@ -79,6 +78,7 @@ from openmla.ops._gluon import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from openmla.utils.sm90_report import alloc_offsets
 
 SEESAW_WG_REGS = 256  # 9469e91: registers of the worker partition (warpgroup 1)
 SCALE = 576**-0.5
