@@ -316,3 +316,42 @@ def test_cuda_graph_decode_matches_eager(tiny, spec):
     assert graphed.stats.num_graph_replays > 0 and eager.stats.num_graph_replays == 0
     assert a == b
     assert on_gpu()
+
+
+# -------------------------------------------------------------- model widths (issue 28, defect 1)
+_DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+# every kind of width the layouts allow: latent ranks, rope dims, head counts, v_head_dim != qk_nope_head_dim,
+# no q LoRA, plain and YaRN rope (the tiny config's default)
+WIDTHS = {
+    "L16": dict(kv_lora_rank=16),
+    "L32-R16": dict(kv_lora_rank=32, qk_rope_head_dim=16),
+    "L64-R32-H3": dict(kv_lora_rank=64, qk_rope_head_dim=32, num_attention_heads=3),
+    "L256-H1-V48": dict(kv_lora_rank=256, num_attention_heads=1, qk_nope_head_dim=16, v_head_dim=48),
+    "L128-R8-noqlora-rope": dict(kv_lora_rank=128, qk_rope_head_dim=8, q_lora_rank=None, rope_parameters=_DEFAULT_ROPE),
+    "L512-H8-V16": dict(num_attention_heads=8, qk_nope_head_dim=24, v_head_dim=16),
+}
+
+
+@pytest.mark.parametrize("name", list(WIDTHS))
+def test_engine_model_widths_match_hf(name):
+    """Prefill, chunked prefill, decode and verify logits against transformers for each model width."""
+    cfg = tiny_config(**WIDTHS[name])
+    sd = random_state_dict(cfg, seed=1, decisive_routing=DECISIVE)
+    hf = build_hf_model(cfg, sd)
+    model = build_model(cfg, sd, device=testing.suite_device(), dtype=DTYPE)
+    eng = LLMEngine(model, EngineConfig(block_size=pick(16, 64), max_num_seqs=2, max_num_batched_tokens=16,
+                                        max_model_len=64, num_spec_tokens=1, record_logits=True))  # fmt: skip
+    prompts = [PROMPTS[0][:20], PROMPTS[2]]
+    outs = eng.generate(prompts, 4)
+    recs = eng.records
+    assert any(len(r.token_ids) == 1 and r.context_ids for r in recs) and any(r.is_verify for r in recs)
+    assert any(r.context_ids and len(r.token_ids) > 2 for r in recs)  # chunked prefill over cached context
+    check = check_records(hf, recs, *logit_tolerance(DTYPE, "auto"))
+    assert check.ok, "\n".join(check.failures[:5])
+    _assert_greedy(hf, prompts, outs, exact=DTYPE == torch.float32)
+
+
+@pytest.mark.parametrize("field,value", [("kv_lora_rank", 384), ("kv_lora_rank", 2048), ("qk_rope_head_dim", 48)])
+def test_model_width_refused_at_load(field, value):
+    with pytest.raises(ValueError, match=f"{field} {value}: "):
+        load_model(config_overrides={field: value})

@@ -89,6 +89,7 @@ class ModelRunner:
             decode_threshold=1 + num_spec_tokens,
             dtype=dtype,
             kv_entry=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+            kv_lora_rank=cfg.kv_lora_rank,
             workspace_tokens=workspace_tokens,
             kv_cache_dtype=model.attention_layers[0].kv_cache_dtype,
         )

@@ -33,9 +33,24 @@ from openmla.ops.chunked_prefill import mla_prefill_with_context
 from openmla.ops.decode import mla_decode
 from openmla.ops.prefill import flash_attn_varlen
 
-__all__ = ["MLAAttention", "KV_CACHE_DTYPES"]
+__all__ = ["MLAAttention", "KV_CACHE_DTYPES", "check_kernel_widths"]
 
 KV_CACHE_DTYPES = ("auto", "fp8")
+# the absorbed decode (mla_decode) takes power-of-two latent and rope widths (small ones padded to the 16 a dot
+# needs); the largest latent compiled for sm90 is 1024 (its ring of 64-key tiles then takes 174 KB of shared memory)
+MAX_KV_LORA_RANK = 1024
+MAX_ROPE_DIM = 128
+
+
+def check_kernel_widths(kv_lora_rank: int, qk_rope_head_dim: int) -> None:
+    """Raise a ValueError, in model terms, for a latent or rope width the decode kernel cannot take."""
+    for name, val, top in (("kv_lora_rank", kv_lora_rank, MAX_KV_LORA_RANK),
+                           ("qk_rope_head_dim", qk_rope_head_dim, MAX_ROPE_DIM)):  # fmt: skip
+        if val & (val - 1) or val > top:
+            raise ValueError(
+                f"{name} {val}: the paged MLA decode kernel takes {name} as a power of two up to {top} "
+                f"(the cache row is kv_lora_rank + qk_rope_head_dim wide and decode splits it into power-of-two tiles)"
+            )
 
 
 class MLAAttention(nn.Module):
@@ -59,7 +74,8 @@ class MLAAttention(nn.Module):
         kv_scale (float): per-tensor scale of an fp8 cache (value = stored * kv_scale).
 
     Raises:
-        ValueError: on an unknown ``kv_cache_dtype`` or non-positive sizes.
+        ValueError: on an unknown ``kv_cache_dtype``, non-positive sizes, or a ``kv_lora_rank`` /
+            ``qk_rope_head_dim`` the decode kernel cannot take (:func:`check_kernel_widths`).
     """
 
     def __init__(
@@ -92,6 +108,7 @@ class MLAAttention(nn.Module):
         ):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive int; got {val!r}")
+        check_kernel_widths(kv_lora_rank, qk_rope_head_dim)
         if not kv_scale > 0:
             raise ValueError(f"kv_scale must be positive; got {kv_scale!r}")
         self.hidden_size = hidden_size

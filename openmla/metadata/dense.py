@@ -229,13 +229,15 @@ class MLAMetadataBuilder:
         decode_threshold (int): longest query treated as a decode (``1 + num_speculative_tokens``).
         dtype (torch.dtype): model dtype.
         kv_entry (int): cache row width (576 = 512 latent + 64 rope).
+        kv_lora_rank (int): latent width of the layers (512 for DeepSeek V3): the decode output width the
+            plan's buffers are sized for; must be below ``kv_entry`` (the rest is the rope).
         workspace_tokens (int | None): context tokens per chunk of a chunked-context prefill (bounds
             its workspace); default ``min(max(8 * max_model_len, 4 * max_num_seqs * block_size), 64 * 1024)``.
         use_plan (bool): compute a ``plan_decode`` work plan per step (on by default).
         kv_cache_dtype (str): "auto" or "fp8", the cache the decode kernel reads (the plan's tiles).
 
     Raises:
-        ValueError: on non-positive sizes.
+        ValueError: on non-positive sizes, ``kv_lora_rank >= kv_entry`` or an unknown ``kv_cache_dtype``.
     """
 
     def __init__(
@@ -250,6 +252,7 @@ class MLAMetadataBuilder:
         decode_threshold: int = 1,
         dtype: torch.dtype = torch.bfloat16,
         kv_entry: int = 576,
+        kv_lora_rank: int = 512,
         workspace_tokens: int | None = None,
         use_plan: bool = True,
         kv_cache_dtype: str = "auto",
@@ -262,10 +265,16 @@ class MLAMetadataBuilder:
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("decode_threshold", decode_threshold),
             ("kv_entry", kv_entry),
+            ("kv_lora_rank", kv_lora_rank),
         ):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int; got {val!r}")
+        if kv_lora_rank >= kv_entry:
+            raise ValueError(f"kv_lora_rank ({kv_lora_rank}) must be below kv_entry ({kv_entry}): latent + rope")
+        if kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f'kv_cache_dtype must be "auto" or "fp8"; got {kv_cache_dtype!r}')
         self.num_heads = num_heads
+        self.kv_lora_rank = kv_lora_rank
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -386,7 +395,7 @@ class MLAMetadataBuilder:
             key = (B, max_qlen)
             plan = plan_decode(
                 seq_lens, qo_indptr, self.num_heads, max_query_len=max_qlen, max_seq_len=self.max_model_len,
-                kv_cache_dtype=self.kv_cache_dtype, out=self._plans.get(key),
+                d_v=self.kv_lora_rank, kv_cache_dtype=self.kv_cache_dtype, out=self._plans.get(key),
                 validate=False,  # the batch spec was checked on the host
             )  # fmt: skip
             self._plans[key] = plan
