@@ -81,24 +81,48 @@ def _decode_tile(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l, a0, a1, a2,
 
 
 @triton.jit
-def _load_rows(p_kv, m_n, o_c, DC: tl.constexpr, D_V: tl.constexpr, o_r, COMPUTE: tl.constexpr):
-    """A tile's rows through pointers: four latent chunks [N, DC] and the rope [N, D_R]; zeros where masked."""
-    k0 = tl.load(p_kv[:, None] + o_c[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)
-    k1 = tl.load(p_kv[:, None] + DC + o_c[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)
-    k2 = tl.load(p_kv[:, None] + 2 * DC + o_c[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)
-    k3 = tl.load(p_kv[:, None] + 3 * DC + o_c[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)
-    k_r = tl.load(p_kv[:, None] + D_V + o_r[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)
+def _load_rows(p_kv, m_n, o_c, DC: tl.constexpr, D_V: tl.constexpr, o_r, D_R: tl.constexpr, COMPUTE: tl.constexpr):
+    """A tile's rows through pointers: four latent chunks [N, DC] and the rope [N, D_RP]; zeros where masked.
+    Small widths are padded (a dot needs K >= 16): columns past D_V and rope columns past D_R read as 0."""
+    if 4 * DC == D_V:
+        m0 = m_n[:, None]
+        m1 = m_n[:, None]
+        m2 = m_n[:, None]
+        m3 = m_n[:, None]
+    else:
+        m0 = m_n[:, None] & (o_c[None, :] < D_V)
+        m1 = m_n[:, None] & (o_c[None, :] + DC < D_V)
+        m2 = m_n[:, None] & (o_c[None, :] + 2 * DC < D_V)
+        m3 = m_n[:, None] & (o_c[None, :] + 3 * DC < D_V)
+    k0 = tl.load(p_kv[:, None] + o_c[None, :], mask=m0, other=0.0).to(COMPUTE)
+    k1 = tl.load(p_kv[:, None] + DC + o_c[None, :], mask=m1, other=0.0).to(COMPUTE)
+    k2 = tl.load(p_kv[:, None] + 2 * DC + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
+    k3 = tl.load(p_kv[:, None] + 3 * DC + o_c[None, :], mask=m3, other=0.0).to(COMPUTE)
+    if o_r.shape[0] == D_R:
+        m_r = m_n[:, None]
+    else:
+        m_r = m_n[:, None] & (o_r[None, :] < D_R)
+    k_r = tl.load(p_kv[:, None] + D_V + o_r[None, :], mask=m_r, other=0.0).to(COMPUTE)
     return k0, k1, k2, k3, k_r
 
 
 @triton.jit
-def _store_rows(p_row, o0, o1, o2, o3, m_m, o_c, DC: tl.constexpr):
-    """Store four [M, DC] column chunks to rows starting at p_row [M] (in the destination's dtype)."""
+def _store_rows(p_row, o0, o1, o2, o3, m_m, o_c, DC: tl.constexpr, D_V: tl.constexpr):
+    """Store four [M, DC] column chunks to rows starting at p_row [M] (in the destination's dtype); padded
+    columns (past D_V) are not stored."""
     dtype = p_row.dtype.element_ty
-    tl.store(p_row[:, None] + o_c[None, :], o0.to(dtype), mask=m_m[:, None])
-    tl.store(p_row[:, None] + DC + o_c[None, :], o1.to(dtype), mask=m_m[:, None])
-    tl.store(p_row[:, None] + 2 * DC + o_c[None, :], o2.to(dtype), mask=m_m[:, None])
-    tl.store(p_row[:, None] + 3 * DC + o_c[None, :], o3.to(dtype), mask=m_m[:, None])
+    if 4 * DC == D_V:
+        tl.store(p_row[:, None] + o_c[None, :], o0.to(dtype), mask=m_m[:, None])
+        tl.store(p_row[:, None] + DC + o_c[None, :], o1.to(dtype), mask=m_m[:, None])
+        tl.store(p_row[:, None] + 2 * DC + o_c[None, :], o2.to(dtype), mask=m_m[:, None])
+        tl.store(p_row[:, None] + 3 * DC + o_c[None, :], o3.to(dtype), mask=m_m[:, None])
+    else:
+        tl.store(p_row[:, None] + o_c[None, :], o0.to(dtype), mask=m_m[:, None] & (o_c[None, :] < D_V))
+        tl.store(p_row[:, None] + DC + o_c[None, :], o1.to(dtype), mask=m_m[:, None] & (o_c[None, :] + DC < D_V))
+        tl.store(p_row[:, None] + 2 * DC + o_c[None, :], o2.to(dtype),
+                 mask=m_m[:, None] & (o_c[None, :] + 2 * DC < D_V))  # fmt: skip
+        tl.store(p_row[:, None] + 3 * DC + o_c[None, :], o3.to(dtype),
+                 mask=m_m[:, None] & (o_c[None, :] + 3 * DC < D_V))  # fmt: skip
 
 
 @triton.jit
@@ -134,6 +158,8 @@ def _mla_decode_fwd_kernel(
     MAX_QLEN: tl.constexpr,
     D_V: tl.constexpr,
     D_R: tl.constexpr,
+    DC: tl.constexpr,  # latent chunk width: D_V / 4, at least 16 (padded columns masked)
+    D_RP: tl.constexpr,  # rope width padded to a power of two >= 16
     BLOCK_H: tl.constexpr,
     Q_PER: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -146,7 +172,6 @@ def _mla_decode_fwd_kernel(
     PDL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_H * Q_PER
-    DC: tl.constexpr = D_V // 4  # latent chunk width
     if PDL:  # programmatic dependent launch: the reduce grid may be scheduled from now on
         gdc_launch_dependents()
     i_w = tl.program_id(0)
@@ -179,9 +204,9 @@ def _mla_decode_fwd_kernel(
         limit = L + tl.zeros([BLOCK_M], dtype=tl.int32)
 
     o_c = tl.arange(0, DC)
-    o_r = tl.arange(0, D_R)
+    o_r = tl.arange(0, D_RP)
     p_q = q + (q_start + o_t).to(tl.int64) * stride_q_t + o_h * stride_q_h  # [M]
-    q0, q1, q2, q3, q_r = _load_rows(p_q, m_m, o_c, DC, D_V, o_r, COMPUTE)
+    q0, q1, q2, q3, q_r = _load_rows(p_q, m_m, o_c, DC, D_V, o_r, D_R, COMPUTE)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -231,7 +256,7 @@ def _mla_decode_fwd_kernel(
             blk = tl.load(p_bt + i_blk, mask=m_n & (i_blk < max_blocks), other=-1).to(tl.int64)
             m_n = m_n & (blk >= 0) & (blk < num_blocks)
             p_kv = kv_cache + tl.where(m_n, blk * stride_kv_b + (o_n % PAGE) * stride_kv_p, 0)
-        k0, k1, k2, k3, k_r = _load_rows(p_kv, m_n, o_c, DC, D_V, o_r, COMPUTE)
+        k0, k1, k2, k3, k_r = _load_rows(p_kv, m_n, o_c, DC, D_V, o_r, D_R, COMPUTE)
         m_s = m_n[None, :] & (o_n[None, :] < limit[:, None])
         b_m, b_l, a0, a1, a2, a3 = _decode_tile(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l,
                                                 a0, a1, a2, a3, scale_log2, m_s, COMPUTE, DOT_PRECISION)
@@ -242,11 +267,12 @@ def _mla_decode_fwd_kernel(
     if n_split == 1:
         row = (q_start + o_t).to(tl.int64)
         tl.store(lse + row * H + o_h, b_lse, mask=m_m)
-        _store_rows(out + row * stride_o_t + o_h * stride_o_h, a0 * b_r, a1 * b_r, a2 * b_r, a3 * b_r, m_m, o_c, DC)
+        _store_rows(out + row * stride_o_t + o_h * stride_o_h, a0 * b_r, a1 * b_r, a2 * b_r, a3 * b_r, m_m, o_c, DC,
+                    D_V)  # fmt: skip
     else:
         part = (i_w.to(tl.int64) * MAX_QLEN + o_t) * H + o_h  # [M]
         tl.store(lse_part + part, b_lse, mask=m_m)
-        _store_rows(o_part + part * D_V, a0 * b_r, a1 * b_r, a2 * b_r, a3 * b_r, m_m, o_c, DC)
+        _store_rows(o_part + part * D_V, a0 * b_r, a1 * b_r, a2 * b_r, a3 * b_r, m_m, o_c, DC, D_V)
 
 
 @triton.jit
@@ -410,13 +436,16 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
     # fp32 caches (tests, the CPU engine) take half-length tiles: the same ring would not fit shared memory
     block_n = t.block_n // 2 if kv_cache.element_size() == 4 and not INTERPRET else t.block_n
     page_aligned = page % block_n == 0
+    d_r = q.shape[2] - d_v
+    dc, d_rp = max(d_v // 4, 16), max(triton.next_power_of_2(d_r), 16)  # a dot's K is at least 16 on the GPU
     kc_desc = kr_desc = None
     # TMA tiles: forced by the tiling, and the default for fp8 caches on sm90+ (measured 1.26x faster
     # there, RESULTS.md run 7; the bf16 cache is faster through pointers)
     tma_ok = not torch.cuda.is_available() or kv_cache.device.type != "cuda" or \
         torch.cuda.get_device_capability(kv_cache.device) >= (9, 0)
     want_tma = t.tma or (kv_cache.dtype == torch.float8_e4m3fn and kv_cache.device.type == "cuda")
-    use_tma = want_tma and tma_ok and page_aligned and kv_cache.stride(0) == page * kv_cache.stride(1)
+    use_tma = want_tma and tma_ok and page_aligned and kv_cache.stride(0) == page * kv_cache.stride(1) and \
+        4 * dc == d_v and d_rp == d_r  # TMA boxes are the unpadded chunks
     if use_tma:  # the cache as rows [num_blocks * page, d_qk]; TMA zero-fills rows outside it
         rows = kv_cache.shape[0] * page
         kc_desc = TensorDescriptor(kv_cache, [rows, d_v], [kv_cache.stride(1), 1], [block_n, d_v // 4])
@@ -427,7 +456,7 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
         plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), H, kv_cache.shape[0], block_table.shape[1],
-        PAGE=page, MAX_QLEN=plan.max_query_len, D_V=d_v, D_R=q.shape[2] - d_v,
+        PAGE=page, MAX_QLEN=plan.max_query_len, D_V=d_v, D_R=d_r, DC=dc, D_RP=d_rp,
         BLOCK_H=t.block_h, Q_PER=t.q_per, BLOCK_N=block_n, PAGE_ALIGNED=page_aligned, USE_TMA=use_tma,
         MAX_PAGES=triton.next_power_of_2(t.max_split // page + 1), CAUSAL=causal, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32", PDL=_pdl(q.device),
