@@ -14,6 +14,12 @@ from openmla.ops.indices import expand_page_indices
 from openmla.ops.merge import merge_attn_states
 from openmla.ops.plan import DecodePlan, plan_decode
 from openmla.ops.prefill import flash_attn_varlen
+from openmla.ops.sparse import apply_attn_sink, sparse_mla
+from openmla.ops.sparse_indices import (
+    build_ragged_indices_from_dense,
+    convert_req_index_to_global_index,
+    sparse_seq_lens,
+)
 
 __version__ = "0.1.0"
 
@@ -28,4 +34,9 @@ __all__ = [
     "flash_attn_varlen",
     "merge_attn_states",
     "mla_prefill_with_context",
+    "sparse_mla",
+    "apply_attn_sink",
+    "convert_req_index_to_global_index",
+    "sparse_seq_lens",
+    "build_ragged_indices_from_dense",
 ]

@@ -14,3 +14,10 @@ from openmla.reference.prefill import (  # noqa: F401
     merge_attn_states_ref,
     mla_prefill_with_context_ref,
 )
+from openmla.reference.sparse import (  # noqa: F401
+    apply_attn_sink_ref,
+    build_ragged_indices_from_dense_ref,
+    convert_req_index_to_global_index_ref,
+    sparse_mla_ref,
+    sparse_seq_lens_ref,
+)

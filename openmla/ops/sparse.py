@@ -1,0 +1,634 @@
+"""Sparse MLA (DeepSeek V3.2 DSA; the base of V4's attention): attention over per-token top-k slot lists.
+
+Every query token ``t`` attends to the cache rows its index list names (global slots ``block * block_size +
+offset``), in one or two sources (``kv_cache`` and ``extra_kv_cache``) whose keys share one softmax. K is the
+dequantised row (``D`` wide), V its first ``d_v`` values. No causal mask beyond the index set.
+
+Kernel design (docs/sparse_mla.md): one program owns (token, a block of up to 64 heads, one split of the
+token's key list). It loads q once, streams the selected rows in tiles of ``BLOCK_N`` slots (a gather by
+slot; invalid entries are masked and never read), computes q k^T over the first ``d_v`` columns as four
+column chunks plus the tail (V3.2: 512 latent + 64 rope), keeps the online softmax in fp32 registers and
+accumulates P V. The extra source runs through the same loop into the same state. The cache format is a
+constexpr branch of :func:`_load_kv_rows` (bf16/fp16 rows, or the 656-byte ``fp8_ds_mla`` row dequantised in
+registers). The epilogue normalises, applies the sink to ``out`` only and writes ``out`` and the sink-free
+LSE, or, with several splits, a normalised fp32 partial + LSE that :func:`_sparse_mla_merge_fwd_kernel`
+merges. The split count comes from :func:`_num_splits` (fill the SMs when tokens x head blocks cannot).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from openmla.device import INTERPRET, compute_dtype
+from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
+
+__all__ = ["sparse_mla", "apply_attn_sink", "SPARSE_KV_CACHE_DTYPES"]
+
+SPARSE_KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
+_FORMATS = {"auto": 0, "fp8_ds_mla": 1}
+_DS_MLA_ROW_BYTES = 656  # 512 e4m3 + 4 fp32 scales + 64 bf16 (SPEC §2.3)
+_LOG2E = 1.4426950408889634
+
+# Tiles on the GPU, (rows of heads, cache format) -> (BLOCK_N, num_warps, num_stages). 64-row tiles feed
+# wgmma-sized dots; fp8 rows are widened in registers, so their key tiles are narrower. Not yet tuned on the
+# H200 (benchmarks/bench_sparse.py --sweep times the alternatives).
+_GPU_TILING = {
+    (16, 0): (64, 4, 3),
+    (32, 0): (64, 4, 3),
+    (64, 0): (64, 8, 2),
+    (16, 1): (32, 4, 2),
+    (32, 1): (32, 4, 2),
+    (64, 1): (32, 8, 2),
+}
+_MAX_BLOCK_H = 64  # heads per program at most (H = 128 runs two head blocks over the same rows)
+_INTERPRET_BLOCK_N = 16
+# split planner: with fewer than _SPLIT_WAVE x SMs programs (tokens x head blocks), cut each token's key list
+# into splits of at least _MIN_SPLIT_KEYS keys, at most _MAX_SPLITS of them
+_SPLIT_WAVE = 1
+_MIN_SPLIT_KEYS = 256
+_MAX_SPLITS = 32
+_MERGE_BLOCK_H = 16
+_MERGE_BLOCK_D = 128
+_SINK_BLOCK_H = 16
+_SINK_BLOCK_D = 128
+
+
+@triton.jit
+def _sink_factor(b_lse, b_sink):
+    """``sigmoid(lse - sink)`` per row, 0 for an empty row (lse -inf); sink -inf gives 1, +inf gives 0."""
+    empty = b_lse == float("-inf")
+    e = tl.exp2((b_sink - tl.where(empty, 0.0, b_lse)) * 1.4426950408889634)
+    return tl.where(empty, 0.0, 1.0 / (1.0 + e))
+
+
+@triton.jit
+def _load_kv_rows(kv, kv_f32, kv_b16, row, m_n, o_c, o_r, FMT: tl.constexpr, DC: tl.constexpr,
+                  D_V: tl.constexpr, D_T: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+    """A tile of gathered cache rows as four column chunks [N, DC] of the first D_V values and the tail
+    [N, D_TP] (columns D_V..D; zeros where masked or beyond D_T). ``row``: each row's offset in elements of
+    ``kv`` (bytes for FMT 1), 0 where masked. FMT 0: bf16/fp16 rows. FMT 1: fp8_ds_mla (656 bytes: 4 x 128
+    e4m3 with one fp32 scale per 128, then 64 bf16); a NaN from dequantising counts as 0."""
+    m2 = m_n[:, None]
+    m_r = m2 & (o_r[None, :] < D_T)
+    if FMT == 0:
+        k0 = tl.load(kv + row[:, None] + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
+        k1 = tl.load(kv + row[:, None] + DC + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
+        k2 = tl.load(kv + row[:, None] + 2 * DC + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
+        k3 = tl.load(kv + row[:, None] + 3 * DC + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
+        k_r = tl.load(kv + row[:, None] + D_V + o_r[None, :], mask=m_r, other=0.0).to(COMPUTE)
+    else:
+        p_s = kv_f32 + row // 4 + 128  # the 4 fp32 scales at byte 512
+        k0 = _dequant_group(kv, p_s, row, m_n, o_c, 0, COMPUTE)
+        k1 = _dequant_group(kv, p_s, row, m_n, o_c, 1, COMPUTE)
+        k2 = _dequant_group(kv, p_s, row, m_n, o_c, 2, COMPUTE)
+        k3 = _dequant_group(kv, p_s, row, m_n, o_c, 3, COMPUTE)
+        k_r = tl.load(kv_b16 + row[:, None] // 2 + 264 + o_r[None, :], mask=m_r, other=0.0).to(tl.float32)
+        k_r = tl.where(k_r != k_r, 0.0, k_r).to(COMPUTE)
+    return k0, k1, k2, k3, k_r
+
+
+@triton.jit
+def _dequant_group(kv, p_s, row, m_n, o_c, G: tl.constexpr, COMPUTE: tl.constexpr):
+    """Group G (128 values) of fp8_ds_mla rows: e4m3 bytes x the group's fp32 scale; NaN -> 0."""
+    b_q = tl.load(kv + row[:, None] + G * 128 + o_c[None, :], mask=m_n[:, None], other=0)
+    b_s = tl.load(p_s + G, mask=m_n, other=0.0)
+    b_v = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_s[:, None]
+    return tl.where(b_v != b_v, 0.0, b_v).to(COMPUTE)
+
+
+@triton.jit
+def _tile_update(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l, a0, a1, a2, a3, m_n, scale_log2,
+                 D_T: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """One key tile of the online softmax (base 2): scores over the four chunks and the tail, P V over the
+    chunks (V = the first D_V columns)."""
+    b_s = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
+    b_s = tl.dot(q1, tl.trans(k1), b_s, input_precision=DOT_PRECISION)
+    b_s = tl.dot(q2, tl.trans(k2), b_s, input_precision=DOT_PRECISION)
+    b_s = tl.dot(q3, tl.trans(k3), b_s, input_precision=DOT_PRECISION)
+    if D_T > 0:
+        b_s = tl.dot(q_r, tl.trans(k_r), b_s, input_precision=DOT_PRECISION)  # [M, N]
+    b_s = tl.where(m_n[None, :], b_s * scale_log2, float("-inf"))
+    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+    b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+    b_alpha = tl.exp2(b_m - b_m_use)
+    b_p = tl.exp2(b_s - b_m_use[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+    b_p = b_p.to(COMPUTE)
+    a0 = tl.dot(b_p, k0, a0 * b_alpha[:, None], input_precision=DOT_PRECISION)
+    a1 = tl.dot(b_p, k1, a1 * b_alpha[:, None], input_precision=DOT_PRECISION)
+    a2 = tl.dot(b_p, k2, a2 * b_alpha[:, None], input_precision=DOT_PRECISION)
+    a3 = tl.dot(b_p, k3, a3 * b_alpha[:, None], input_precision=DOT_PRECISION)
+    return b_m_new, b_l, a0, a1, a2, a3
+
+
+@triton.jit
+def _row_span(idx, indptr, lens, i_t, stride_i_t, K, nnz, RAGGED: tl.constexpr, HAS_LEN: tl.constexpr):
+    """Token i_t's index row: (pointer to its first entry, number of entries that count). Ragged rows are
+    clamped to the flat array and dense lengths to [0, K], so that nothing is read outside a tensor."""
+    if RAGGED:
+        start = tl.minimum(tl.maximum(tl.load(indptr + i_t).to(tl.int64), 0), nnz)
+        end = tl.minimum(tl.maximum(tl.load(indptr + i_t + 1).to(tl.int64), start), nnz)
+        p_row = idx + start
+        n = (end - start).to(tl.int32)
+    else:
+        p_row = idx + i_t * stride_i_t
+        n = K
+        if HAS_LEN:
+            n = tl.minimum(tl.maximum(tl.load(lens + i_t), 0), K)
+    return p_row, n
+
+
+@triton.jit
+def _attend_source(q0, q1, q2, q3, q_r, b_m, b_l, a0, a1, a2, a3, p_idx, lo, hi, kv, kv_f32, kv_b16,
+                   stride_kv_b, stride_kv_p, num_slots, scale_log2, o_c, o_r, PAGE: tl.constexpr,
+                   FMT: tl.constexpr, DC: tl.constexpr, D_V: tl.constexpr, D_T: tl.constexpr,
+                   BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Entries [lo, hi) of one index row (p_idx) into the softmax state: slots < 0 or >= num_slots are
+    skipped, never read."""
+    for n0 in range(lo, hi, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < hi
+        slot = tl.load(p_idx + o_n, mask=m_n, other=-1).to(tl.int64)
+        m_n = m_n & (slot >= 0) & (slot < num_slots)
+        slot = tl.where(m_n, slot, 0)
+        row = (slot // PAGE) * stride_kv_b + (slot % PAGE) * stride_kv_p
+        k0, k1, k2, k3, k_r = _load_kv_rows(kv, kv_f32, kv_b16, row, m_n, o_c, o_r, FMT, DC, D_V, D_T, COMPUTE)
+        b_m, b_l, a0, a1, a2, a3 = _tile_update(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l, a0, a1,
+                                                a2, a3, m_n, scale_log2, D_T, COMPUTE, DOT_PRECISION)  # fmt: skip
+    return b_m, b_l, a0, a1, a2, a3
+
+
+@triton.jit
+def _store_chunks(p_row, o0, o1, o2, o3, m_h, o_c, DC: tl.constexpr):
+    """Four [M, DC] column chunks to rows p_row [M] (in the destination's dtype)."""
+    dtype = p_row.dtype.element_ty
+    tl.store(p_row[:, None] + o_c[None, :], o0.to(dtype), mask=m_h[:, None])
+    tl.store(p_row[:, None] + DC + o_c[None, :], o1.to(dtype), mask=m_h[:, None])
+    tl.store(p_row[:, None] + 2 * DC + o_c[None, :], o2.to(dtype), mask=m_h[:, None])
+    tl.store(p_row[:, None] + 3 * DC + o_c[None, :], o3.to(dtype), mask=m_h[:, None])
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    q,  # [T, H, D]
+    kv,  # [num_blocks, PAGE, D] (FMT 0) or uint8 [num_blocks, PAGE, 656] (FMT 1)
+    kv_f32,  # FMT 1: the same memory as fp32
+    kv_b16,  # FMT 1: the same memory as bf16
+    idx,  # [T, K] (dense) or [nnz] (RAGGED)
+    indptr,  # [T + 1] (RAGGED)
+    lens,  # [T] (HAS_LEN)
+    ekv,  # the extra source, like kv (HAS_EXTRA)
+    ekv_f32,
+    ekv_b16,
+    eidx,
+    eindptr,
+    elens,
+    sink,  # [H] fp32 (HAS_SINK)
+    out,  # [T, H, D_V]
+    lse,  # [T, H] fp32
+    o_part,  # [NUM_SPLITS, T, H, D_V] fp32 (NUM_SPLITS > 1)
+    lse_part,  # [NUM_SPLITS, T, H] fp32
+    scale_log2,  # sm_scale * log2(e)
+    stride_q_t,
+    stride_q_h,
+    stride_kv_b,
+    stride_kv_p,
+    stride_ekv_b,
+    stride_ekv_p,
+    stride_i_t,
+    stride_ei_t,
+    stride_o_t,
+    stride_o_h,
+    stride_l_t,
+    T,
+    H,
+    K,
+    EK,
+    nnz,
+    e_nnz,
+    num_slots,
+    e_num_slots,
+    PAGE: tl.constexpr,
+    E_PAGE: tl.constexpr,
+    FMT: tl.constexpr,
+    D_V: tl.constexpr,
+    D_T: tl.constexpr,
+    D_TP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    RAGGED: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    E_RAGGED: tl.constexpr,
+    E_HAS_LEN: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    DC: tl.constexpr = D_V // 4
+    i_t = tl.program_id(0).to(tl.int64)
+    i_hb = tl.program_id(1)
+    i_s = tl.program_id(2)
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H  # heads past H pad the tile inside the kernel (no padded copy of q)
+    o_c = tl.arange(0, DC)
+    o_r = tl.arange(0, D_TP)
+
+    # this program's part of the token's key list: main entries [0, n1), then extra entries [n1, n1 + n2)
+    p_idx, n1 = _row_span(idx, indptr, lens, i_t, stride_i_t, K, nnz, RAGGED, HAS_LEN)
+    n2 = 0
+    p_eidx = p_idx
+    if HAS_EXTRA:
+        p_eidx, n2 = _row_span(eidx, eindptr, elens, i_t, stride_ei_t, EK, e_nnz, E_RAGGED, E_HAS_LEN)
+    n = n1 + n2
+    chunk = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = i_s * chunk
+    hi = tl.minimum(lo + chunk, n)
+
+    p_q = q + i_t * stride_q_t + o_h * stride_q_h  # [BLOCK_H]
+    m_q = m_h[:, None]
+    q0 = tl.load(p_q[:, None] + o_c[None, :], mask=m_q, other=0.0).to(COMPUTE)
+    q1 = tl.load(p_q[:, None] + DC + o_c[None, :], mask=m_q, other=0.0).to(COMPUTE)
+    q2 = tl.load(p_q[:, None] + 2 * DC + o_c[None, :], mask=m_q, other=0.0).to(COMPUTE)
+    q3 = tl.load(p_q[:, None] + 3 * DC + o_c[None, :], mask=m_q, other=0.0).to(COMPUTE)
+    q_r = tl.load(p_q[:, None] + D_V + o_r[None, :], mask=m_q & (o_r[None, :] < D_T), other=0.0).to(COMPUTE)
+
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    a0 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
+    b_m, b_l, a0, a1, a2, a3 = _attend_source(
+        q0, q1, q2, q3, q_r, b_m, b_l, a0, a1, a2, a3, p_idx, lo, tl.minimum(hi, n1), kv, kv_f32, kv_b16,
+        stride_kv_b, stride_kv_p, num_slots, scale_log2, o_c, o_r, PAGE, FMT, DC, D_V, D_T, BLOCK_N, COMPUTE,
+        DOT_PRECISION,
+    )  # fmt: skip
+    if HAS_EXTRA:
+        b_m, b_l, a0, a1, a2, a3 = _attend_source(
+            q0, q1, q2, q3, q_r, b_m, b_l, a0, a1, a2, a3, p_eidx, tl.maximum(lo, n1) - n1, hi - n1, ekv,
+            ekv_f32, ekv_b16, stride_ekv_b, stride_ekv_p, e_num_slots, scale_log2, o_c, o_r, E_PAGE, FMT, DC,
+            D_V, D_T, BLOCK_N, COMPUTE, DOT_PRECISION,
+        )  # fmt: skip
+
+    # epilogue: normalise; natural-log LSE of the scaled scores (sink-free); -inf and 0 for an empty row
+    empty = b_l == 0.0
+    b_lse = tl.where(empty, float("-inf"), (b_m + tl.log2(tl.where(empty, 1.0, b_l))) * 0.6931471805599453)
+    b_r = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, b_l))
+    if NUM_SPLITS == 1:
+        if HAS_SINK:
+            b_r = b_r * _sink_factor(b_lse, tl.load(sink + o_h, mask=m_h, other=float("-inf")))
+        b_r = b_r[:, None]
+        tl.store(lse + i_t * stride_l_t + o_h, b_lse, mask=m_h)
+        _store_chunks(out + i_t * stride_o_t + o_h * stride_o_h, a0 * b_r, a1 * b_r, a2 * b_r, a3 * b_r, m_h,
+                      o_c, DC)  # fmt: skip
+    else:
+        b_r = b_r[:, None]
+        part = (i_s * T + i_t) * H + o_h  # [BLOCK_H]
+        tl.store(lse_part + part, b_lse, mask=m_h)
+        _store_chunks(o_part + part * D_V, a0 * b_r, a1 * b_r, a2 * b_r, a3 * b_r, m_h, o_c, DC)
+
+
+@triton.jit
+def _sparse_mla_merge_fwd_kernel(
+    o_part,  # [S, T, H, D_V] fp32, normalised partials
+    lse_part,  # [S, T, H] fp32
+    sink,  # [H] fp32 (HAS_SINK)
+    out,  # [T, H, D_V]
+    lse,  # [T, H] fp32
+    stride_o_t,
+    stride_o_h,
+    stride_l_t,
+    T,
+    H,
+    S: tl.constexpr,
+    S_P: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+):
+    # LSE merge of the splits of one token for BLOCK_H heads; a split of weight 0 (no key) is not read
+    i_t = tl.program_id(0).to(tl.int64)
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    o_s = tl.arange(0, S_P)
+    p_l = lse_part + (o_s[:, None] * T + i_t) * H + o_h[None, :]  # [S_P, BLOCK_H]
+    b_ls = tl.load(p_l, mask=(o_s[:, None] < S) & m_h[None, :], other=float("-inf"))
+    b_mx = tl.max(b_ls, axis=0)
+    b_mx = tl.where(b_mx == float("-inf"), 0.0, b_mx)
+    b_den = tl.sum(tl.exp2((b_ls - b_mx[None, :]) * 1.4426950408889634), axis=0)  # [BLOCK_H]
+    empty = b_den == 0.0
+    b_lse = tl.where(empty, float("-inf"), b_mx + tl.log(tl.where(empty, 1.0, b_den)))
+    b_r = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, b_den))
+    if HAS_SINK:
+        b_r = b_r * _sink_factor(b_lse, tl.load(sink + o_h, mask=m_h, other=float("-inf")))
+    tl.store(lse + i_t * stride_l_t + o_h, b_lse, mask=m_h)
+    o_d = tl.arange(0, BLOCK_D)
+    for d0 in tl.static_range(0, D_V, BLOCK_D):
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for s in range(S):
+            b_l1 = tl.load(lse_part + (s * T + i_t) * H + o_h, mask=m_h, other=float("-inf"))
+            w = tl.exp2((b_l1 - b_mx) * 1.4426950408889634)
+            p_o = o_part + ((s * T + i_t) * H + o_h)[:, None] * D_V + d0 + o_d[None, :]
+            b_o = tl.load(p_o, mask=(m_h & (w > 0.0))[:, None], other=0.0)
+            acc += w[:, None] * b_o
+        acc = acc * b_r[:, None]
+        p_out = out + i_t * stride_o_t + o_h[:, None] * stride_o_h + d0 + o_d[None, :]
+        tl.store(p_out, acc.to(out.dtype.element_ty), mask=m_h[:, None])
+
+
+@triton.jit
+def _apply_attn_sink_fwd_kernel(
+    x,  # [T, H, D]
+    lse,  # [T, H] fp32
+    sink,  # [H] fp32
+    y,  # [T, H, D]
+    stride_x_t,
+    stride_x_h,
+    stride_l_t,
+    stride_l_h,
+    stride_y_t,
+    stride_y_h,
+    H,
+    D,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    o_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_h = o_h < H
+    m = m_h[:, None] & (o_d[None, :] < D)
+    b_lse = tl.load(lse + i_t * stride_l_t + o_h * stride_l_h, mask=m_h, other=float("-inf"))
+    b_lse = tl.where(b_lse != b_lse, float("-inf"), b_lse)
+    b_f = _sink_factor(b_lse, tl.load(sink + o_h, mask=m_h, other=float("-inf")))
+    b_x = tl.load(x + i_t * stride_x_t + o_h[:, None] * stride_x_h + o_d[None, :], mask=m, other=0.0)
+    b_y = tl.where(b_f[:, None] == 0.0, 0.0, b_x.to(tl.float32) * b_f[:, None])  # a row with weight 0 is 0
+    tl.store(y + i_t * stride_y_t + o_h[:, None] * stride_y_h + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m)
+
+
+def _check_sink(attn_sink, H: int, dev) -> None:
+    check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), shape=(H,), device=dev)
+
+
+def apply_attn_sink(
+    out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor, *, inplace: bool = False
+) -> torch.Tensor:
+    r"""Apply attention sinks to a finished (merged) attention output: ``out * sigmoid(lse - sink)``.
+
+    The sink is one extra logit per head with a zero value vector (FlashMLA, DeepSeek V4): it only enters
+    the denominator, so ``out_sink = out * e^lse / (e^lse + e^sink)``. ``sparse_mla`` returns the sink-free
+    LSE so that partial results (splits, ranks, chunks) can be merged exactly first and the sink applied once
+    here. A sink of -inf changes nothing, +inf gives 0; a row with lse -inf (no key) gives 0.
+
+    Args:
+        out (torch.Tensor): `[T, H, D]`, bf16/fp16/fp32, last dim contiguous.
+        lse (torch.Tensor): `[T, H]` fp32, natural-log LSE of the scaled scores, sink-free.
+        attn_sink (torch.Tensor): `[H]` fp32 logits.
+        inplace (bool): write into ``out`` instead of a new tensor.
+
+    Returns:
+        torch.Tensor: `[T, H, D]`, out's dtype.
+    """
+    check_tensor("out", out, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=3)
+    dev = out.device
+    T, H, D = out.shape
+    check_tensor("lse", lse, dtypes=(torch.float32,), shape=(T, H), device=dev, last_dim_contiguous=False)
+    _check_sink(attn_sink, H, dev)
+    y = out if inplace else torch.empty(T, H, D, dtype=out.dtype, device=dev)
+    if T and H and D:
+        grid = (T, triton.cdiv(H, _SINK_BLOCK_H), triton.cdiv(D, _SINK_BLOCK_D))
+        _apply_attn_sink_fwd_kernel[grid](
+            out, lse, attn_sink, y, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), y.stride(0),
+            y.stride(1), H, D, BLOCK_H=_SINK_BLOCK_H, BLOCK_D=_SINK_BLOCK_D,
+        )  # fmt: skip
+    return y
+
+
+_NUM_SMS: dict = {}
+
+
+def _num_sms(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 1  # the interpreter: no split unless asked for (tests pass _num_splits)
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _NUM_SMS:
+        _NUM_SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _NUM_SMS[key]
+
+
+def _num_splits(T: int, head_blocks: int, max_keys: int, num_sms: int) -> int:
+    """Splits of each token's key list: 1 when tokens x head blocks fill _SPLIT_WAVE waves of the SMs; else
+    enough to fill them, each split at least _MIN_SPLIT_KEYS keys (of the bound ``max_keys``), at most
+    _MAX_SPLITS."""
+    programs = T * head_blocks
+    if programs == 0 or programs >= _SPLIT_WAVE * num_sms:
+        return 1
+    want = triton.cdiv(_SPLIT_WAVE * num_sms, programs)
+    return max(1, min(want, max_keys // _MIN_SPLIT_KEYS, _MAX_SPLITS))
+
+
+def _tiling(H: int, fmt: int) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages): heads padded to a power of two from 16 (tl.dot's minimum)
+    up to 64 per program."""
+    block_h = min(_MAX_BLOCK_H, max(16, triton.next_power_of_2(H)))
+    if INTERPRET:
+        return block_h, _INTERPRET_BLOCK_N, 4, 1
+    return (block_h,) + _GPU_TILING[(block_h, fmt)]
+
+
+def _check_cache(name: str, cache, kv_cache_dtype: str, q, dev) -> int:
+    """Validate one source's cache for its layout; return the format number."""
+    fmt = _FORMATS[kv_cache_dtype]
+    D = q.shape[2]
+    if fmt == 0:
+        check_tensor(name, cache, dtypes=(q.dtype,), ndim=3, device=dev)
+        if cache.shape[2] != D:
+            raise ValueError(f"{name} rows must be {D} wide like q; got {describe(cache)}")
+    else:
+        check_tensor(name, cache, dtypes=(torch.uint8,), ndim=3, device=dev)
+        if cache.shape[2] != _DS_MLA_ROW_BYTES:
+            raise ValueError(f'{name} must be uint8 [num_blocks, block_size, 656] for "fp8_ds_mla"; '
+                             f"got {describe(cache)}")  # fmt: skip
+        if cache.stride(0) % 4 or cache.stride(1) % 4 or cache.storage_offset() % 4:
+            raise ValueError(f"{name} rows must be 4-byte aligned for fp8_ds_mla; got strides {cache.stride()}")
+    if cache.shape[1] < 1:
+        raise ValueError(f"{name} must have a block size >= 1; got {describe(cache)}")
+    return fmt
+
+
+def _check_indices(name: str, indices, len_name: str, length, T: int, dev, validate: bool):
+    """One source's index set: dense ``[T, K]`` (+ optional lengths ``[T]``) or ragged ``(indptr, flat)``.
+    Returns (idx, indptr, lens, K, nnz, ragged)."""
+    if isinstance(indices, (tuple, list)):
+        if len(indices) != 2:
+            raise ValueError(f"{name} as a ragged pair must be (indptr [T + 1], flat [nnz]); got {len(indices)} items")
+        indptr, flat = indices
+        check_tensor(f"{name}[0] (indptr)", indptr, dtypes=(torch.int32,), shape=(T + 1,), device=dev)
+        check_tensor(f"{name}[1] (flat)", flat, dtypes=(torch.int32,), ndim=1, device=dev)
+        if length is not None:
+            raise ValueError(f"{len_name} must be None with ragged {name} (indptr gives the lengths)")
+        if validate and not capturing() and T:
+            d = indptr[1:] - indptr[:-1]
+            if int(indptr[0]) < 0 or bool((d < 0).any()) or int(indptr[-1]) > flat.numel():
+                raise ValueError(f"{name}[0] (indptr) must be non-decreasing from >= 0 up to at most "
+                                 f"flat's {flat.numel()} entries; got {indptr.tolist()[:8]}...")  # fmt: skip
+        return flat, indptr, flat, int(flat.numel()), int(flat.numel()), True
+    check_tensor(name, indices, dtypes=(torch.int32,), ndim=2, device=dev)
+    if indices.shape[0] != T:
+        raise ValueError(f"{name} must have shape [{T}, K] (one row per query token); got {describe(indices)}")
+    K = indices.shape[1]
+    if length is not None:
+        check_tensor(len_name, length, dtypes=(torch.int32,), shape=(T,), device=dev)
+        if validate and not capturing() and T:
+            lo, hi = int(length.min()), int(length.max())
+            if lo < 0 or hi > K:
+                raise ValueError(f"{len_name} must lie in [0, {K}] ({name}'s width); got {lo if lo < 0 else hi}")
+    return indices, indices, (length if length is not None else indices), K, 0, False
+
+
+def sparse_mla(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices,
+    sm_scale: float,
+    *,
+    kv_cache_dtype: str = "auto",
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    d_v: int = 512,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices=None,
+    extra_topk_length: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    return_lse: bool = True,
+    validate: bool = True,
+    _num_splits_override: int | None = None,
+    _tiling_override: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Sparse MLA attention over per-token top-k slot lists (DeepSeek V3.2 DSA, MQA form; V4's base).
+
+    For each query row ``t`` (decode, verify and prefill rows alike) and head ``h``:
+    ``s_j = sm_scale * q[t, h] . K_j`` over the keys ``j`` that row t's index list(s) name,
+    ``lse = log sum_j e^{s_j}``, ``out = sum_j e^{s_j - lse} V_j``, with K_j the dequantised cache row
+    (``D`` values) and V_j its first ``d_v`` values. Entries < 0 or >= the cache's slots are skipped and never
+    read (slot 0 is a real slot); duplicate entries count once each.
+
+    Args:
+        q (torch.Tensor): `[T, H, D]` bf16/fp16, last dim contiguous; any H >= 1 (no padding needed).
+            V3.2: D = 576 (512 latent + 64 rope), d_v = 512. V4: D = d_v = 512.
+        kv_cache (torch.Tensor): ``"auto"``: `[num_blocks, block_size, D]` of q's dtype; ``"fp8_ds_mla"``:
+            uint8 `[num_blocks, block_size, 656]` (SPEC §2.3: 512 e4m3 in 4 groups of 128, 4 fp32 group scales,
+            64 bf16 rope; value = e4m3 * scale), D = 576. Any block size >= 1, any strides of the first two dims.
+        indices: `[T, K]` int32 global slots (``block * block_size + offset``; any K >= 1), or the ragged pair
+            ``(indptr [T + 1] int32, flat [nnz] int32)`` of :func:`openmla.build_ragged_indices_from_dense`.
+        sm_scale (float): softmax scale (required; model specific).
+        kv_cache_dtype (str): ``"auto"`` or ``"fp8_ds_mla"`` (both sources). With fp8, a NaN produced by
+            dequantising a selected row counts as 0.
+        topk_length (torch.Tensor | None): `[T]` int32 in ``[0, K]``: only the first ``topk_length[t]`` entries
+            of row t count (dense indices only).
+        attn_sink (torch.Tensor | None): `[H]` fp32: an extra logit with a zero value in each head's
+            denominator, ``out = out * sigmoid(lse - sink)``; -inf = no sink, +inf gives 0. The returned lse is
+            the sink-free one (FlashMLA's rule; :func:`apply_attn_sink` applies a sink after merging).
+        d_v (int): the output width; V = the first d_v values of a row (512; d_v / 4 a power of two and
+            D - d_v 0 or a power of two >= 16).
+        extra_kv_cache, extra_indices, extra_topk_length: a second source (its own block size, the same dtype
+            rules, dense or ragged indices) whose keys join the same softmax (FlashMLA's extra_k_cache).
+        out (torch.Tensor | None): `[T, H, d_v]` buffer of q's dtype (last dim contiguous).
+        lse (torch.Tensor | None): `[T, H]` fp32 buffer (last dim contiguous).
+        return_lse (bool): return the LSE (computed either way).
+        validate (bool): host-synchronising checks of ``topk_length`` ranges and ragged ``indptr`` (skipped
+            while a CUDA graph is captured). Without them the kernel still never reads outside a tensor
+            (lengths are clamped to the rows).
+
+    Returns:
+        out: `[T, H, d_v]`, q's dtype. A row with no valid key gives 0.
+        lse: `[T, H]` fp32, natural-log LSE of the scaled scores, sink-free; -inf for a row with no valid key
+        (FlashMLA returns +inf there); None when ``return_lse`` is False.
+    """
+    check_tensor("q", q, dtypes=FLOAT16_DTYPES, ndim=3)
+    dev = q.device
+    T, H, D = q.shape
+    if kv_cache_dtype not in _FORMATS:
+        raise ValueError(f"kv_cache_dtype must be one of {SPARSE_KV_CACHE_DTYPES} for sparse_mla; got {kv_cache_dtype!r}")
+    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 0 < d_v <= D:
+        raise ValueError(f"d_v must be an int in [1, {D}] (q's last dim); got {d_v!r}")
+    d_t = D - d_v
+    dc = d_v // 4
+    if d_v % 4 or dc < 16 or dc & (dc - 1) or (d_t and (d_t < 16 or d_t & (d_t - 1))):
+        raise ValueError(f"need d_v / 4 a power of two >= 16 and D - d_v 0 or a power of two >= 16; got D {D}, d_v {d_v}")
+    if H < 1:
+        raise ValueError(f"q must have at least one head; got {describe(q)}")
+    fmt = _check_cache("kv_cache", kv_cache, kv_cache_dtype, q, dev)
+    if fmt == 1 and (D != 576 or d_v != 512):
+        raise ValueError(f"fp8_ds_mla rows hold 512 + 64 values: q must be [T, H, 576] and d_v 512; got {describe(q)}, d_v {d_v}")
+    if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
+        raise TypeError(f"sm_scale must be a finite float; got {sm_scale!r}")
+    idx, indptr, lens, K, nnz, ragged = _check_indices("indices", indices, "topk_length", topk_length, T, dev, validate)
+    has_extra = extra_kv_cache is not None
+    if has_extra:
+        if extra_indices is None:
+            raise ValueError("extra_indices is required with extra_kv_cache")
+        _check_cache("extra_kv_cache", extra_kv_cache, kv_cache_dtype, q, dev)
+        eidx, eindptr, elens, EK, e_nnz, e_ragged = _check_indices(
+            "extra_indices", extra_indices, "extra_topk_length", extra_topk_length, T, dev, validate
+        )
+    else:
+        if extra_indices is not None or extra_topk_length is not None:
+            raise ValueError("extra_indices / extra_topk_length need extra_kv_cache")
+        eidx, eindptr, elens, EK, e_nnz, e_ragged = idx, indptr, lens, 0, 0, False
+    if attn_sink is not None:
+        _check_sink(attn_sink, H, dev)
+    if out is None:
+        out = torch.empty(T, H, d_v, dtype=q.dtype, device=dev)
+    else:
+        check_tensor("out", out, dtypes=(q.dtype,), shape=(T, H, d_v), device=dev)
+    if lse is None:
+        lse = torch.empty(T, H, dtype=torch.float32, device=dev)
+    else:
+        check_tensor("lse", lse, dtypes=(torch.float32,), shape=(T, H), device=dev)
+    if T == 0:
+        return out, (lse if return_lse else None)
+
+    block_h, block_n, num_warps, num_stages = _tiling_override or _tiling(H, fmt)
+    head_blocks = triton.cdiv(H, block_h)
+    if _num_splits_override is not None:
+        splits = int(_num_splits_override)
+    else:
+        splits = _num_splits(T, head_blocks, K + EK, _num_sms(dev))
+    if splits > 1:
+        o_part = torch.empty(splits, T, H, d_v, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(splits, T, H, dtype=torch.float32, device=dev)
+    else:
+        o_part, lse_part = lse, lse  # unused
+    compute = compute_dtype(q.dtype)
+    views = [kv_cache] * 3 if fmt == 0 else [kv_cache, kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)]
+    ekv = extra_kv_cache if has_extra else kv_cache
+    eviews = [ekv] * 3 if fmt == 0 else [ekv, ekv.view(torch.float32), ekv.view(torch.bfloat16)]
+    _sparse_mla_fwd_kernel[(T, head_blocks, splits)](
+        q, *views, idx, indptr, lens, *eviews, eidx, eindptr, elens,
+        attn_sink if attn_sink is not None else lse, out, lse, o_part, lse_part, float(sm_scale) * _LOG2E,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), ekv.stride(0), ekv.stride(1),
+        idx.stride(0) if not ragged else 0, eidx.stride(0) if has_extra and not e_ragged else 0,
+        out.stride(0), out.stride(1), lse.stride(0), T, H, K, EK, nnz, e_nnz,
+        kv_cache.shape[0] * kv_cache.shape[1], ekv.shape[0] * ekv.shape[1],
+        PAGE=kv_cache.shape[1], E_PAGE=ekv.shape[1], FMT=fmt, D_V=d_v, D_T=d_t, D_TP=max(16, d_t),
+        BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits, RAGGED=ragged, HAS_LEN=topk_length is not None,
+        HAS_EXTRA=has_extra, E_RAGGED=e_ragged, E_HAS_LEN=extra_topk_length is not None,
+        HAS_SINK=attn_sink is not None, COMPUTE=compute, DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        _sparse_mla_merge_fwd_kernel[(T, triton.cdiv(H, _MERGE_BLOCK_H))](
+            o_part, lse_part, attn_sink if attn_sink is not None else lse, out, lse, out.stride(0), out.stride(1),
+            lse.stride(0), T, H, S=splits, S_P=triton.next_power_of_2(splits), D_V=d_v, BLOCK_H=_MERGE_BLOCK_H,
+            BLOCK_D=min(_MERGE_BLOCK_D, dc * 4), HAS_SINK=attn_sink is not None, num_warps=4,
+        )  # fmt: skip
+    return out, (lse if return_lse else None)
