@@ -1,0 +1,283 @@
+"""DCP decode routes for one rank's shard: plain, segmented verify and the global-position masked kernel.
+
+Under DCP a rank holds only the keys it owns (``openmla.parallel.sharding``), at local positions. A causal
+verify row ``t`` of request ``b`` (query length ``q``, global length ``S``) may see global positions
+``[0, S - q + t]``; the plain causal mask of :func:`openmla.mla_decode` works in local positions and is
+wrong there for ``W > 1``. Three routes give each row its exact local window (SPEC §5.6):
+
+* **plain**: qlen 1 or a non-causal block; every row sees the whole local shard (``mla_decode``,
+  ``causal=False``).
+* **segmented**: one flattened request per verify row (qlen 1) whose local length is the sharded
+  count of the row's global prefix (:func:`~openmla.parallel.sharding.dcp_local_verify_row_lens`), all
+  rows of a request sharing its block table; the public ``mla_decode`` does the rest. It reads a
+  request's KV once per row.
+* **masked**: :func:`dcp_masked_decode`, a Triton kernel that maps each local key to its global position
+  ``((l // I) * W + r) * I + l % I`` and masks ``g <= S - q + t``; one program streams a request's KV
+  once for all its rows (what AITER's round-robin "CPRR" kernel does).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from openmla.device import compute_dtype
+from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe, scalar_scale
+from openmla.parallel.sharding import check_dcp_args
+
+__all__ = ["dcp_masked_decode", "select_dcp_decode_route", "DCP_ROUTES"]
+
+DCP_ROUTES = ("plain", "segmented", "masked")
+_LOG2E = 1.4426950408889634
+# "auto" takes the masked kernel from this query length on: the segmented route reads a request's KV once
+# per row, the masked one once per request. Not measured yet (the multi-GPU run is its own issue).
+_MASKED_MIN_QLEN = int(os.environ.get("OPENMLA_DCP_MASKED_MIN_QLEN", "3"))
+
+
+def select_dcp_decode_route(causal: bool, max_query_len: int, route: str | None = None) -> str:
+    r"""Pick the DCP decode route of a batch (the analogue of vLLM's ``_select_dcp_decode_route``).
+
+    Args:
+        causal (bool): causal masking inside each request's query block.
+        max_query_len (int): the batch's longest query (1 = plain decode).
+        route (str | None): "auto" (default; also when None, unless ``OPENMLA_DCP_ROUTE`` says otherwise),
+            "plain", "segmented" or "masked". A forced "segmented"/"masked" on a batch that needs no
+            per-row window is honoured (both are exact there too); a forced "plain" on a causal verify
+            batch is an error (it would let rows see future keys).
+
+    Returns:
+        str: "plain" for non-causal blocks and qlen <= 1; else "masked" from
+        ``OPENMLA_DCP_MASKED_MIN_QLEN`` (3) rows per request on, "segmented" below.
+
+    Raises:
+        ValueError: an unknown route, or "plain" for a causal multi-row batch.
+    """
+    route = route or os.environ.get("OPENMLA_DCP_ROUTE", "auto")
+    if route not in ("auto",) + DCP_ROUTES:
+        raise ValueError(f'route must be "auto", "plain", "segmented" or "masked"; got {route!r}')
+    needs_window = causal and max_query_len > 1
+    if route == "plain" and needs_window:
+        raise ValueError(f"route 'plain' cannot serve a causal verify batch (max_query_len {max_query_len})")
+    if route != "auto":
+        return route
+    if not needs_window:
+        return "plain"
+    return "masked" if max_query_len >= _MASKED_MIN_QLEN else "segmented"
+
+
+@triton.jit
+def _local_count(n, RANK, WORLD, INTERLEAVE):
+    """Keys of the global prefix ``[0, n)`` that rank ``RANK`` owns (n >= 0)."""
+    base = n // (INTERLEAVE * WORLD) * INTERLEAVE
+    return base + tl.minimum(tl.maximum(n - base * WORLD - RANK * INTERLEAVE, 0), INTERLEAVE)
+
+
+@triton.jit
+def _dcp_masked_decode_fwd_kernel(
+    q,  # [T, H, D_V + D_R]
+    kv_cache,  # [num_blocks, PAGE, D_V + D_R]
+    block_table,  # [B, max_blocks], this rank's local blocks
+    local_lens,  # [B] keys this rank holds per request
+    global_lens,  # [B] global sequence lengths S
+    query_start_loc,  # [B + 1]
+    out,  # [T, H, D_V]
+    lse,  # [T, H] fp32
+    scale_log2,  # sm_scale * kv_scale * log2(e)
+    v_scale,  # kv_scale for an fp8 cache, else 1
+    stride_q_t,
+    stride_q_h,
+    stride_kv_b,
+    stride_kv_p,
+    stride_bt_b,
+    stride_o_t,
+    stride_o_h,
+    H,
+    num_blocks,
+    max_blocks,
+    RANK,
+    WORLD,
+    INTERLEAVE,
+    PAGE: tl.constexpr,
+    D_V: tl.constexpr,
+    D_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    Q_PER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_H * Q_PER
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_q = tl.program_id(2)
+    q_start = tl.load(query_start_loc + i_b)
+    qlen = tl.load(query_start_loc + i_b + 1) - q_start
+    if i_q * Q_PER >= qlen:
+        return
+    L = tl.load(local_lens + i_b)
+    S = tl.load(global_lens + i_b)
+    o_m = tl.arange(0, BLOCK_M)
+    o_t = i_q * Q_PER + o_m // BLOCK_H  # row within the request
+    o_h = i_h * BLOCK_H + o_m % BLOCK_H
+    m_m = (o_t < qlen) & (o_h < H)
+    kv_hi = L
+    if CAUSAL:
+        last_g = S - qlen + o_t  # the last global position each row sees
+        # the keys of the program's last row: a local prefix (owned positions grow with the local one)
+        n_vis = tl.maximum(S - qlen + tl.minimum(i_q * Q_PER + Q_PER, qlen), 0)
+        kv_hi = tl.minimum(L, _local_count(n_vis, RANK, WORLD, INTERLEAVE))
+
+    o_c = tl.arange(0, D_V)
+    o_r = tl.arange(0, D_R)
+    p_q = q + (q_start + o_t).to(tl.int64)[:, None] * stride_q_t + o_h[:, None] * stride_q_h
+    b_qc = tl.load(p_q + o_c[None, :], mask=m_m[:, None], other=0.0).to(COMPUTE)  # [M, D_V]
+    b_qr = tl.load(p_q + D_V + o_r[None, :], mask=m_m[:, None], other=0.0).to(COMPUTE)  # [M, D_R]
+
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
+    p_bt = block_table + i_b * stride_bt_b
+    for n0 in range(0, kv_hi, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)  # local positions
+        m_n = o_n < kv_hi
+        i_blk = o_n // PAGE
+        blk = tl.load(p_bt + i_blk, mask=m_n & (i_blk < max_blocks), other=-1).to(tl.int64)
+        m_n = m_n & (blk >= 0) & (blk < num_blocks)
+        p_kv = kv_cache + tl.where(m_n, blk * stride_kv_b + (o_n % PAGE) * stride_kv_p, 0)
+        b_kc = tl.load(p_kv[:, None] + o_c[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)  # [N, D_V]
+        b_kr = tl.load(p_kv[:, None] + D_V + o_r[None, :], mask=m_n[:, None], other=0.0).to(COMPUTE)  # [N, D_R]
+        b_s = tl.dot(b_qc, tl.trans(b_kc), input_precision=DOT_PRECISION)
+        b_s = tl.dot(b_qr, tl.trans(b_kr), b_s, input_precision=DOT_PRECISION)  # [M, N]
+        m_s = m_n[None, :] & m_m[:, None]
+        if CAUSAL:
+            g = (o_n // INTERLEAVE * WORLD + RANK) * INTERLEAVE + o_n % INTERLEAVE  # global positions
+            m_s = m_s & (g[None, :] <= last_g[:, None])
+        b_s = tl.where(m_s, b_s * scale_log2, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = tl.exp2(b_m - b_m_use)
+        b_p = tl.exp2(b_s - b_m_use[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = tl.dot(b_p.to(COMPUTE), b_kc, b_acc * b_alpha[:, None], input_precision=DOT_PRECISION)
+        b_m = b_m_new
+
+    empty = b_l == 0.0
+    b_r = tl.where(empty, 0.0, v_scale / tl.where(empty, 1.0, b_l))
+    b_lse = tl.where(empty, float("-inf"), (b_m + tl.log2(tl.where(empty, 1.0, b_l))) * 0.6931471805599453)
+    row = (q_start + o_t).to(tl.int64)
+    tl.store(lse + row * H + o_h, b_lse, mask=m_m)
+    p_o = out + row[:, None] * stride_o_t + o_h[:, None] * stride_o_h + o_c[None, :]
+    tl.store(p_o, (b_acc * b_r[:, None]).to(out.dtype.element_ty), mask=m_m[:, None])
+
+
+def _dcp_masked_decode_fwd(q, kv_cache, block_table, local_lens, global_lens, query_start_loc, out, lse,
+                           scale_log2, v_scale, causal, d_v, max_query_len, world_size, rank, interleave):  # fmt: skip
+    """Pick tiles and launch the masked kernel (one program per request x head block x row block)."""
+    T, H, d_qk = q.shape
+    B = block_table.shape[0]
+    q_per = min(triton.next_power_of_2(max(max_query_len, 1)), 16)
+    block_h = min(max(16 // q_per, 1), triton.next_power_of_2(H)) if q.device.type == "cpu" else max(16 // q_per, 1)
+    block_n = 16 if kv_cache.element_size() == 4 else 32
+    compute = compute_dtype(torch.float16 if kv_cache.dtype == torch.float8_e4m3fn else q.dtype)
+    grid = (B, triton.cdiv(H, block_h), triton.cdiv(max(max_query_len, 1), q_per))
+    _dcp_masked_decode_fwd_kernel[grid](
+        q, kv_cache, block_table, local_lens, global_lens, query_start_loc, out, lse, scale_log2, v_scale,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), H, kv_cache.shape[0], block_table.shape[1], rank, world_size, interleave,
+        PAGE=kv_cache.shape[1], D_V=d_v, D_R=d_qk - d_v, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,
+        CAUSAL=causal, COMPUTE=compute, DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+
+
+def dcp_masked_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    sm_scale: float,
+    *,
+    world_size: int,
+    rank: int,
+    interleave: int = 1,
+    causal: bool = True,
+    kv_cache_dtype: str = "auto",
+    kv_scale: torch.Tensor | float | None = None,
+    max_query_len: int | None = None,
+    d_v: int = 512,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""One rank's partial MLA decode over its DCP shard, masked on global positions (no communication).
+
+    Args:
+        q (torch.Tensor): `[T, h, d_qk]` (576 = d_v + rope), bf16/fp16 (fp32 for tests).
+        kv_cache (torch.Tensor): `[num_blocks, page_size, d_qk]`, q's dtype ("auto") or float8_e4m3fn ("fp8");
+            this rank's shard at local positions.
+        block_table (torch.Tensor): `[B, max_blocks]`, int32/int64; local blocks.
+        seq_lens (torch.Tensor): `[B]`, int32/int64; **global** lengths ``S`` (local ones are derived).
+        query_start_loc (torch.Tensor): `[B + 1]`, int32/int64; query lengths 0-16 (ragged allowed).
+        sm_scale (float): softmax scale.
+        world_size (int), rank (int), interleave (int): the sharding (``openmla.parallel.sharding``).
+        causal (bool): row ``t`` of a request sees global positions ``[0, S - qlen + t]``; else all keys.
+        kv_cache_dtype (str): "auto" or "fp8" (per-tensor ``kv_scale``, value = stored * kv_scale).
+        max_query_len (int | None): the longest query (read from ``query_start_loc`` when None: a host sync).
+        d_v (int): latent width (a power of two; 512 for DeepSeek).
+        validate (bool): host-synchronising checks (lengths against the block table, ``query_start_loc``).
+
+    Returns:
+        out: `[T, h, d_v]`, q.dtype; the attention over this rank's visible keys (0 where none).
+        lse: `[T, h]`, fp32, natural-log LSE of the scaled scores over those keys (-inf where none).
+
+    Raises:
+        TypeError, ValueError: bad dtypes, shapes, devices or sharding arguments (the message names them).
+    """
+    W, rank, I = check_dcp_args(world_size, rank, interleave)  # noqa: E741
+    check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=3)
+    dev = q.device
+    T, H, d_qk = q.shape
+    if d_qk <= d_v or d_v & (d_v - 1) or (d_qk - d_v) & (d_qk - d_v - 1):
+        raise ValueError(f"q's last dim must be d_v ({d_v}) + a rope width, both powers of two; got {describe(q)}")
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f'kv_cache_dtype must be "auto" or "fp8"; got {kv_cache_dtype!r}')
+    cache_dtypes = (torch.float8_e4m3fn,) if kv_cache_dtype == "fp8" else (q.dtype,)
+    check_tensor("kv_cache", kv_cache, dtypes=cache_dtypes, ndim=3, device=dev)
+    if kv_cache.shape[2] != d_qk:
+        raise ValueError(f"kv_cache rows must be {d_qk} wide like q; got {describe(kv_cache)}")
+    check_index("block_table", block_table, ndim=2, device=dev)
+    B = block_table.shape[0]
+    check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
+    check_index("query_start_loc", query_start_loc, ndim=1, device=dev, length=B + 1)
+    kv_s = 1.0
+    if kv_cache_dtype == "fp8":
+        kv_s = float(kv_scale) if isinstance(kv_scale, (int, float)) else float(scalar_scale("kv_scale", kv_scale, dev))
+    elif kv_scale is not None:
+        raise ValueError("kv_scale is only meaningful for an fp8 cache")
+    from openmla.parallel.sharding import dcp_local_seq_lens
+
+    local = dcp_local_seq_lens(seq_lens, W, rank, I, validate=validate and not capturing())
+    if validate and not capturing() and B:
+        qsl = query_start_loc.cpu()
+        qlens = qsl[1:] - qsl[:-1]
+        if int(qsl[0]) != 0 or int(qsl[-1]) != T or bool((qlens < 0).any()):
+            raise ValueError(f"query_start_loc must rise from 0 to q.shape[0] ({T}); got {qsl.tolist()}")
+        if int(qlens.max()) > 16:
+            raise ValueError(f"query lengths must be at most 16; got {int(qlens.max())}")
+        page = kv_cache.shape[1]
+        if int(local.max()) > block_table.shape[1] * page:
+            raise ValueError(
+                f"this rank holds up to {int(local.max())} keys of a request but block_table "
+                f"{tuple(block_table.shape)} covers {block_table.shape[1] * page} at page size {page}"
+            )
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if B else 0
+    out = torch.empty(T, H, d_v, dtype=q.dtype, device=dev)
+    lse = torch.empty(T, H, dtype=torch.float32, device=dev)
+    if T and B and H:
+        _dcp_masked_decode_fwd(q, kv_cache, block_table, local, seq_lens, query_start_loc, out, lse,
+                               sm_scale * kv_s * _LOG2E, kv_s, causal, d_v, max_query_len, W, rank, I)  # fmt: skip
+    return out, lse
