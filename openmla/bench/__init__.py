@@ -1,0 +1,49 @@
+"""``openmla bench``: sweeps of the ops over DeepSeek shapes, peers side by side, CSV / JSON / PNG output.
+
+Run it as ``openmla bench`` or ``python -m openmla.bench`` (the same options; the second form also works in a
+checkout whose ``cli.py`` predates this subpackage). It uses only the public ``openmla`` API and
+``openmla.utils.perf``, so this folder can be copied into an older checkout for a before/after run.
+
+Every run first measures its yardsticks: the read bandwidth (``torch.sum`` over bf16 buffers of 0.5-4 GiB, the
+best) and the bf16 matmul peak (square ``torch.matmul`` of 4096-16384, the best); each row states its GB/s and
+TFLOPS as fractions of them, so that figures of one run compare with each other and not across boards.
+
+Op families (the registry below, one module each) plug in through three names::
+
+    PRESETS: dict[str, list[str]]   # preset -> shape specs; "default", "quick" (GPU) and "tiny" (CPU) at least
+    def parse(spec: str) -> Shape   # a spec string -> a shape object (ValueError if bad); str(shape) labels rows
+    def run(shape, ctx: BenchContext) -> list[dict]   # time one point, return ctx.rows(...) (one row a provider)
+
+Inside ``run`` a family builds its inputs on ``ctx.device``, calls openmla once outside the timed region (errors
+surface here), adds peers found through ``ctx.peer("module")`` (None when missing or ``--no-peers``: the column
+stays empty), times ``ctx.time({"openmla": fn, "peer": fn2}, graph=...)`` (alternating rounds; CUDA-graph replay
+for launch-bound ops, ``do_bench`` otherwise) and returns ``ctx.rows(op, str(shape), timings, flops=..., nbytes=...,
+dtype=..., peer="peer", check=cosine)``. An exception from ``run`` becomes an error row; the sweep goes on. To add a
+family, write ``openmla/bench/<name>.py`` and add it to ``FAMILIES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# family name -> module (imported when selected)
+FAMILIES: dict[str, str] = {
+    "decode": "openmla.bench.decode",
+    "prefill": "openmla.bench.prefill",
+}
+
+__all__ = ["FAMILIES", "load_family", "main"]
+
+
+def load_family(name: str):
+    """The module of family ``name`` (ValueError for an unknown name)."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown bench family {name!r}; known: {', '.join(FAMILIES)}")
+    return importlib.import_module(FAMILIES[name])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m openmla.bench [options]``: the same as ``openmla bench [options]``; returns the exit code."""
+    from openmla.bench.cli import main as _main
+
+    return _main(argv)

@@ -1,0 +1,171 @@
+"""Options and driver of ``openmla bench`` (also ``python -m openmla.bench``).
+
+``openmla bench [--family decode,prefill] [--shapes PRESET|SPECS] [--quick] [--rep MS] [--rounds N] [--out DIR]
+[--label L] [--no-peers] [--no-plot] [--list]``
+
+``--shapes`` takes a preset name (``default``, ``quick``, ``full``, ``tiny``; ``tiny`` is the default on the CPU)
+or shape specs separated by ``;``; a spec may name its family (``"decode:h128 b32 s4096 q1;prefill:h128 n4096"``),
+else it belongs to the one family selected. Writes ``DIR/bench[-LABEL].csv`` and ``.json`` and, with matplotlib,
+``DIR/bench[-LABEL]-<family>.png``. Exit codes: 0 done, 1 an openmla point failed, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+import traceback
+
+from openmla.bench import FAMILIES, load_family
+
+__all__ = ["add_arguments", "main", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``openmla bench`` on parser ``p``."""
+    p.add_argument("--family", default=",".join(FAMILIES), help=f"comma-separated families ({', '.join(FAMILIES)})")
+    p.add_argument("--shapes", default=None, metavar="PRESET|SPECS",
+                   help="preset (default, quick, full, tiny) or ';'-separated specs, e.g. 'h128 b128 s8192 q2 fp8' "
+                        "(default: 'default' on a GPU, 'tiny' on the CPU)")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="the 'quick' preset, 2 rounds and shorter yardstick sweeps")
+    p.add_argument("--rep", type=int, default=50, metavar="MS", help="ms of each timed batch (default 50)")
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds per point (default 3; 2 with --quick)")
+    p.add_argument("--out", default="bench-out", metavar="DIR", help="output folder (default ./bench-out)")
+    p.add_argument("--label", default="", help="stored in every row and the file names (e.g. 'before', 'after')")
+    p.add_argument("--no-peers", action="store_true", help="time openmla alone (no FlashMLA, no cuDNN)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+    p.add_argument("--list", action="store_true", help="print the families, their presets and exit")
+
+
+def _plan(args, device) -> dict[str, list]:
+    """``{family: [shape, ...]}`` from ``--family`` / ``--shapes`` (ValueError on bad input)."""
+    fams = [f.strip() for f in args.family.split(",") if f.strip()]
+    mods = {f: load_family(f) for f in fams}
+    preset = args.shapes or ("tiny" if device.type != "cuda" else "quick" if args.quick else "default")
+    if all(preset in m.PRESETS for m in mods.values()):
+        return {f: [m.parse(s) for s in m.PRESETS[preset]] for f, m in mods.items()}
+    if ";" not in preset and ":" not in preset and not any(c.isdigit() for c in preset):
+        raise ValueError(f"unknown preset {preset!r} for {', '.join(f for f in fams if preset not in mods[f].PRESETS)}")
+    out: dict[str, list] = {}
+    for spec in (s.strip() for s in preset.split(";")):
+        if not spec:
+            continue
+        fam, _, body = spec.rpartition(":")
+        fam = fam.strip()
+        if not fam:
+            if len(fams) != 1:
+                raise ValueError(f"shape {spec!r}: name its family ('decode:...') when several are selected")
+            fam = fams[0]
+        if fam not in mods:
+            mods[fam] = load_family(fam)
+        out.setdefault(fam, []).append(mods[fam].parse(body))
+    return out
+
+
+def run(args) -> int:
+    """Run ``openmla bench`` for parsed ``args``; returns the exit code."""
+    import torch
+
+    from openmla.bench import report
+    from openmla.bench.context import BenchContext
+    from openmla.bench.timing import Timer, environment, matmul_peak, read_bandwidth
+
+    if args.list:
+        for name in FAMILIES:
+            mod = load_family(name)
+            print(f"{name} ({mod.OP}): " + "; ".join(f"{k} ({len(v)})" for k, v in mod.PRESETS.items()))
+            for k, v in mod.PRESETS.items():
+                if k != "full":
+                    print(f"  {k}: " + "; ".join(v))
+        return 0
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    plan = _plan(args, device)
+    if args.rep < 1 or (args.rounds is not None and args.rounds < 1):
+        raise ValueError("--rep and --rounds must be >= 1")
+    rounds = args.rounds or (2 if args.quick else 3)
+    env = environment(args.label)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    print(f"# openmla bench | {env['gpu']} | torch {env['torch']} | triton {env['triton']} | git {env['git']}"
+          f"{' | label ' + args.label if args.label else ''} | {rounds} rounds x {args.rep} ms")  # fmt: skip
+    if device.type != "cuda":
+        print("# no CUDA device: the Triton interpreter on the CPU (timings check the plumbing, not the hardware)")
+    bw, bw_sweep = read_bandwidth(device, args.quick)
+    peak, peak_sweep = matmul_peak(device, args.quick)
+    print(f"# read bandwidth (torch.sum, bf16): {bw:.0f} GB/s, the best of "
+          + ", ".join(f"{g:g} GiB {v:.0f}" for g, v in bw_sweep)
+          + f"; bf16 matmul peak: {peak:.1f} TFLOPS, the best of " + ", ".join(f"n{n} {t:.1f}" for n, t in peak_sweep))
+    rows: list[dict] = []
+    for key, sweep, unit in (("read", bw_sweep, "gbs"), ("matmul", peak_sweep, "tflops")):
+        for size, val in sweep:
+            us = size * 2**30 / val / 1e3 if unit == "gbs" else 2.0 * size**3 / val / 1e6
+            row = dict.fromkeys(report.COLUMNS, "")
+            row.update(env, family="roofline", op=key, provider="torch", shape=f"{size:g}GiB" if unit == "gbs" else
+                       f"n{size}", dtype="bf16", p50_us=us, bw_gbs=bw, peak_tflops=peak, _point="")  # fmt: skip
+            row[unit] = val
+            rows.append(row)
+
+    progress = report.Progress(sum(len(v) for v in plan.values()))
+    ctx = BenchContext(device, Timer(device, args.rep, rounds), peers=not args.no_peers, quick=args.quick, bw_gbs=bw,
+                       peak_tflops=peak, env=env, note=progress.line)  # fmt: skip
+    failed = 0
+    try:
+        for fam, shapes in plan.items():
+            mod = load_family(fam)
+            ctx.family = fam
+            progress.line(f"## {fam}: {mod.OP}, {len(shapes)} points")
+            progress.line(report.HEADER)
+            for shape in shapes:
+                dtype = getattr(shape, "dtype", "")
+                progress.start(f"{fam} {shape} {dtype}")
+                try:
+                    got = mod.run(shape, ctx)
+                except Exception as exc:  # one failed point must not end the sweep
+                    traceback.print_exc(file=sys.stderr)
+                    got = [ctx.error_row(mod.OP, str(shape), dtype, f"{type(exc).__name__}: {exc}".splitlines()[0])]
+                failed += sum(1 for r in got if r["provider"] == "openmla" and r["error"])
+                rows += got
+                for line in report.table_lines(got):
+                    progress.line(line)
+                progress.advance()
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    finally:
+        progress.close()
+
+    out_dir = report.ensure_dir(args.out)
+    stem = os.path.join(out_dir, report.file_stem(args.label))
+    meta = dict(env, device=str(device), started=started, finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                bw_gbs=bw, bw_sweep=bw_sweep, peak_tflops=peak, peak_sweep=peak_sweep, rounds=rounds, rep_ms=args.rep,
+                peers=not args.no_peers, argv=sys.argv[1:])  # fmt: skip
+    report.write_csv(stem + ".csv", rows)
+    report.write_json(stem + ".json", meta, rows)
+    written = [stem + ".csv", stem + ".json"]
+    if not args.no_plot:
+        title = f"openmla bench | {env['gpu']} | git {env['git']}" + (f" | {args.label}" if args.label else "")
+        for fam in plan:
+            path = f"{stem}-{fam}.png"
+            if not report.plot(path, fam, rows, bw, peak, f"{fam}: {title}"):
+                print("# plots skipped: matplotlib is not installed (pip install 'openmla[bench]')")
+                break
+            written.append(path)
+    bad = [r for r in rows if r["provider"] == "openmla" and r["check"] != "" and r["check"] < 0.99]
+    for r in bad:
+        print(f"# WARNING: {r['family']} {r['shape']} {r['dtype']}: output differs from {r['peer']} (cos {r['check']})")
+    print(f"# {len(rows)} rows, {failed} failed points; wrote " + ", ".join(written))
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` as ``openmla bench``'s options and run; returns the exit code."""
+    p = argparse.ArgumentParser(prog="openmla bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as err:
+        print(f"openmla bench: error: {err}", file=sys.stderr)
+        return 2

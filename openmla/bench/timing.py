@@ -1,0 +1,164 @@
+"""Timing for ``openmla bench``: alternating A/B rounds, CUDA-graph replay, the roofline measured in the run.
+
+On a GPU each callable is timed by ``triton.testing.do_bench_cudagraph`` (decode: launch-bound, so graph replay) or
+``triton.testing.do_bench`` (prefill), the providers alternating within each round so that clock drift hits them
+alike; only timings taken in one process compare. On the CPU (Triton interpreter) ``time.perf_counter`` stands in:
+the figures check the plumbing, not the hardware.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import triton  # after openmla (the parent package), which sets TRITON_INTERPRET on a machine without CUDA
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """Linear-interpolated quantile of ``xs`` (``q`` in [0, 1]); nan when empty."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass
+class Timing:
+    """The samples (us per call) of one callable, pooled over the rounds; ``error`` set when it failed."""
+
+    samples_us: list[float] = field(default_factory=list)
+    timer: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and bool(self.samples_us)
+
+    @property
+    def p50(self) -> float:
+        return quantile(self.samples_us, 0.5)
+
+    @property
+    def p20(self) -> float:
+        return quantile(self.samples_us, 0.2)
+
+    @property
+    def p80(self) -> float:
+        return quantile(self.samples_us, 0.8)
+
+
+class Timer:
+    """Times callables on ``device``: ``rep`` ms per timed batch, ``rounds`` alternating rounds."""
+
+    def __init__(self, device: torch.device, rep: int = 50, rounds: int = 3) -> None:
+        self.device = device
+        self.rep = rep
+        self.rounds = rounds
+
+    def _once(self, fn: Callable[[], object], graph: bool) -> tuple[list[float], str]:
+        if self.device.type != "cuda":
+            fn()  # warm-up (first-call costs)
+            out = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - t0) * 1e6)
+            return out, "cpu"
+        if graph:
+            try:
+                ms = triton.testing.do_bench_cudagraph(fn, rep=self.rep, return_mode="all")
+                return [t * 1e3 for t in ms], "cuda-graph"
+            except Exception as exc:  # capture can fail for code that syncs; fall back and say so in the row
+                torch.cuda.synchronize()
+                print(f"# cuda graph capture failed ({type(exc).__name__}: {exc}); timing with do_bench", flush=True)
+        ms = triton.testing.do_bench(fn, warmup=max(5, self.rep // 4), rep=self.rep, return_mode="all")
+        return [t * 1e3 for t in ms], "do_bench"
+
+    def alternate(self, fns: dict[str, Callable[[], object]], *, graph: bool = True) -> dict[str, Timing]:
+        """``{name: Timing}``: every callable timed once a round, in turn, for ``rounds`` rounds. A callable that
+        raises gets ``Timing.error`` and drops out of the later rounds; the others go on."""
+        res = {k: Timing() for k in fns}
+        use_graph = dict.fromkeys(fns, graph)
+        for _ in range(self.rounds):
+            for k, fn in fns.items():
+                t = res[k]
+                if t.error:
+                    continue
+                try:
+                    samples, timer = self._once(fn, use_graph[k])
+                except Exception as exc:
+                    t.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    continue
+                use_graph[k] = timer == "cuda-graph"  # a failed capture is not retried every round
+                t.samples_us += samples
+                t.timer = timer if not t.timer or t.timer == timer else "mixed"
+        return res
+
+
+def read_bandwidth(device: torch.device, quick: bool = False) -> tuple[float, list[tuple[float, float]]]:
+    """GB/s of a read-only ``torch.sum`` over bf16 buffers of several sizes (all larger than L2): returns the best
+    one (the bandwidth yardstick of the run) and ``[(GiB, GB/s), ...]``."""
+    sizes = ((1.0, 4.0) if quick else (0.5, 1.0, 2.0, 4.0)) if device.type == "cuda" else (1 / 64,)
+    sweep = []
+    for gib in sizes:
+        x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
+        if device.type == "cuda":
+            s = triton.testing.do_bench(lambda: x.sum(), warmup=10, rep=100, return_mode="median") * 1e-3
+        else:
+            x.sum()
+            t0 = time.perf_counter()
+            x.sum()
+            s = time.perf_counter() - t0
+        sweep.append((gib, gib * 2**30 / s / 1e9))
+        del x
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return max(g for _, g in sweep), sweep
+
+
+def matmul_peak(device: torch.device, quick: bool = False) -> tuple[float, list[tuple[int, float]]]:
+    """TFLOPS of a bf16 ``torch.matmul`` of square matrices (the compute yardstick of the run): the best one and
+    ``[(n, TFLOPS), ...]``."""
+    sizes = ((8192,) if quick else (4096, 8192, 16384)) if device.type == "cuda" else (128,)
+    sweep = []
+    for n in sizes:
+        a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+        b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+        if device.type == "cuda":
+            s = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median") * 1e-3
+        else:
+            a @ b
+            t0 = time.perf_counter()
+            a @ b
+            s = time.perf_counter() - t0
+        sweep.append((n, 2.0 * n**3 / s / 1e12))
+        del a, b
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return max(t for _, t in sweep), sweep
+
+
+def environment(label: str = "") -> dict:
+    """GPU name, versions, the git commit of the package's checkout (``+dirty``: tracked files differ from it;
+    ``?`` outside a checkout) and the label, stored in every row."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sha = "?"
+    try:
+        run = dict(capture_output=True, text=True, cwd=root, timeout=10)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()
+        if head:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip()
+            sha = head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, git=sha, label=label)
