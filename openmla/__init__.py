@@ -10,6 +10,7 @@ from openmla import device  # noqa: F401  (must come first: configures the Trito
 from openmla.ops.cache import concat_and_cache_mla, gather_cache
 from openmla.ops.chunked_prefill import mla_prefill_with_context
 from openmla.ops.decode import mla_decode
+from openmla.ops.indexer import concat_and_cache_indexer_k, indexer_logits, indexer_topk
 from openmla.ops.indices import expand_page_indices
 from openmla.ops.merge import merge_attn_states
 from openmla.ops.plan import DecodePlan, plan_decode
@@ -34,6 +35,9 @@ __all__ = [
     "flash_attn_varlen",
     "merge_attn_states",
     "mla_prefill_with_context",
+    "concat_and_cache_indexer_k",
+    "indexer_topk",
+    "indexer_logits",
     "sparse_mla",
     "apply_attn_sink",
     "convert_req_index_to_global_index",

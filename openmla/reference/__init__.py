@@ -9,6 +9,16 @@ from openmla.reference.cache import (  # noqa: F401
     quantize_fp8_ref,
 )
 from openmla.reference.decode import mla_decode_ref  # noqa: F401
+from openmla.reference.indexer import (  # noqa: F401
+    concat_and_cache_indexer_k_ref,
+    dequantize_indexer_k_cache_ref,
+    gather_indexer_k_ref,
+    indexer_logits_ref,
+    indexer_topk_ref,
+    quantize_indexer_k_ref,
+    split_fp8_indexer_cache_ref,
+    topk_from_logits_ref,
+)
 from openmla.reference.prefill import (  # noqa: F401
     flash_attn_varlen_ref,
     merge_attn_states_ref,

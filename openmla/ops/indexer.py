@@ -1,0 +1,663 @@
+"""DeepSeek V3.2 lightning indexer: the paged key cache, the scores pass and the causal top-k (docs/indexer.md).
+
+Key cache layouts (``cache_dtype``):
+    ``"auto"``: ``[num_blocks, block_size, D]`` in bf16/fp16 (fp32 allowed for tests), one key per row.
+    ``"fp8"``: uint8 ``[num_blocks, block_size, D + 4]`` holding a block-split layout (SPEC §2.5): each block
+        is ``block_size * D`` e4m3 key bytes (token after token) followed by ``block_size`` fp32 scales;
+        ``scale = max(amax, 1e-4) / 448`` (rounded up to a power of two for ``scale_fmt="ue8m0"``) and
+        ``key ~= e4m3 * scale``. The ``[block_size, D + 4]`` shape only sizes the block: a row is not a token.
+
+Scores (``indexer_logits``): ``I[t, p] = sum_h relu(q[t, h] . k[p]) * weights[t, h]`` for ``p <= pos_t``
+(``pos_t = seq_len - qlen + j`` for the j-th query row of its request), -inf elsewhere; the caller folds every
+scale (``D^-0.5``, ``H^-0.5``, an fp8 q's per-head scale) into ``weights``. One program owns (request, a split of
+keys, a split of its query rows): it loads each key tile once and scores every query row and index head it owns
+against it (the heads x rows are the N side of one ``tl.dot``), so a decode step reads the cache once per request.
+Top-k (``indexer_topk``): a per-row radix select (or ``torch.topk`` for the threshold), then one pass that writes
+the chosen positions in increasing order (ties at the threshold: lower positions first), then -1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from openmla.device import INTERPRET
+from openmla.ops._fp8 import to_e4m3
+from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
+from openmla.ops.cache import check_block_table
+
+__all__ = [
+    "concat_and_cache_indexer_k",
+    "indexer_logits",
+    "indexer_topk",
+    "logits_topk",
+    "alloc_indexer_k_cache",
+    "indexer_k_cache_views",
+    "INDEXER_CACHE_DTYPES",
+]
+
+INDEXER_CACHE_DTYPES = ("auto", "fp8")
+SCALE_FMTS = (None, "ue8m0")
+FP8_SCALE_BYTES = 4  # one fp32 scale per token
+_AUTO_DTYPES = FLOAT16_DTYPES + (torch.float32,)
+_Q_DTYPES = _AUTO_DTYPES + (torch.float8_e4m3fn,)
+
+# Scores pass tiling: keys per tile, keys per program (a multiple of the tile), warps, pipeline stages.
+# OPENMLA_INDEXER_TILING="block_n,split,num_warps,num_stages" overrides it (tuning only).
+_BLOCK_N = 64
+_KEY_SPLIT = 1024
+_NUM_WARPS = 4
+_NUM_STAGES = 3
+_MAX_ROWS = 128  # query rows x heads per tl.dot (its N side)
+_QUERY_SPLIT = 128  # query rows per program when max_query_len is given (prefill parallelism)
+# Top-k pass: logits per chunk of the row scan, warps per row program.
+_TOPK_BLOCK = 1024
+_TOPK_WARPS = 8
+_TOPK_IMPLS = ("triton", "torch")
+
+
+def _tiling() -> tuple[int, int, int, int]:
+    env = os.environ.get("OPENMLA_INDEXER_TILING")
+    if not env:
+        return _BLOCK_N, _KEY_SPLIT, _NUM_WARPS, _NUM_STAGES
+    block_n, split, warps, stages = (int(v) for v in env.split(","))
+    if block_n < 16 or block_n & (block_n - 1) or split % block_n:
+        raise ValueError(f"OPENMLA_INDEXER_TILING: block_n must be a power of two >= 16 dividing split; got {env!r}")
+    return block_n, split, warps, stages
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Key cache writer
+
+
+@triton.jit
+def _concat_and_cache_indexer_k_fwd_kernel(
+    k,  # [T, D]
+    cache,  # auto: [num_blocks, block_size, D]; fp8: uint8 block-split (module docstring)
+    cache_f32,  # fp8: the same memory viewed as fp32 (the scales)
+    slot_mapping,  # [T]
+    stride_k_t,
+    stride_c_b,  # elements (bytes for fp8)
+    stride_c_o,
+    num_slots,
+    block_size,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+    UE8M0: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping + i_t).to(tl.int64)
+    valid = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)
+    i_blk = slot // block_size
+    i_off = slot % block_size
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = (o_d < D) & valid
+    b_k = tl.load(k + i_t * stride_k_t + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if FP8:
+        b_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(b_k), axis=0), 1e-4), 448.0)
+        if UE8M0:  # round up to a power of two: bump the exponent when any mantissa bit is set
+            bits = b_s.to(tl.int32, bitcast=True)
+            bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
+            b_s = bits.to(tl.float32, bitcast=True)
+        b_q = to_e4m3(tl.math.div_rn(b_k, b_s + tl.zeros_like(b_k)), EXACT_ROUND).to(tl.uint8, bitcast=True)
+        base = i_blk * stride_c_b
+        tl.store(cache + base + i_off * D + o_d, b_q, mask=m_d)
+        tl.store(cache_f32 + (base + block_size * D) // 4 + i_off, b_s, mask=valid)
+    else:
+        p_c = cache + i_blk * stride_c_b + i_off * stride_c_o + o_d
+        tl.store(p_c, b_k.to(cache.dtype.element_ty), mask=m_d)
+
+
+def _check_cache(name: str, cache, cache_dtype: str, head_dim: int | None = None) -> int:
+    """Validate an indexer key cache for its layout; return the key width D."""
+    if cache_dtype not in INDEXER_CACHE_DTYPES:
+        raise ValueError(f"cache_dtype must be one of {INDEXER_CACHE_DTYPES}; got {cache_dtype!r}")
+    check_tensor(name, cache, ndim=3)
+    if cache_dtype == "auto":
+        if cache.dtype not in _AUTO_DTYPES:
+            raise TypeError(f'{name} must be bf16/fp16/fp32 for cache_dtype="auto"; got {describe(cache)}')
+        D = cache.shape[-1]
+    else:
+        if cache.dtype != torch.uint8:
+            raise TypeError(f'{name} must be uint8 [num_blocks, block_size, D + 4] for cache_dtype="fp8"; '
+                            f"got {describe(cache)}")  # fmt: skip
+        D = cache.shape[-1] - FP8_SCALE_BYTES
+        if D < 4 or D % 4:
+            raise ValueError(f"{name} rows must be D + 4 bytes with D a positive multiple of 4; got {describe(cache)}")
+        if cache.stride(1) != cache.shape[-1] or cache.stride(0) % 4 or cache.storage_offset() % 4:
+            raise ValueError(
+                f"an fp8 {name} needs each block contiguous and 4-byte aligned (block-split layout); "
+                f"got strides {cache.stride()}, storage offset {cache.storage_offset()}"
+            )
+    if head_dim is not None and D != head_dim:
+        raise ValueError(f"{name} holds keys of width {D} but the input has width {head_dim}; got {describe(cache)}")
+    return D
+
+
+def _scale_view(cache, cache_dtype):
+    return cache.view(torch.float32) if cache_dtype == "fp8" else cache
+
+
+def concat_and_cache_indexer_k(
+    k: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    cache_dtype: str = "auto",
+    scale_fmt: str | None = None,
+    validate: bool = True,
+) -> None:
+    r"""Write each token's indexer key into the paged indexer key cache, in place.
+
+    Args:
+        k (torch.Tensor): `[T, D]` (D = 128 for V3.2), bf16/fp16/fp32; the normed, RoPE'd indexer key.
+        cache (torch.Tensor): `[num_blocks, block_size, D]` bf16/fp16/fp32 for "auto", or uint8
+            `[num_blocks, block_size, D + 4]` in the block-split fp8 layout (module docstring) for "fp8";
+            see :func:`alloc_indexer_k_cache`.
+        slot_mapping (torch.Tensor): `[T]`, int32/int64; slot = block * block_size + offset; negative = skip.
+        cache_dtype (str): "auto" or "fp8".
+        scale_fmt (str | None): fp8 only: None (``max(amax, 1e-4) / 448``) or "ue8m0" (that, rounded up to a
+            power of two; V3.2's choice).
+        validate (bool): check that every slot lies inside the cache (a host synchronisation); without it a
+            slot beyond the cache is skipped, never written.
+
+    Raises:
+        ValueError/TypeError: on a wrong shape, dtype, device or layout, or a slot beyond the cache.
+    """
+    check_tensor("k", k, dtypes=_AUTO_DTYPES, ndim=2)
+    dev = k.device
+    check_index("slot_mapping", slot_mapping, ndim=1, device=dev, length=k.shape[0])
+    D = _check_cache("cache", cache, cache_dtype, head_dim=k.shape[1])
+    if cache.device != dev:
+        raise ValueError(f"cache must be on {dev} like k; got {describe(cache)}")
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f'scale_fmt must be None or "ue8m0"; got {scale_fmt!r}')
+    num_blocks, block_size = cache.shape[0], cache.shape[1]
+    num_slots = num_blocks * block_size
+    T = k.shape[0]
+    if T == 0:
+        return
+    if validate and not capturing():
+        top = int(slot_mapping.max())
+        if top >= num_slots:
+            raise ValueError(f"slot_mapping holds slot {top} but cache has only {num_slots} slots")
+    _concat_and_cache_indexer_k_fwd_kernel[(T,)](
+        k, cache, _scale_view(cache, cache_dtype), slot_mapping, k.stride(0), cache.stride(0), cache.stride(1),
+        num_slots, block_size, D=D, BLOCK_D=triton.next_power_of_2(D), FP8=cache_dtype == "fp8",
+        UE8M0=scale_fmt == "ue8m0", EXACT_ROUND=INTERPRET,
+    )  # fmt: skip
+
+
+def alloc_indexer_k_cache(
+    num_blocks: int,
+    block_size: int,
+    head_dim: int,
+    *,
+    cache_dtype: str = "auto",
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """A zeroed indexer key cache: `[num_blocks, block_size, head_dim]` of ``dtype`` for "auto", uint8
+    `[num_blocks, block_size, head_dim + 4]` (block-split e4m3 keys + fp32 scales) for "fp8"."""
+    if cache_dtype not in INDEXER_CACHE_DTYPES:
+        raise ValueError(f"cache_dtype must be one of {INDEXER_CACHE_DTYPES}; got {cache_dtype!r}")
+    if num_blocks < 0 or block_size < 1 or head_dim < 1:
+        raise ValueError(f"need num_blocks >= 0, block_size >= 1, head_dim >= 1; got {num_blocks}, {block_size}, "
+                         f"{head_dim}")  # fmt: skip
+    if cache_dtype == "auto":
+        if dtype not in _AUTO_DTYPES:
+            raise TypeError(f"dtype must be bf16/fp16/fp32 for an auto indexer cache; got {dtype}")
+        return torch.zeros(num_blocks, block_size, head_dim, dtype=dtype, device=device)
+    if head_dim % 4:
+        raise ValueError(f"an fp8 indexer cache needs head_dim to be a multiple of 4; got {head_dim}")
+    return torch.zeros(num_blocks, block_size, head_dim + FP8_SCALE_BYTES, dtype=torch.uint8, device=device)
+
+
+def indexer_k_cache_views(cache: torch.Tensor, *, cache_dtype: str = "auto"):
+    """Zero-copy views of an indexer key cache: ``(keys, scales)``.
+
+    "auto": ``(cache, None)``; "fp8": ``(e4m3 [num_blocks, block_size, D], fp32 [num_blocks, block_size])``,
+    strided views into the block-split bytes (``key ~= keys.float() * scales[..., None]``).
+    """
+    D = _check_cache("cache", cache, cache_dtype)
+    if cache_dtype == "auto":
+        return cache, None
+    NB, BS, W = cache.shape
+    blocks = cache.as_strided((NB, BS * W), (cache.stride(0), 1))
+    keys = blocks[:, : BS * D].unflatten(1, (BS, D)).view(torch.float8_e4m3fn)
+    scales = blocks[:, BS * D :].view(torch.float32)
+    return keys, scales
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scores pass
+
+
+@triton.jit
+def _indexer_logits_fwd_kernel(
+    q,  # [T, H, D]
+    weights,  # [T, H] fp32
+    k_cache,  # auto: [num_blocks, block_size, D]; fp8: uint8 block-split
+    k_scale,  # fp8: the same memory as fp32 (per-token scales)
+    block_table,  # [B, max_blocks]
+    seq_lens,  # [B]
+    query_start_loc,  # [B + 1]
+    out,  # [T, S] fp32
+    row_len,  # [T] int32: keys row t sees, min(pos_t + 1, S); 0 outside every request
+    stride_q_t,
+    stride_q_h,
+    stride_w_t,
+    stride_c_b,  # elements (bytes for fp8)
+    stride_c_o,
+    stride_bt_b,
+    stride_o_t,
+    T,
+    B,
+    H,
+    num_blocks,
+    max_blocks,
+    S,
+    block_size,
+    split_len,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    Q_PER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = Q_PER * BLOCK_H
+    i_b = tl.program_id(0)  # program B owns the rows after the last request (all -inf)
+    i_s = tl.program_id(1)
+    i_q = tl.program_id(2)
+    n_q = tl.num_programs(2)
+    is_req = i_b < B
+    q_start = tl.load(query_start_loc + i_b)
+    q_end = tl.load(query_start_loc + i_b + 1, mask=is_req, other=T)
+    L = tl.load(seq_lens + i_b, mask=is_req, other=0)
+    q_start = tl.minimum(tl.maximum(q_start, 0), T)  # rows stay inside [0, T) even unvalidated
+    q_end = tl.minimum(tl.maximum(q_end, q_start), T)
+    qlen = q_end - q_start
+    chunk = tl.cdiv(tl.cdiv(qlen, n_q), Q_PER) * Q_PER
+    j_lo = i_q * chunk
+    j_hi = tl.minimum(j_lo + chunk, qlen)
+    n_lo = i_s * split_len
+    n_hi = tl.minimum(n_lo + split_len, S)
+    if (j_lo >= j_hi) | (n_lo >= n_hi):
+        return
+
+    o_m = tl.arange(0, BLOCK_M)
+    o_mj = o_m // BLOCK_H  # query row of each dot column
+    o_mh = o_m % BLOCK_H  # head of each dot column
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    o_j = tl.arange(0, Q_PER)
+    o_n0 = tl.arange(0, BLOCK_N)
+    p_bt = block_table + i_b.to(tl.int64) * stride_bt_b
+    for j0 in range(j_lo, j_hi, Q_PER):
+        t_m = (q_start + j0 + o_mj).to(tl.int64)
+        m_m = (j0 + o_mj < j_hi) & (o_mh < H)
+        p_q = q + t_m[:, None] * stride_q_t + o_mh[:, None] * stride_q_h + o_d[None, :]
+        b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0).to(COMPUTE)  # [M, BLOCK_D]
+        b_w = tl.load(weights + t_m * stride_w_t + o_mh, mask=m_m, other=0.0)  # [M]
+        o_t = j0 + o_j
+        m_t = o_t < j_hi
+        pos = L - qlen + o_t  # [Q_PER] causal limit of each row
+        p_out = out + (q_start + o_t).to(tl.int64) * stride_o_t  # [Q_PER]
+        if i_s == 0:
+            tl.store(row_len + q_start + o_t, tl.minimum(tl.maximum(pos + 1, 0), S), mask=m_t)
+        # keys [n_lo, vis_hi) are seen by some row of this chunk; later tiles are all -inf
+        vis_hi = tl.minimum(tl.minimum(L - qlen + tl.minimum(j0 + Q_PER, j_hi), L), n_hi)
+        n_mid = n_lo + tl.cdiv(tl.maximum(vis_hi - n_lo, 0), BLOCK_N) * BLOCK_N
+        for n0 in range(n_lo, n_mid, BLOCK_N):
+            o_n = n0 + o_n0
+            i_pg = o_n // block_size
+            m_n = (o_n < vis_hi) & (i_pg < max_blocks)
+            blk = tl.load(p_bt + i_pg, mask=m_n, other=-1).to(tl.int64)
+            m_n = m_n & (blk >= 0) & (blk < num_blocks)  # an unchecked bad block scores -inf, never read
+            base = tl.where(m_n, blk * stride_c_b, 0)
+            off = o_n % block_size
+            if FP8:
+                p_k = k_cache + base[:, None] + (off * D)[:, None] + o_d[None, :]
+                b_k = tl.load(p_k, mask=m_n[:, None] & m_d[None, :], other=0)
+                b_k = b_k.to(tl.float8e4nv, bitcast=True).to(COMPUTE)
+                b_sk = tl.load(k_scale + (base + block_size * D) // 4 + off, mask=m_n, other=0.0)
+            else:
+                p_k = k_cache + base[:, None] + (off * stride_c_o)[:, None] + o_d[None, :]
+                b_k = tl.load(p_k, mask=m_n[:, None] & m_d[None, :], other=0.0).to(COMPUTE)
+            b_s = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PRECISION)  # [N, M] keys x (rows, heads)
+            b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
+            if Q_PER == 1:
+                b_l = tl.sum(b_s, axis=1)[:, None]
+            else:
+                b_l = tl.sum(tl.reshape(b_s, (BLOCK_N, Q_PER, BLOCK_H)), axis=2)  # [N, Q_PER]
+            if FP8:
+                b_l = b_l * b_sk[:, None]  # the key's scale is positive: it commutes with the relu
+            b_l = tl.where(m_n[:, None] & (o_n[:, None] <= pos[None, :]), b_l, float("-inf"))
+            tl.store(p_out[None, :] + o_n[:, None], b_l, mask=m_t[None, :] & (o_n < n_hi)[:, None])
+        b_inf = tl.full([BLOCK_N, Q_PER], float("-inf"), dtype=tl.float32)
+        for n0 in range(n_mid, n_hi, BLOCK_N):
+            o_n = n0 + o_n0
+            tl.store(p_out[None, :] + o_n[:, None], b_inf, mask=m_t[None, :] & (o_n < n_hi)[:, None])
+
+
+def _compute(q_dtype, cache_dtype_t):
+    """(Triton operand dtype, dot precision): fp32 under the interpreter (bf16 is raw bits there) or with an fp32
+    input; e4m3 x e4m3 for an fp8 q; else q's 16-bit dtype (an fp8 key is widened to it)."""
+    if INTERPRET or q_dtype == torch.float32 or cache_dtype_t == torch.float32:
+        return tl.float32, "ieee"
+    if q_dtype == torch.float8_e4m3fn:
+        return tl.float8e4nv, None
+    return (tl.bfloat16 if q_dtype == torch.bfloat16 else tl.float16), None
+
+
+def _check_scores_args(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype, max_seq_len,
+                       max_query_len):  # fmt: skip
+    check_tensor("q", q, dtypes=_Q_DTYPES, ndim=3)
+    T, H, D = q.shape
+    dev = q.device
+    check_tensor("weights", weights, dtypes=(torch.float32,), shape=(T, H), device=dev)
+    _check_cache("k_cache", k_cache, cache_dtype, head_dim=D)
+    if k_cache.device != dev:
+        raise ValueError(f"k_cache must be on {dev} like q; got {describe(k_cache)}")
+    if q.dtype == torch.float8_e4m3fn and cache_dtype != "fp8":
+        raise TypeError(f'an fp8 q needs cache_dtype="fp8" (e4m3 x e4m3 products); got q {describe(q)}')
+    check_index("block_table", block_table, ndim=2, device=dev)
+    B = block_table.shape[0]
+    check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
+    check_index("query_start_loc", query_start_loc, ndim=1, device=dev, length=B + 1)
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be contiguous in its last dimension; got strides {block_table.stride()}")
+    S = block_table.shape[1] * k_cache.shape[1] if max_seq_len is None else max_seq_len
+    if not isinstance(S, int) or S < 0:
+        raise ValueError(f"max_seq_len must be a non-negative int; got {max_seq_len!r}")
+    if max_query_len is not None and (not isinstance(max_query_len, int) or max_query_len < 1):
+        raise ValueError(f"max_query_len must be a positive int or None; got {max_query_len!r}")
+    return T, H, D, B, S
+
+
+def _validate_batch(T, B, S, k_cache, block_table, seq_lens, query_start_loc):
+    """Host-synchronising checks of the batch description (validate=True, outside graph capture)."""
+    if B == 0:
+        if int(query_start_loc[0]) > T:
+            raise ValueError(f"query_start_loc[0] is {int(query_start_loc[0])} but q has {T} rows")
+        return
+    qsl = query_start_loc.long()
+    qlen = qsl[1:] - qsl[:-1]
+    if int(qsl[0]) < 0 or int(qlen.min()) < 0 or int(qsl[-1]) > T:
+        raise ValueError(f"query_start_loc must be non-decreasing from >= 0 up to at most T = {T}; "
+                         f"got {query_start_loc.tolist()[:8]}...")  # fmt: skip
+    if int((seq_lens.long() - qlen).min()) < 0:
+        raise ValueError("every request needs seq_lens >= its query length (context + new tokens)")
+    if int(seq_lens.max()) > S:
+        raise ValueError(f"a request holds {int(seq_lens.max())} keys but max_seq_len is {S}")
+    check_block_table(block_table, seq_lens, None, k_cache.shape[1], k_cache.shape[0])
+
+
+def _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype, S,
+                        max_query_len, out, row_len):  # fmt: skip
+    T, H, D = q.shape
+    B = block_table.shape[0]
+    block_n, split, warps, stages = _tiling()
+    BLOCK_H = max(16, triton.next_power_of_2(H))
+    q_per = 1
+    if max_query_len is not None and BLOCK_H < _MAX_ROWS:
+        q_per = min(triton.next_power_of_2(max_query_len), _MAX_ROWS // BLOCK_H)
+    n_q = 1 if max_query_len is None else triton.cdiv(max_query_len, _QUERY_SPLIT)
+    compute, precision = _compute(q.dtype, k_cache.dtype)
+    grid = (B + 1, triton.cdiv(S, split), n_q)
+    _indexer_logits_fwd_kernel[grid](
+        q, weights, k_cache, _scale_view(k_cache, cache_dtype), block_table, seq_lens, query_start_loc, out, row_len,
+        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+        out.stride(0), T, B, H, k_cache.shape[0], block_table.shape[1], S, k_cache.shape[1], split,
+        D=D, BLOCK_D=max(32, triton.next_power_of_2(D)), BLOCK_H=BLOCK_H, Q_PER=q_per, BLOCK_N=block_n,
+        FP8=cache_dtype == "fp8", COMPUTE=compute, DOT_PRECISION=precision, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+def indexer_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    cache_dtype: str = "auto",
+    max_seq_len: int | None = None,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    r"""Lightning-indexer scores of every query row against its request's causal keys.
+
+    ``out[t, p] = sum_h relu(q[t, h] . k[p]) * weights[t, h]`` for ``p <= pos_t = seq_len - qlen + j`` (row t
+    the j-th query row of its request), ``-inf`` for later positions, positions ``>= seq_len`` and rows outside
+    every request. ``k[p]`` is the dequantised key (e4m3 times its scale for "fp8").
+
+    Args:
+        q (torch.Tensor): `[T, H_i, D_i]` (64 x 128 for V3.2), bf16/fp16/fp32, or float8_e4m3fn with an fp8
+            cache (products in e4m3, accumulated in fp32; fold q's per-head scale into ``weights``).
+        weights (torch.Tensor): `[T, H_i]` fp32; every scale (``D_i^-0.5 * H_i^-0.5``, q's) folded in.
+        k_cache (torch.Tensor): the indexer key cache of ``cache_dtype`` (module docstring); any block size.
+        block_table (torch.Tensor): `[B, max_blocks]` int32/int64.
+        seq_lens (torch.Tensor): `[B]` int32/int64; keys per request (context + new tokens).
+        query_start_loc (torch.Tensor): `[B + 1]` int32/int64; request b owns rows
+            ``query_start_loc[b]:query_start_loc[b+1]``.
+        cache_dtype (str): "auto" or "fp8".
+        max_seq_len (int | None): columns of the output; default ``max_blocks * block_size`` (no host sync).
+        max_query_len (int | None): a hint for prefill: with it the longest request's rows are spread over
+            ``ceil(max_query_len / 128)`` programs per key split (results do not depend on it). Leave None
+            for decode (every row of a request in one program: the cache is read once).
+        out (torch.Tensor | None): `[T, max_seq_len]` fp32 to write into (CUDA-graph buffers).
+        validate (bool): check the batch (query_start_loc, seq_lens <= max_seq_len, the block table) with a
+            host synchronisation. Unchecked bad blocks score -inf and are never read.
+
+    Returns:
+        torch.Tensor: `[T, max_seq_len]` fp32.
+    """
+    T, H, D, B, S = _check_scores_args(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype,
+                                       max_seq_len, max_query_len)  # fmt: skip
+    if out is None:
+        out = torch.empty(T, S, dtype=torch.float32, device=q.device)
+    else:
+        check_tensor("out", out, dtypes=(torch.float32,), shape=(T, S), device=q.device)
+    if validate and not capturing():
+        _validate_batch(T, B, S, k_cache, block_table, seq_lens, query_start_loc)
+    if T == 0 or S == 0:
+        return out
+    row_len = torch.empty(T, dtype=torch.int32, device=q.device)
+    _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype, S, max_query_len,
+                        out, row_len)  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Top-k pass
+
+
+@triton.jit
+def _order_key(x):
+    """fp32 -> uint32 of the same order (-0.0 folded onto +0.0)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    u = x.to(tl.uint32, bitcast=True)
+    return tl.where((u >> 31) == 1, u ^ 0xFFFFFFFF, u | 0x80000000)
+
+
+@triton.jit
+def _indexer_topk_fwd_kernel(
+    logits,  # [T, S] fp32
+    row_len,  # [T] int32: entries of the row to scan (HAS_LEN)
+    thr,  # [T] fp32: the k-th largest score (not RADIX), -inf where the row has fewer than K
+    out,  # [T, K] int32
+    stride_l_t,
+    stride_o_t,
+    S,
+    K,
+    BLOCK: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    RADIX: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    n = S
+    if HAS_LEN:
+        n = tl.minimum(tl.maximum(tl.load(row_len + i_t), 0), S)
+    p_row = logits + i_t * stride_l_t
+    p_out = out + i_t * stride_o_t
+    o_c = tl.arange(0, BLOCK)
+    if RADIX:
+        # the K-th largest key, 8 bits a pass from the top; k_rem = how many of the current prefix to keep
+        o_bin = tl.arange(0, 256)
+        prefix = tl.zeros([], dtype=tl.uint32)
+        hi_mask = tl.zeros([], dtype=tl.uint32)
+        k_rem = K
+        n_valid = 0
+        n_scan = n
+        for i_pass in tl.static_range(4):
+            shift: tl.constexpr = 24 - 8 * i_pass
+            b_hist = tl.zeros([256], dtype=tl.int32)
+            for c0 in range(0, n_scan, BLOCK):
+                o = c0 + o_c
+                b_x = tl.load(p_row + o, mask=o < n, other=float("-inf"))
+                b_key = _order_key(b_x)
+                m = (b_x > float("-inf")) & ((b_key & hi_mask) == prefix)  # NaN and -inf never count
+                b_hist += tl.histogram(((b_key >> shift) & 0xFF).to(tl.int32), 256, mask=m)
+            if i_pass == 0:
+                n_valid = tl.sum(b_hist, axis=0)
+                n_scan = tl.where(n_valid > K, n, 0)  # at most K valid: take them all, skip the other passes
+            b_incl = tl.sum(b_hist, axis=0) - tl.cumsum(b_hist, axis=0) + b_hist  # keys in bins >= each bin
+            i_bin = tl.max(tl.where(b_incl >= k_rem, o_bin, 0), axis=0)
+            k_rem = k_rem - tl.sum(tl.where(o_bin > i_bin, b_hist, 0), axis=0)
+            prefix = prefix | (i_bin.to(tl.uint32) << shift)
+            hi_mask = hi_mask | (tl.full([], 0xFF, tl.uint32) << shift)
+        take_all = n_valid <= K
+        thr_key = tl.where(take_all, tl.zeros([], dtype=tl.uint32), prefix)
+        n_eq = tl.where(take_all, K, k_rem)
+    else:
+        thr_key = _order_key(tl.load(thr + i_t))
+        n_gt = 0
+        for c0 in range(0, n, BLOCK):
+            o = c0 + o_c
+            b_x = tl.load(p_row + o, mask=o < n, other=float("-inf"))
+            n_gt += tl.sum(((b_x > float("-inf")) & (_order_key(b_x) > thr_key)).to(tl.int32), axis=0)
+        n_eq = K - n_gt
+    # emit: keys above the threshold and the first n_eq keys equal to it, in position order
+    n_out = 0
+    n_eq_seen = 0
+    for c0 in range(0, n, BLOCK):
+        o = c0 + o_c
+        b_x = tl.load(p_row + o, mask=o < n, other=float("-inf"))
+        b_key = _order_key(b_x)
+        m_ok = b_x > float("-inf")
+        m_gt = m_ok & (b_key > thr_key)
+        m_eq = m_ok & (b_key == thr_key)
+        b_eq_rank = n_eq_seen + tl.cumsum(m_eq.to(tl.int32), axis=0)
+        m_take = m_gt | (m_eq & (b_eq_rank <= n_eq))
+        b_off = n_out + tl.cumsum(m_take.to(tl.int32), axis=0) - 1
+        tl.store(p_out + b_off, o, mask=m_take & (b_off < K))
+        n_out += tl.sum(m_take.to(tl.int32), axis=0)
+        n_eq_seen += tl.sum(m_eq.to(tl.int32), axis=0)
+    for c0 in range(tl.minimum(n_out, K), K, BLOCK):
+        o = c0 + o_c
+        tl.store(p_out + o, tl.full([BLOCK], -1, dtype=tl.int32), mask=o < K)
+
+
+def _topk_fwd(logits, row_len, topk, out, impl):
+    T, S = logits.shape
+    radix = impl == "triton"
+    if radix:
+        thr = logits
+    elif topk >= S:  # every valid key is kept
+        thr = torch.full((T,), float("-inf"), dtype=torch.float32, device=logits.device)
+    else:
+        thr = torch.topk(logits, topk, dim=1, sorted=False).values.amin(dim=1)
+    _indexer_topk_fwd_kernel[(T,)](
+        logits, row_len if row_len is not None else logits, thr, out, logits.stride(0), out.stride(0), S, topk,
+        BLOCK=_TOPK_BLOCK if not INTERPRET else 64, HAS_LEN=row_len is not None, RADIX=radix, num_warps=_TOPK_WARPS,
+    )  # fmt: skip
+    return out
+
+
+def _check_topk(topk, impl, out, T, dev):
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk must be a positive int; got {topk!r}")
+    impl = impl or os.environ.get("OPENMLA_INDEXER_TOPK", "triton")
+    if impl not in _TOPK_IMPLS:
+        raise ValueError(f"topk_impl must be one of {_TOPK_IMPLS}; got {impl!r}")
+    if out is None:
+        out = torch.empty(T, topk, dtype=torch.int32, device=dev)
+    else:
+        check_tensor("out", out, dtypes=(torch.int32,), shape=(T, topk), device=dev)
+    return impl, out
+
+
+def logits_topk(
+    logits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None, topk_impl: str | None = None
+) -> torch.Tensor:
+    """Per row, the positions of the ``topk`` largest scores of ``logits`` `[T, S]` fp32 (-inf and NaN never
+    chosen), in increasing position order (ties at the threshold: lower positions first), then -1:
+    int32 `[T, topk]`. ``topk_impl``: "triton" (radix select) or "torch" (``torch.topk`` for the threshold)."""
+    check_tensor("logits", logits, dtypes=(torch.float32,), ndim=2)
+    impl, out = _check_topk(topk, topk_impl, out, logits.shape[0], logits.device)
+    if logits.shape[0]:
+        if logits.shape[1] == 0:
+            out.fill_(-1)
+        else:
+            _topk_fwd(logits, None, topk, out, impl)
+    return out
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    topk: int,
+    *,
+    cache_dtype: str = "auto",
+    max_seq_len: int | None = None,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+    topk_impl: str | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    r"""The lightning indexer's causal top-k: per query row the request-local positions of its ``topk``
+    best keys under :func:`indexer_logits`' scores.
+
+    Row t holds its chosen positions in increasing order (a valid prefix; ties at the k-th score go to lower
+    positions), then -1: ``min(topk, pos_t + 1)`` valid entries, exactly ``0 .. pos_t`` when
+    ``pos_t + 1 <= topk``; rows outside every request are all -1. Arguments as :func:`indexer_logits`, plus:
+
+    Args:
+        topk (int): entries per row (2048 for V3.2).
+        out (torch.Tensor | None): `[T, topk]` int32 to write into (e.g. the engine's shared buffer).
+        topk_impl (str | None): "triton" (a radix select per row, the default) or "torch" (``torch.topk``
+            finds each row's threshold); the same result. Default from ``OPENMLA_INDEXER_TOPK``.
+
+    Returns:
+        torch.Tensor: `[T, topk]` int32. (The scores are an internal fp32 `[T, max_seq_len]` buffer.)
+    """
+    T, H, D, B, S = _check_scores_args(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype,
+                                       max_seq_len, max_query_len)  # fmt: skip
+    impl, out = _check_topk(topk, topk_impl, out, T, q.device)
+    if validate and not capturing():
+        _validate_batch(T, B, S, k_cache, block_table, seq_lens, query_start_loc)
+    if T == 0:
+        return out
+    if S == 0:
+        return out.fill_(-1)
+    logits = torch.empty(T, S, dtype=torch.float32, device=q.device)
+    row_len = torch.empty(T, dtype=torch.int32, device=q.device)
+    _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype, S, max_query_len,
+                        logits, row_len)  # fmt: skip
+    return _topk_fwd(logits, row_len, topk, out, impl)
