@@ -11,6 +11,11 @@
     with continuous batching, chunked prefill and speculative verify, prints tokens/s and the acceptance
     rate, checks each request's last step's logits against transformers and exits 1 on a mismatch.
 
+``openmla bench [--family decode,prefill] [--shapes PRESET|SPECS] [--rep MS] [--out DIR] [--label L] [--no-peers]
+[--quick]``
+    Sweeps of the ops over DeepSeek shapes beside FlashMLA / cuDNN when importable: a printed table, CSV, JSON and
+    (with the ``bench`` extra) PNG plots; see :mod:`openmla.bench`. Exit 1 when an openmla point failed.
+
 Exit codes: 0 success, 1 logits mismatch (demo), 2 bad arguments or input.
 """
 
@@ -90,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="generate with the tiny DeepSeek V3 and check against transformers")
     _add_common(d, 2)
     d.add_argument("--max-new-tokens", type=_positive, default=24, metavar="N")
+    from openmla.bench.cli import add_arguments as _bench_arguments
+
+    _bench_arguments(sub.add_parser("bench", help="benchmark sweeps beside FlashMLA / cuDNN (CSV, JSON, plots)"))
     return parser
 
 
@@ -226,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _cmd_generate(args)
+        if args.command == "bench":
+            from openmla.bench.cli import run as _bench
+
+            return _bench(args)
         return _cmd_demo(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"openmla {args.command}: error: {err}", file=sys.stderr)
