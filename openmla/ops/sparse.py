@@ -46,6 +46,7 @@ _GPU_TILING = {
 }
 _MAX_BLOCK_H = 64  # heads per program at most (H = 128 runs two head blocks over the same rows)
 _INTERPRET_BLOCK_N = 16
+_INTERPRET_FP8 = tl.constexpr(INTERPRET)  # NaN e4m3 bytes need an explicit test under the interpreter
 # split planner: with fewer than _SPLIT_WAVE x SMs programs (tokens x head blocks), cut each token's key list
 # into splits of at least _MIN_SPLIT_KEYS keys, at most _MAX_SPLITS of them
 _SPLIT_WAVE = 1
@@ -97,7 +98,10 @@ def _dequant_group(kv, p_s, row, m_n, o_c, G: tl.constexpr, COMPUTE: tl.constexp
     b_q = tl.load(kv + row[:, None] + G * 128 + o_c[None, :], mask=m_n[:, None], other=0)
     b_s = tl.load(p_s + G, mask=m_n, other=0.0)
     b_v = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_s[:, None]
-    return tl.where(b_v != b_v, 0.0, b_v).to(COMPUTE)
+    b_nan = b_v != b_v
+    if _INTERPRET_FP8:  # the interpreter widens the e4m3 NaN bytes (0x7F, 0xFF) to +-480; the GPU to NaN
+        b_nan = b_nan | ((b_q & 0x7F) == 0x7F)
+    return tl.where(b_nan, 0.0, b_v).to(COMPUTE)
 
 
 @triton.jit

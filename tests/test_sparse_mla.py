@@ -1,0 +1,348 @@
+"""sparse_mla against the fp32 reference: heads, top-k widths, block sizes, both cache dtypes, sentinels,
+lengths, sinks, the extra source, ragged indices, splits, NaN in unused pages, buffers and errors."""
+
+import itertools
+
+import pytest
+import torch
+
+import openmla
+from openmla.reference import apply_attn_sink_ref, ds_mla_row_ref, sparse_mla_ref
+from openmla.utils.testing import TOLERANCES, assert_close, on_gpu, pick
+
+SCALE = 576**-0.5
+INF = float("inf")
+
+
+def _cache(device, num_blocks, block_size, kv_cache_dtype, dtype=torch.bfloat16, width=576):
+    """A paged cache of random rows (values ~ N(0, 1)); an fp8_ds_mla cache is encoded by the reference
+    writer (SPEC §2.3)."""
+    rows = torch.randn(num_blocks * block_size, width)
+    if kv_cache_dtype == "auto":
+        return rows.to(dtype).view(num_blocks, block_size, width).to(device)
+    enc = ds_mla_row_ref(rows[:, :512], rows[:, 512:])
+    return enc.view(num_blocks, block_size, 656).to(device)
+
+
+def _poison_unused(cache, kv_cache_dtype, *index_sets):
+    """NaN in every slot no index set selects (they must never be read)."""
+    num_slots = cache.shape[0] * cache.shape[1]
+    used = torch.zeros(num_slots, dtype=torch.bool)
+    for rows, counted in index_sets:
+        ok = counted & (rows >= 0) & (rows < num_slots)
+        used[rows[ok].long()] = True
+    flat = cache.view(num_slots, cache.shape[-1])
+    bad = (~used).nonzero().flatten().to(cache.device)
+    if kv_cache_dtype == "auto":
+        flat[bad] = float("nan")
+    else:
+        flat[bad] = 0xFF  # e4m3 NaN bytes, NaN fp32 scales, NaN bf16 rope
+
+
+def _indices(T, K, num_slots, device, with_len=True, gen=None):
+    """[T, K] int32 slots with the cases the op must handle: -1 inside and after the valid prefix,
+    out-of-range values (>= num_slots, < -1), slot 0, duplicates, an all-invalid row, a length-0 row."""
+    g = gen or torch.Generator().manual_seed(7)
+    idx = torch.randint(0, num_slots, (T, K), generator=g, dtype=torch.int32)
+    if K >= 4:
+        idx[:, 1] = 0  # slot 0 is a real slot
+        idx[:, 2] = idx[:, 3]  # a duplicate counts twice
+        idx[0, K // 2] = -1  # -1 inside the prefix
+        idx[0, K // 3] = num_slots  # just past the cache
+        idx[0, K - 1] = -7
+    if T >= 3:
+        idx[2, :] = -1  # no valid key at all
+    lens = None
+    if with_len:
+        lens = torch.randint(1, K + 1, (T,), generator=g, dtype=torch.int32)
+        if T >= 2:
+            lens[1] = 0  # nothing counts
+        if K >= 4:  # -1 after the valid prefix
+            for t in range(T):
+                idx[t, int(lens[t]) :] = torch.where(torch.rand(K - int(lens[t]), generator=g) < 0.5, -1, idx[t, int(lens[t]) :])
+        lens = lens.to(device)
+    return idx.to(device), lens
+
+
+def _counted(idx, lens):
+    K = idx.shape[1]
+    c = torch.ones(idx.shape, dtype=torch.bool) if lens is None else torch.arange(K)[None, :] < lens.cpu()[:, None]
+    return idx.cpu(), c
+
+
+def _tol(q_dtype):
+    # inputs are exact in the reference (the same bf16 values / fp8 bytes); the kernel rounds P (and on the
+    # GPU the dequantised fp8 rows) to q's dtype before its dots
+    return TOLERANCES[q_dtype]
+
+
+def _check(q, cache, idx, kv_cache_dtype="auto", **kw):
+    ref_kw = {k: v for k, v in kw.items() if not k.startswith("_") and k not in ("validate", "out", "lse")}
+    out, lse = openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype=kv_cache_dtype, **kw)
+    ref_out, ref_lse = sparse_mla_ref(q, cache, idx, SCALE, kv_cache_dtype=kv_cache_dtype, **ref_kw)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    atol, rtol, cos = _tol(q.dtype)
+    assert_close("out", ref_out, out, atol, rtol, cos)
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+    return out, lse
+
+
+HEADS = pick([1, 6, 16], [1, 6, 16, 64, 128])
+TOPK = pick([1, 100], [1, 100, 2048])
+BLOCK_SIZES = [1, 16, 64]
+CACHE_DTYPES = ["auto", "fp8_ds_mla"]
+
+
+def _cases():
+    full = list(itertools.product(HEADS, TOPK, BLOCK_SIZES, CACHE_DTYPES))
+    if on_gpu():
+        return full
+    # CPU: every heads x dtype at K 100 and block 16; every top-k x block size at 6 heads
+    keep = [c for c in full if c[1] == 100 and c[2] == 16]
+    keep += [c for c in full if c[0] == 6 and c not in keep]
+    return keep
+
+
+@pytest.mark.parametrize(
+    "heads,topk,block_size,kv_cache_dtype", _cases(), ids=lambda v: str(v) if not isinstance(v, str) else v
+)
+def test_sparse_mla(heads, topk, block_size, kv_cache_dtype, device):
+    T = pick(4, 24)
+    num_blocks = max(2, -(-pick(300, 8192) // block_size))
+    cache = _cache(device, num_blocks, block_size, kv_cache_dtype)
+    idx, lens = _indices(T, topk, num_blocks * block_size, device)
+    _poison_unused(cache, kv_cache_dtype, _counted(idx, lens))
+    q = torch.randn(T, heads, 576, device=device).bfloat16()
+    out, lse = _check(q, cache, idx, kv_cache_dtype, topk_length=lens)
+    if T >= 3:  # the all-invalid row and the length-0 row: out 0, lse -inf
+        assert bool((out[1:3] == 0).all()) and bool(torch.isneginf(lse[1:3]).all())
+
+
+@pytest.mark.parametrize("heads", pick([64, 128], [96, 128]))
+def test_sparse_mla_many_heads(heads, device):
+    T, K = pick(2, 64), pick(20, 2048)
+    cache = _cache(device, 64, 64, "fp8_ds_mla")
+    idx, lens = _indices(T, K, 64 * 64, device)
+    q = torch.randn(T, heads, 576, device=device).bfloat16()
+    _check(q, cache, idx, "fp8_ds_mla", topk_length=lens)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("splits", [2, 5])
+def test_sparse_mla_splits(splits, kv_cache_dtype, device):
+    """The split path (partials + LSE merge) with sinks and the extra source; splits past a short row are empty."""
+    T, H, K = pick(3, 8), pick(6, 64), pick(70, 2048)
+    cache = _cache(device, 20, 16, kv_cache_dtype)
+    extra = _cache(device, 9, 4, kv_cache_dtype)
+    idx, lens = _indices(T, K, 320, device)
+    eidx, elens = _indices(T, pick(9, 300), 36, device, gen=torch.Generator().manual_seed(3))
+    sink = torch.linspace(-2, 2, H, device=device)
+    sink[0] = -INF
+    q = torch.randn(T, H, 576, device=device).bfloat16()
+    _check(q, cache, idx, kv_cache_dtype, topk_length=lens, attn_sink=sink, extra_kv_cache=extra, extra_indices=eidx,
+           extra_topk_length=elens, _num_splits_override=splits)  # fmt: skip
+
+
+def test_sparse_mla_planner_splits(device):
+    """One token with many keys: the planner's own choice (splits on a GPU) against the reference."""
+    K = pick(64, 2048)
+    cache = _cache(device, pick(8, 64), 64, "fp8_ds_mla")
+    idx, _ = _indices(1, K, cache.shape[0] * 64, device, with_len=False)
+    for H in pick([16], [16, 128]):
+        _check(torch.randn(1, H, 576, device=device).bfloat16(), cache, idx, "fp8_ds_mla")
+
+
+def test_sparse_mla_sinks(device):
+    """Sinks -inf / finite / +inf per head, with empty rows: out scaled by sigmoid(lse - sink), lse sink-free;
+    apply_attn_sink on the sink-free output gives the same."""
+    T, H = 4, pick(6, 64)
+    cache = _cache(device, 10, 16, "auto")
+    idx, lens = _indices(T, 30, 160, device)
+    q = torch.randn(T, H, 576, device=device).bfloat16()
+    sink = torch.randn(H, device=device)
+    sink[0], sink[1], sink[2] = -INF, INF, 100.0
+    out, lse = _check(q, cache, idx, topk_length=lens, attn_sink=sink)
+    plain, lse0 = openmla.sparse_mla(q, cache, idx, SCALE, topk_length=lens)
+    assert torch.equal(lse, lse0)  # the returned LSE is sink-free
+    assert bool((out[:, 1] == 0).all())  # +inf
+    torch.testing.assert_close(out[:, 0], plain[:, 0], atol=0, rtol=0)  # -inf changes nothing
+    applied = openmla.apply_attn_sink(plain, lse0, sink)
+    assert_close("apply_attn_sink", apply_attn_sink_ref(plain, lse0, sink), applied, *TOLERANCES[torch.bfloat16])
+    assert_close("apply vs fused", out.float(), applied, *TOLERANCES[torch.bfloat16])
+    inplace = plain.clone()
+    assert openmla.apply_attn_sink(inplace, lse0, sink, inplace=True).data_ptr() == inplace.data_ptr()
+    torch.testing.assert_close(inplace, applied, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("ragged", [False, True])
+def test_sparse_mla_extra_source(kv_cache_dtype, ragged, device):
+    """Two sources (different block sizes) in one softmax, dense or ragged index sets; a token whose main
+    list is empty still attends to its extra keys."""
+    T, H = pick(4, 32), pick(16, 128)
+    main = _cache(device, 12, 16, kv_cache_dtype)
+    extra = _cache(device, 5, 2, kv_cache_dtype)
+    idx, lens = _indices(T, pick(40, 2048), 192, device)
+    eidx, elens = _indices(T, pick(12, 512), 10, device, gen=torch.Generator().manual_seed(11))
+    elens[1] = 3  # row 1 has no main key but extra ones
+    eidx[1, :3] = torch.tensor([0, 5, 9], dtype=torch.int32)
+    _poison_unused(main, kv_cache_dtype, _counted(idx, lens))
+    _poison_unused(extra, kv_cache_dtype, _counted(eidx, elens))
+    q = torch.randn(T, H, 576, device=device).bfloat16()
+    if ragged:
+        idx_arg = openmla.build_ragged_indices_from_dense(idx, lens)
+        eidx_arg = openmla.build_ragged_indices_from_dense(eidx, elens)
+        out, _ = _check(q, main, idx_arg, kv_cache_dtype, extra_kv_cache=extra, extra_indices=eidx_arg)
+    else:
+        out, _ = _check(q, main, idx, kv_cache_dtype, topk_length=lens, extra_kv_cache=extra, extra_indices=eidx,
+                        extra_topk_length=elens)  # fmt: skip
+    assert bool((out[1] != 0).any())
+
+
+def test_sparse_mla_ragged_matches_dense(device):
+    T, H = 5, pick(6, 64)
+    cache = _cache(device, 8, 64, "fp8_ds_mla")
+    idx, lens = _indices(T, pick(50, 2048), 512, device)
+    q = torch.randn(T, H, 576, device=device).bfloat16()
+    dense, dlse = openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype="fp8_ds_mla", topk_length=lens)
+    ragged, rlse = openmla.sparse_mla(q, cache, openmla.build_ragged_indices_from_dense(idx, lens), SCALE,
+                                      kv_cache_dtype="fp8_ds_mla")  # fmt: skip
+    torch.testing.assert_close(ragged, dense, atol=0, rtol=0)
+    torch.testing.assert_close(rlse, dlse, atol=0, rtol=0)
+
+
+def test_sparse_mla_nan_in_selected_fp8_rows(device):
+    """fp8_ds_mla: NaN bytes, a NaN scale and a NaN rope value in selected rows count as 0."""
+    T, H = 3, pick(6, 64)
+    cache = _cache(device, 4, 16, "fp8_ds_mla")
+    idx, _ = _indices(T, 24, 64, device, with_len=False)
+    flat = cache.view(64, 656)
+    s0, s1, s2 = (int(v) for v in idx[0, :3])
+    flat[s0, 5] = 0x7F  # e4m3 NaN
+    flat[s1, 512:516] = 0xFF  # a NaN scale: its whole group of 128
+    flat[s2, 600:602] = 0xFF  # a NaN bf16 rope value
+    q = torch.randn(T, H, 576, device=device).bfloat16()
+    _check(q, cache, idx, "fp8_ds_mla")
+
+
+def test_sparse_mla_v4_shape_and_fp16(device):
+    """D = d_v = 512 (V4: V is the whole row, no tail) and fp16 q / cache."""
+    T, H = 3, pick(16, 64)
+    cache = _cache(device, 6, 16, "auto", width=512)
+    idx, lens = _indices(T, 33, 96, device)
+    q = torch.randn(T, H, 512, device=device).bfloat16()
+    _check(q, cache, idx, topk_length=lens, d_v=512)
+    cache16 = _cache(device, 6, 16, "auto", dtype=torch.float16)
+    q16 = torch.randn(T, H, 576, device=device).half()
+    _check(q16, cache16, idx, topk_length=lens)
+    _check(q16, _cache(device, 6, 16, "fp8_ds_mla"), idx, "fp8_ds_mla", topk_length=lens)
+
+
+def test_sparse_mla_buffers_and_strides(device):
+    """out= / lse= buffers are written in place; q with a head stride, a cache that is a slice of a larger one;
+    return_lse=False."""
+    T, H = 3, 6
+    big = _cache(device, 10, 8, "fp8_ds_mla")
+    cache = big[2:9]  # 4-byte aligned slice
+    idx, lens = _indices(T, 20, 7 * 8, device)
+    qbig = torch.randn(T, 2 * H, 576, device=device).bfloat16()
+    q = qbig[:, ::2]
+    out = torch.full((T, H, 512), 7.0, device=device).bfloat16()
+    lse = torch.full((T, H), 7.0, device=device)
+    r_out, r_lse = openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype="fp8_ds_mla", topk_length=lens,
+                                      out=out, lse=lse)  # fmt: skip
+    assert r_out.data_ptr() == out.data_ptr() and r_lse.data_ptr() == lse.data_ptr()
+    ref_out, ref_lse = sparse_mla_ref(q, cache, idx, SCALE, kv_cache_dtype="fp8_ds_mla", topk_length=lens)
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+    o2, none = openmla.sparse_mla(q.contiguous(), cache.contiguous(), idx, SCALE, kv_cache_dtype="fp8_ds_mla",
+                                  topk_length=lens, return_lse=False)  # fmt: skip
+    assert none is None
+    torch.testing.assert_close(o2, out, atol=0, rtol=0)
+
+
+def test_sparse_mla_empty_batch(device):
+    cache = _cache(device, 2, 16, "auto")
+    q = torch.zeros(0, 4, 576, device=device).bfloat16()
+    out, lse = openmla.sparse_mla(q, cache, torch.zeros(0, 8, dtype=torch.int32, device=device), SCALE)
+    assert out.shape == (0, 4, 512) and lse.shape == (0, 4)
+
+
+def test_sparse_mla_unvalidated_lengths_stay_in_bounds(device):
+    """validate=False: lengths past K and a ragged indptr past the flat array are clamped to the rows, so the
+    kernel reads nothing outside a tensor; the result equals the clamped lengths'."""
+    T, H, K = 3, 6, 16
+    cache = _cache(device, 4, 16, "auto")
+    idx, _ = _indices(T, K, 64, device, with_len=False)
+    lens = torch.tensor([K + 100, 3, -5], dtype=torch.int32, device=device)
+    q = torch.randn(T, H, 576, device=device).bfloat16()
+    out, lse = openmla.sparse_mla(q, cache, idx, SCALE, topk_length=lens, validate=False)
+    clamped = lens.clamp(0, K)
+    ref_out, ref_lse = sparse_mla_ref(q, cache, idx, SCALE, topk_length=clamped)
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+    flat = idx.flatten()[:10].contiguous()
+    indptr = torch.tensor([0, 4, 9, 50], dtype=torch.int32, device=device)  # past flat's 10 entries
+    out, lse = openmla.sparse_mla(q, cache, (indptr, flat), SCALE, validate=False)
+    ref_out, ref_lse = sparse_mla_ref(q, cache, (torch.tensor([0, 4, 9, 10]), flat), SCALE)
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    with pytest.raises(ValueError, match="indptr"):
+        openmla.sparse_mla(q, cache, (indptr, flat), SCALE)
+
+
+def test_sparse_mla_errors(device):
+    T, H = 2, 4
+    q = torch.randn(T, H, 576, device=device).bfloat16()
+    cache = _cache(device, 2, 16, "auto")
+    fp8 = _cache(device, 2, 16, "fp8_ds_mla")
+    idx = torch.zeros(T, 8, dtype=torch.int32, device=device)
+    f = openmla.sparse_mla
+    with pytest.raises(TypeError, match="q must have dtype"):
+        f(q.float(), cache, idx, SCALE)
+    with pytest.raises(TypeError, match="kv_cache must have dtype"):
+        f(q, cache.half(), idx, SCALE)
+    with pytest.raises(ValueError, match="kv_cache rows must be 576"):
+        f(q, cache[..., :512], idx, SCALE)
+    with pytest.raises(ValueError, match='uint8 \\[num_blocks, block_size, 656\\] for "fp8_ds_mla"'):
+        f(q, fp8[..., :640], idx, SCALE, kv_cache_dtype="fp8_ds_mla")
+    with pytest.raises(TypeError, match="kv_cache must have dtype"):
+        f(q, cache, idx, SCALE, kv_cache_dtype="fp8_ds_mla")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        f(q, cache, idx, SCALE, kv_cache_dtype="fp8")
+    with pytest.raises(TypeError, match="indices must have dtype"):
+        f(q, cache, idx.long(), SCALE)
+    with pytest.raises(ValueError, match="indices must have shape"):
+        f(q, cache, idx[:1], SCALE)
+    with pytest.raises(ValueError, match="topk_length must lie in"):
+        f(q, cache, idx, SCALE, topk_length=torch.tensor([9, 1], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="topk_length must have shape"):
+        f(q, cache, idx, SCALE, topk_length=torch.tensor([1], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="attn_sink must have shape"):
+        f(q, cache, idx, SCALE, attn_sink=torch.zeros(H + 1, device=device))
+    with pytest.raises(TypeError, match="attn_sink must have dtype"):
+        f(q, cache, idx, SCALE, attn_sink=torch.zeros(H, device=device).bfloat16())
+    with pytest.raises(ValueError, match="extra_indices is required"):
+        f(q, cache, idx, SCALE, extra_kv_cache=cache)
+    with pytest.raises(ValueError, match="need extra_kv_cache"):
+        f(q, cache, idx, SCALE, extra_indices=idx)
+    with pytest.raises(ValueError, match="d_v"):
+        f(q, cache, idx, SCALE, d_v=600)
+    with pytest.raises(ValueError, match="d_v"):
+        f(q, cache, idx, SCALE, d_v=500)
+    with pytest.raises(ValueError, match="out must have shape"):
+        f(q, cache, idx, SCALE, out=torch.zeros(T, H, 576, device=device).bfloat16())
+    with pytest.raises(TypeError, match="lse must have dtype"):
+        f(q, cache, idx, SCALE, lse=torch.zeros(T, H, device=device).half())
+    with pytest.raises(TypeError, match="sm_scale"):
+        f(q, cache, idx, None)
+    with pytest.raises(ValueError, match="topk_length must be None with ragged"):
+        f(q, cache, (torch.zeros(T + 1, dtype=torch.int32, device=device), idx.flatten()), SCALE,
+          topk_length=torch.zeros(T, dtype=torch.int32, device=device))  # fmt: skip
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        f(q, fp8.view(-1)[1:].view(-1)[: 2 * 16 * 656 - 656].view(1, -1, 656)[:, :16], idx, SCALE,
+          kv_cache_dtype="fp8_ds_mla")  # fmt: skip
+    with pytest.raises(TypeError, match="attn_sink must have dtype"):
+        openmla.apply_attn_sink(torch.zeros(T, H, 8, device=device), torch.zeros(T, H, device=device),
+                                torch.zeros(H, dtype=torch.int32, device=device))  # fmt: skip
