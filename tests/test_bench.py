@@ -1,0 +1,142 @@
+"""``openmla bench`` end to end at tiny shapes (the interpreter on the CPU; peers off), its rows and its registry."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import sys
+import types
+
+import pytest
+
+from openmla import bench
+from openmla.bench import decode, prefill, report
+from openmla.bench.cli import main as bench_main
+from openmla.bench.context import BenchContext
+from openmla.bench.timing import Timer, Timing
+from openmla.cli import main
+
+FAST = ["--rep", "5", "--rounds", "1", "--no-peers"]
+
+
+def _csv(path):
+    with open(path, newline="") as f:
+        r = csv.DictReader(f)
+        return r.fieldnames, list(r)
+
+
+def test_bench_end_to_end(tmp_path):
+    rc = main(["bench", "--shapes", "tiny", "--out", str(tmp_path), "--label", "t 1", *FAST])
+    assert rc == 0
+    cols, rows = _csv(tmp_path / "bench-t_1.csv")
+    assert cols == report.COLUMNS
+    doc = json.loads((tmp_path / "bench-t_1.json").read_text())
+    assert len(doc["rows"]) == len(rows) and doc["meta"]["label"] == "t 1" and doc["meta"]["bw_gbs"] > 0
+    assert set(doc["rows"][0]) == set(report.COLUMNS)
+    own = [r for r in rows if r["provider"] == "openmla"]
+    assert [r["family"] for r in own] == ["decode"] * len(decode.PRESETS["tiny"]) + ["prefill"] * len(
+        prefill.PRESETS["tiny"]
+    )
+    assert {r["dtype"] for r in own} == {"bf16", "fp8"}
+    assert {r["op"] for r in rows if r["family"] == "roofline"} == {"read", "matmul"}
+    for r in own:
+        p50, p20, p80 = (float(r[k]) for k in ("p50_us", "p20_us", "p80_us"))
+        assert 0 < p20 <= p50 <= p80, r
+        assert math.isclose(float(r["gbs"]), float(r["bytes"]) / p50 / 1e3, rel_tol=1e-6)
+        assert math.isclose(float(r["tflops"]), float(r["flops"]) / p50 / 1e6, rel_tol=1e-6)
+        assert math.isclose(float(r["frac_bw"]), float(r["gbs"]) / float(r["bw_gbs"]), rel_tol=1e-6)
+        assert math.isclose(float(r["frac_peak"]), float(r["tflops"]) / float(r["peak_tflops"]), rel_tol=1e-6)
+        assert r["label"] == "t 1" and r["gpu"] and r["torch"] and r["triton"] and r["git"]
+        assert r["timer"] == "cpu" and int(r["samples"]) == 2 and not r["error"]
+        assert r["peer"] == "" and r["ratio"] == ""  # no peers on the CPU: empty columns
+    # h2 b2 s70 q1: 140 keys of 1152 bytes + q (2 x 2 x 576 x 2) + out (2 x 2 x 512 x 2); 2 * 2 * 140 * 1088 FLOP
+    first = own[0]
+    assert first["shape"] == "h2 b2 s70 q1" and float(first["bytes"]) == 140 * 1152 + 4 * 1152 + 4 * 1024
+    assert float(first["flops"]) == 2 * 2 * 140 * 1088
+    if importlib.util.find_spec("matplotlib") is not None:  # the bench extra is installed: the plots too
+        assert (tmp_path / "bench-t_1-decode.png").stat().st_size > 0
+        assert (tmp_path / "bench-t_1-prefill.png").stat().st_size > 0
+
+
+def test_bench_without_extra(tmp_path, monkeypatch, capsys):
+    """No rich, no matplotlib: plain progress lines and a message instead of the plots."""
+    monkeypatch.setitem(sys.modules, "rich", None)
+    monkeypatch.setitem(sys.modules, "rich.progress", None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc = bench_main(["--family", "decode", "--shapes", "h2 b1 s16 q1", "--out", str(tmp_path), *FAST])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    assert "[1/1" in err and "decode h2 b1 s16 q1" in err
+    assert "plots skipped" in out and "h2 b1 s16 q1" in out
+    assert (tmp_path / "bench.csv").exists() and not list(tmp_path.glob("*.png"))
+
+
+def test_shape_specs():
+    s = decode.parse("h128 b128 s8192 q2 fp8")
+    assert (s.h, s.b, s.s, s.q, s.dtype) == (128, 128, 8192, 2, "fp8") and str(s) == "h128 b128 s8192 q2"
+    ragged = decode.parse("h16 b128 s8192~4096")
+    lens = ragged.lengths()
+    assert len(lens) == 128 and min(lens) >= 1 and max(lens) <= 16384 and len(set(lens)) > 64
+    assert lens == ragged.lengths()  # seeded: the same draw in every run
+    uni = decode.parse("h128 b64 s512..16384").lengths()
+    assert min(uni) >= 512 and max(uni) <= 16384
+    p = prefill.parse("h128 n4096 fp8")
+    assert (p.h, p.n, p.t, p.batch, p.dtype) == (128, 4096, 16384, 4, "fp8")
+    for mod in (decode, prefill):
+        for preset, specs in mod.PRESETS.items():
+            assert [str(mod.parse(x)) for x in specs], preset
+        with pytest.raises(ValueError):
+            mod.parse("h0 b1 s1 n1")
+        with pytest.raises(ValueError):
+            mod.parse("x128")
+
+
+def test_bad_arguments(tmp_path, capsys):
+    assert bench_main(["--shapes", "nope", "--out", str(tmp_path)]) == 2
+    assert bench_main(["--shapes", "h2 b1 s16", "--out", str(tmp_path)]) == 2  # two families: name the family
+    assert bench_main(["--family", "nope", "--out", str(tmp_path)]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_rows_ratio_and_peer_dtype():
+    import torch
+
+    ctx = BenchContext(torch.device("cpu"), Timer(torch.device("cpu")), peers=False, quick=False, bw_gbs=100.0,
+                       peak_tflops=10.0, env=dict(gpu="g", torch="t", triton="tr", git="x", label="L"))  # fmt: skip
+    ctx.family = "decode"
+    t = {"openmla": Timing([10.0, 12.0, 11.0], "cpu"), "flashmla": Timing([22.0], "cpu")}
+    own, peer = ctx.rows("mla_decode", "h1", t, flops=1e6, nbytes={"openmla": 1e3, "flashmla": 2e3},
+                         dtype={"openmla": "fp8", "flashmla": "bf16"}, peer="flashmla", check=0.999)  # fmt: skip
+    assert own["p50_us"] == 11.0 and own["ratio"] == 2.0 and own["peer"] == "flashmla" and own["check"] == 0.999
+    assert own["gbs"] == 1e3 / 11.0 / 1e3 and own["frac_bw"] == own["gbs"] / 100.0 and own["label"] == "L"
+    assert peer["dtype"] == "bf16" and peer["gbs"] == 2e3 / 22.0 / 1e3 and peer["ratio"] == ""
+    failed = ctx.rows("mla_decode", "h1", {"openmla": Timing([5.0]), "flashmla": Timing(error="boom")}, flops=1.0,
+                      nbytes=1.0, dtype="bf16", peer="flashmla")  # fmt: skip
+    assert failed[0]["ratio"] == "" and failed[1]["error"] == "boom" and failed[1]["p50_us"] == ""
+    assert "boom" in report.table_lines(failed)[0]
+
+
+def test_registry_plugin(tmp_path, monkeypatch):
+    """A family registered in FAMILIES runs through the same driver; a point that raises becomes an error row."""
+    mod = types.ModuleType("fake_family")
+    mod.OP = "fake_op"
+    mod.PRESETS = {"tiny": ["ok", "bad"], "default": ["ok"], "quick": ["ok"]}
+    mod.parse = lambda spec: spec
+
+    def run(shape, ctx):
+        if shape == "bad":
+            raise RuntimeError("no kernel for this shape")
+        t = ctx.time({"openmla": lambda: sum(range(100))}, graph=True)
+        return ctx.rows(mod.OP, shape, t, flops=1e3, nbytes=1e3, dtype="bf16")
+
+    mod.run = run
+    monkeypatch.setitem(sys.modules, "fake_family", mod)
+    monkeypatch.setitem(bench.FAMILIES, "fake", "fake_family")
+    rc = bench_main(["--family", "fake", "--shapes", "tiny", "--out", str(tmp_path), "--no-plot", *FAST])
+    assert rc == 1  # an openmla point failed
+    _, rows = _csv(tmp_path / "bench.csv")
+    fake = [r for r in rows if r["family"] == "fake"]
+    assert [(r["shape"], bool(r["error"])) for r in fake] == [("ok", False), ("bad", True)]
+    assert "no kernel" in fake[1]["error"] and float(fake[0]["p50_us"]) > 0
