@@ -59,7 +59,9 @@ def _indices(T, K, num_slots, device, with_len=True, gen=None):
             lens[1] = 0  # nothing counts
         if K >= 4:  # -1 after the valid prefix
             for t in range(T):
-                idx[t, int(lens[t]) :] = torch.where(torch.rand(K - int(lens[t]), generator=g) < 0.5, -1, idx[t, int(lens[t]) :])
+                idx[t, int(lens[t]) :] = torch.where(
+                    torch.rand(K - int(lens[t]), generator=g) < 0.5, -1, idx[t, int(lens[t]) :]
+                )
         lens = lens.to(device)
     return idx.to(device), lens
 

@@ -24,9 +24,9 @@ import triton
 import triton.language as tl
 
 from openmla.device import INTERPRET, compute_dtype
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
+from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_tensor, describe
 
-__all__ = ["sparse_mla", "apply_attn_sink", "SPARSE_KV_CACHE_DTYPES"]
+__all__ = ["SPARSE_KV_CACHE_DTYPES", "apply_attn_sink", "sparse_mla"]
 
 SPARSE_KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
 _FORMATS = {"auto": 0, "fp8_ds_mla": 1}
@@ -88,7 +88,7 @@ def _load_kv_rows(kv, kv_f32, kv_b16, row, m_n, o_c, o_r, FMT: tl.constexpr, DC:
         k2 = _dequant_group(kv, p_s, row, m_n, o_c, 2, COMPUTE)
         k3 = _dequant_group(kv, p_s, row, m_n, o_c, 3, COMPUTE)
         k_r = tl.load(kv_b16 + row[:, None] // 2 + 264 + o_r[None, :], mask=m_r, other=0.0).to(tl.float32)
-        k_r = tl.where(k_r != k_r, 0.0, k_r).to(COMPUTE)
+        k_r = tl.where(k_r != k_r, 0.0, k_r).to(COMPUTE)  # noqa: PLR0124 (NaN test)
     return k0, k1, k2, k3, k_r
 
 
@@ -98,7 +98,7 @@ def _dequant_group(kv, p_s, row, m_n, o_c, G: tl.constexpr, COMPUTE: tl.constexp
     b_q = tl.load(kv + row[:, None] + G * 128 + o_c[None, :], mask=m_n[:, None], other=0)
     b_s = tl.load(p_s + G, mask=m_n, other=0.0)
     b_v = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_s[:, None]
-    b_nan = b_v != b_v
+    b_nan = b_v != b_v  # noqa: PLR0124 (NaN test)
     if _INTERPRET_FP8:  # the interpreter widens the e4m3 NaN bytes (0x7F, 0xFF) to +-480; the GPU to NaN
         b_nan = b_nan | ((b_q & 0x7F) == 0x7F)
     return tl.where(b_nan, 0.0, b_v).to(COMPUTE)
@@ -370,7 +370,7 @@ def _apply_attn_sink_fwd_kernel(
     m_h = o_h < H
     m = m_h[:, None] & (o_d[None, :] < D)
     b_lse = tl.load(lse + i_t * stride_l_t + o_h * stride_l_h, mask=m_h, other=float("-inf"))
-    b_lse = tl.where(b_lse != b_lse, float("-inf"), b_lse)
+    b_lse = tl.where(b_lse != b_lse, float("-inf"), b_lse)  # noqa: PLR0124 (NaN: an empty part)
     b_f = _sink_factor(b_lse, tl.load(sink + o_h, mask=m_h, other=float("-inf")))
     b_x = tl.load(x + i_t * stride_x_t + o_h[:, None] * stride_x_h + o_d[None, :], mask=m, other=0.0)
     b_y = tl.where(b_f[:, None] == 0.0, 0.0, b_x.to(tl.float32) * b_f[:, None])  # a row with weight 0 is 0
@@ -561,18 +561,24 @@ def sparse_mla(
     dev = q.device
     T, H, D = q.shape
     if kv_cache_dtype not in _FORMATS:
-        raise ValueError(f"kv_cache_dtype must be one of {SPARSE_KV_CACHE_DTYPES} for sparse_mla; got {kv_cache_dtype!r}")
+        raise ValueError(
+            f"kv_cache_dtype must be one of {SPARSE_KV_CACHE_DTYPES} for sparse_mla; got {kv_cache_dtype!r}"
+        )
     if isinstance(d_v, bool) or not isinstance(d_v, int) or not 0 < d_v <= D:
         raise ValueError(f"d_v must be an int in [1, {D}] (q's last dim); got {d_v!r}")
     d_t = D - d_v
     dc = d_v // 4
     if d_v % 4 or dc < 16 or dc & (dc - 1) or (d_t and (d_t < 16 or d_t & (d_t - 1))):
-        raise ValueError(f"need d_v / 4 a power of two >= 16 and D - d_v 0 or a power of two >= 16; got D {D}, d_v {d_v}")
+        raise ValueError(
+            f"need d_v / 4 a power of two >= 16 and D - d_v 0 or a power of two >= 16; got D {D}, d_v {d_v}"
+        )
     if H < 1:
         raise ValueError(f"q must have at least one head; got {describe(q)}")
     fmt = _check_cache("kv_cache", kv_cache, kv_cache_dtype, q, dev)
     if fmt == 1 and (D != 576 or d_v != 512):
-        raise ValueError(f"fp8_ds_mla rows hold 512 + 64 values: q must be [T, H, 576] and d_v 512; got {describe(q)}, d_v {d_v}")
+        raise ValueError(
+            f"fp8_ds_mla rows hold 512 + 64 values: q must be [T, H, 576] and d_v 512; got {describe(q)}, d_v {d_v}"
+        )
     if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
         raise TypeError(f"sm_scale must be a finite float; got {sm_scale!r}")
     idx, indptr, lens, K, nnz, ragged = _check_indices("indices", indices, "topk_length", topk_length, T, dev, validate)

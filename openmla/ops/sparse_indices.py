@@ -13,7 +13,7 @@ import triton.language as tl
 
 from openmla.ops._validate import capturing, check_index, describe
 
-__all__ = ["convert_req_index_to_global_index", "sparse_seq_lens", "build_ragged_indices_from_dense"]
+__all__ = ["build_ragged_indices_from_dense", "convert_req_index_to_global_index", "sparse_seq_lens"]
 
 _CONVERT_BLOCK_K = 128  # index entries per program of the conversion kernel
 _SEQ_LENS_BLOCK_T = 128  # tokens per program of sparse_seq_lens
@@ -302,7 +302,7 @@ def build_ragged_indices_from_dense(
     R, W = indices.shape
     check_index("lengths", lengths, ndim=1, device=dev, length=R)
     if isinstance(num_rows, bool) or not isinstance(num_rows, int):
-        raise ValueError(f"num_rows must be an int; got {num_rows!r}")
+        raise TypeError(f"num_rows must be an int; got {num_rows!r}")
     if not lengths.is_contiguous():
         raise ValueError(f"lengths must be contiguous; got strides {lengths.stride()}")
     if validate and not capturing() and R:
