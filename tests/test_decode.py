@@ -119,7 +119,8 @@ def test_tma_tiles(heads, qlens, causal, dtype, device):
         pytest.skip("TMA needs sm90+")
     lens = pick([70, 0, 133, 64], [3000, 0, 8191, 4096])
     q, cache, bt, sl, qsl = _batch(device, heads, qlens, lens, 64, dtype)
-    plan = openmla.plan_decode(sl, qsl, heads, num_sms=pick(2, 132))
+    kv_cache_dtype = "fp8" if dtype == torch.float8_e4m3fn else "auto"  # a plan is checked against its cache
+    plan = openmla.plan_decode(sl, qsl, heads, num_sms=pick(2, 132), kv_cache_dtype=kv_cache_dtype)
     plan = dataclasses.replace(plan, tiling=dataclasses.replace(plan.tiling, tma=True))
     out, _ = _check(q, cache, bt, sl, qsl, causal, dtype, plan=plan)
     bad = bt.clone()

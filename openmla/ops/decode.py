@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 
+import math
+import numbers
+
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +30,7 @@ from openmla.ops._validate import (
     kernel_backend,
     scalar_scale,
 )
+from openmla.ops.cache import check_block_table
 from openmla.ops.decode_gluon import (
     SEESAW_VARIANTS,
     SPAN_VARIANTS,
@@ -154,6 +158,7 @@ def _mla_decode_fwd_kernel(
     H,
     num_blocks,
     max_blocks,
+    num_tokens,  # T: rows outside [0, T) are never touched, whatever an unchecked query_start_loc says
     PAGE: tl.constexpr,
     MAX_QLEN: tl.constexpr,
     D_V: tl.constexpr,
@@ -196,7 +201,7 @@ def _mla_decode_fwd_kernel(
     o_m = tl.arange(0, BLOCK_M)
     o_t = i_q * Q_PER + o_m // BLOCK_H  # token within the request
     o_h = i_h * BLOCK_H + o_m % BLOCK_H
-    m_m = (o_t < qlen) & (o_h < H)
+    m_m = (o_t < qlen) & (o_t < MAX_QLEN) & (o_h < H) & (q_start + o_t >= 0) & (q_start + o_t < num_tokens)
     if CAUSAL:
         limit = L - qlen + o_t + 1  # keys [0, limit) are visible to each row
         kv_hi = tl.minimum(kv_hi, L - qlen + tl.minimum(i_q * Q_PER + Q_PER, qlen))
@@ -289,6 +294,8 @@ def _mla_decode_reduce_kernel(
     stride_o_t,
     stride_o_h,
     H,
+    num_tokens,  # T (rows outside [0, T) are never written)
+    capacity,  # work items of the plan (partials past them are never read)
     MAX_QLEN: tl.constexpr,
     D_V: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -313,10 +320,10 @@ def _mla_decode_reduce_kernel(
         i_hb = (rest % per_row) // N_D
         i_d = rest % N_D
         q_start = tl.load(query_start_loc + i_b)
-        if i_t < tl.load(query_start_loc + i_b + 1) - q_start:
-            n_split = tl.load(num_splits + i_b)
+        row = (q_start + i_t).to(tl.int64)
+        if (i_t < tl.load(query_start_loc + i_b + 1) - q_start) & (row >= 0) & (row < num_tokens):
             w0 = tl.load(work_indptr + i_b).to(tl.int64)
-            row = (q_start + i_t).to(tl.int64)
+            n_split = tl.minimum(tl.load(num_splits + i_b), capacity - w0)
             if BLOCK_HB == 1:  # one head: its LSEs as a vector over the splits (no per-column copies)
                 _merge_one_head(o_part, lse_part, out, lse, row, w0, n_split, i_t, i_hb, i_d, H, stride_o_t,
                                 stride_o_h, MAX_QLEN, D_V, BLOCK_S, BLOCK_D)  # fmt: skip
@@ -455,7 +462,7 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
         q, kv_cache, kc_desc, kr_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split,
         plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), H, kv_cache.shape[0], block_table.shape[1],
+        out.stride(0), out.stride(1), H, kv_cache.shape[0], block_table.shape[1], q.shape[0],
         PAGE=page, MAX_QLEN=plan.max_query_len, D_V=d_v, D_R=d_r, DC=dc, D_RP=d_rp,
         BLOCK_H=t.block_h, Q_PER=t.q_per, BLOCK_N=block_n, PAGE_ALIGNED=page_aligned, USE_TMA=use_tma,
         MAX_PAGES=triton.next_power_of_2(t.max_split // page + 1), CAUSAL=causal, COMPUTE=compute,
@@ -471,7 +478,8 @@ def _mla_decode_reduce(query_start_loc, plan: DecodePlan, out, lse, d_v: int):
     programs, block_hb, block_d, block_s = _reduce_tiling(plan, H, d_v)
     _mla_decode_reduce_kernel[(programs,)](
         query_start_loc, plan.num_splits, plan.work_indptr, plan.merge_req, plan.num_merge, plan.o_part,
-        plan.lse_part, out, lse, out.stride(0), out.stride(1), H, MAX_QLEN=plan.max_query_len, D_V=d_v,
+        plan.lse_part, out, lse, out.stride(0), out.stride(1), H, out.shape[0], plan.capacity,
+        MAX_QLEN=plan.max_query_len, D_V=d_v,
         BLOCK_S=block_s, BLOCK_HB=block_hb, BLOCK_D=block_d, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
@@ -526,6 +534,19 @@ def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int, batc
     return variant
 
 
+def _check_batch(T: int, block_table, seq_lens, query_start_loc, page: int, num_blocks: int) -> None:
+    """The host checks of ``mla_decode(validate=True)``: query rows, lengths and the block ids each request reads."""
+    qsl = query_start_loc.long()
+    first, last, step = torch.stack([qsl[0], qsl[-1], (qsl[1:] - qsl[:-1]).min()]).tolist()
+    if first != 0:
+        raise ValueError(f"query_start_loc[0] must be 0; got {first}")
+    if step < 0:
+        raise ValueError(f"query_start_loc must not decrease; got {query_start_loc.tolist()}")
+    if last != T:
+        raise ValueError(f"query_start_loc[-1] ({last}) must equal q.shape[0] ({T})")
+    check_block_table(block_table, seq_lens, None, page, num_blocks)
+
+
 def _host_scale(name: str, scale, device) -> float:
     """A per-tensor scale as a Python float (a tensor is read once; not allowed while capturing)."""
     if isinstance(scale, (int, float)):
@@ -553,6 +574,7 @@ def mla_decode(
     return_lse: bool = True,
     d_v: int = 512,
     backend: str | None = None,
+    validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Paged MLA decode and speculative verify (absorbed MQA form; V = kv_cache[..., :d_v]).
 
@@ -582,6 +604,13 @@ def mla_decode(
             :mod:`openmla.ops.decode_gluon`; an error where it does not apply) or "auto" (Gluon on sm90
             for the shapes where it measured faster, else Triton). None reads ``OPENMLA_DECODE_BACKEND``
             (default "auto").
+        validate (bool | None): check the batch on the host (a device sync): ``query_start_loc`` starts at 0,
+            does not decrease and ends at T; ``seq_lens`` are non-negative and covered by ``block_table``; the
+            block ids of the columns each request reads lie in ``[0, num_blocks)``. None (the default)
+            validates when no ``plan`` is given (a plan stands for a step checked once, e.g. by
+            :class:`~openmla.metadata.MLAMetadataBuilder`); skipped while a CUDA graph is captured. Unchecked,
+            these are trusted, but no kernel reads outside a tensor: block ids outside the cache and
+            positions past the block table count as no key, rows outside ``[0, T)`` are not touched.
 
     Returns:
         out: `[T, h_q, d_v]`, q.dtype (bf16 for an fp8 q).
@@ -591,6 +620,10 @@ def mla_decode(
     check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32, torch.float8_e4m3fn), ndim=3)
     dev = q.device
     T, H, d_qk = q.shape
+    if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be a finite float; got {sm_scale!r}")
+    if not isinstance(d_v, int) or isinstance(d_v, bool) or d_v < 1:
+        raise ValueError(f"d_v must be a positive int; got {d_v!r}")
     if d_qk <= d_v:
         raise ValueError(f"q's last dim ({d_qk}) must exceed d_v ({d_v}): latent + rope; got {describe(q)}")
     d_r = d_qk - d_v
@@ -608,6 +641,10 @@ def mla_decode(
     B = block_table.shape[0]
     check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
     check_index("query_start_loc", query_start_loc, ndim=1, device=dev, length=B + 1)
+    # the kernels read 1-D index tensors as dense arrays, and the Gluon tier reads block_table rows as such
+    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
     if q.dtype == torch.float8_e4m3fn:
         if q_scale is None:
             raise ValueError("q_scale is required for an fp8 q")
@@ -623,21 +660,14 @@ def mla_decode(
     compute = compute_dtype(torch.float16 if kv_cache_dtype == "fp8" else out_dtype)
     kv_s = _host_scale("kv_scale", kv_scale, dev) if kv_cache_dtype == "fp8" else 1.0
     q_s = _host_scale("q_scale", q_scale, dev) if q_scale is not None else 1.0
-    if plan is None and not capturing() and B:  # a given plan means the step's batch was validated once
-        if int(seq_lens.min()) < 0:
-            raise ValueError("seq_lens must be non-negative")
-        page = kv_cache.shape[1]
-        if int(seq_lens.max()) > block_table.shape[1] * page:
-            raise ValueError(
-                f"seq_lens reaches {int(seq_lens.max())} but block_table {tuple(block_table.shape)} covers "
-                f"{block_table.shape[1] * page} tokens at page size {page}"
-            )
-        if int(query_start_loc[-1]) != T:
-            raise ValueError(f"query_start_loc[-1] ({int(query_start_loc[-1])}) must equal q.shape[0] ({T})")
+    if validate is None:
+        validate = plan is None
+    if validate and not capturing() and B:
+        _check_batch(T, block_table, seq_lens, query_start_loc, kv_cache.shape[1], kv_cache.shape[0])
     if plan is None:
         plan = plan_decode(seq_lens, query_start_loc, H, d_v=d_v, kv_cache_dtype=kv_cache_dtype)
     else:
-        plan.check(B, H, d_v)
+        plan.check(B, H, d_v, kv_cache_dtype)
     if out is None:
         out = torch.empty(T, H, d_v, dtype=out_dtype, device=dev)
     else:

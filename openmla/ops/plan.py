@@ -180,6 +180,7 @@ class DecodePlan:
     Attributes:
         batch_size, num_heads, max_query_len, num_sms, d_v: the configuration it was built for;
             ``mla_decode`` checks that a call matches it.
+        kv_cache_dtype (str): "auto" or "fp8", the cache the tiling was chosen for (checked too).
         tiling (DecodeTiling): the kernel's tile shape.
         capacity (int): number of work-item slots (programs along grid axis 0).
         split_len (torch.Tensor): `[B]` int32, KV tokens per split of each request (a multiple of
@@ -218,13 +219,17 @@ class DecodePlan:
     merge_req: torch.Tensor
     num_merge: torch.Tensor
     spans: DecodeSpans | None = None
+    kv_cache_dtype: str = "auto"
 
-    def check(self, batch_size: int, num_heads: int, d_v: int) -> None:
-        """Raise when a call does not match the configuration this plan was built for."""
-        if (batch_size, num_heads, d_v) != (self.batch_size, self.num_heads, self.d_v):
+    def check(self, batch_size: int, num_heads: int, d_v: int, kv_cache_dtype: str | None = None) -> None:
+        """Raise when a call does not match the configuration this plan was built for (``kv_cache_dtype``
+        None: not compared)."""
+        dtype = self.kv_cache_dtype if kv_cache_dtype is None else kv_cache_dtype
+        if (batch_size, num_heads, d_v, dtype) != (self.batch_size, self.num_heads, self.d_v, self.kv_cache_dtype):
             raise ValueError(
-                f"plan was built for batch {self.batch_size}, {self.num_heads} heads, d_v {self.d_v}; "
-                f"the call has batch {batch_size}, {num_heads} heads, d_v {d_v}"
+                f"plan was built for batch {self.batch_size}, {self.num_heads} heads, d_v {self.d_v}, "
+                f"kv_cache_dtype {self.kv_cache_dtype!r}; the call has batch {batch_size}, {num_heads} heads, "
+                f"d_v {d_v}, kv_cache_dtype {dtype!r}"
             )
 
 
@@ -294,8 +299,10 @@ def plan_decode(
     dev = query_start_loc.device
     B = query_start_loc.shape[0] - 1
     check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
-    if not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int; got {num_heads!r}")
+    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()  # the kernel reads dense arrays
+    for name, val in (("num_heads", num_heads), ("d_v", d_v), ("num_sms", num_sms if num_sms is not None else 1)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name} must be a positive int; got {val!r}")
     qlen = query_start_loc[1:] - query_start_loc[:-1]
     if (validate or max_query_len is None or max_seq_len is None) and not capturing() and B:  # one host sync
         top_q, top_s, low_q, low_s = torch.stack([qlen.max(), seq_lens.max().to(qlen.dtype), qlen.min(),
@@ -324,8 +331,10 @@ def plan_decode(
     capacity = B + max(slots, B * triton_cdiv(max_seq_len, tiling.max_split))
 
     if out is not None:
-        if (out.batch_size, out.num_heads, out.max_query_len, out.d_v) != (B, num_heads, max_query_len, d_v):
-            raise ValueError("out= plan was built for a different batch size, heads, max_query_len or d_v")
+        if (out.batch_size, out.num_heads, out.max_query_len, out.d_v, out.kv_cache_dtype) != \
+                (B, num_heads, max_query_len, d_v, kv_cache_dtype):
+            raise ValueError("out= plan was built for a different batch size, heads, max_query_len, d_v or "
+                             "kv_cache_dtype")  # fmt: skip
         if out.capacity < capacity:
             raise ValueError(f"out= plan holds {out.capacity} work items; this batch needs {capacity} (max_seq_len)")
         capacity = out.capacity
@@ -333,6 +342,7 @@ def plan_decode(
     else:
         plan = DecodePlan(
             batch_size=B, num_heads=num_heads, max_query_len=max_query_len, num_sms=num_sms, d_v=d_v,
+            kv_cache_dtype=kv_cache_dtype,
             tiling=tiling, capacity=capacity,
             split_len=torch.empty(B, dtype=torch.int32, device=dev),
             num_splits=torch.empty(B, dtype=torch.int32, device=dev),

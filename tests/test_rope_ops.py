@@ -1,0 +1,85 @@
+"""inverse_rope_rows against a torch rotation, and the jit helpers through it."""
+
+import math
+
+import pytest
+import torch
+
+import openmla  # noqa: F401
+from openmla.ops.rope import inverse_rope_rows
+from openmla.reference.v4 import inverse_rope_rows_ref, rope_cache_ref, rope_rows_ref
+from openmla.utils.testing import assert_close, pick
+
+
+def _table(num_pos, device, theta=10000.0):
+    inv_freq = 1.0 / theta ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    return rope_cache_ref(inv_freq, num_pos).to(device)
+
+
+def _torch_rotation(o, positions, theta=10000.0):
+    """Independent oracle: complex multiplication of (a + ib) by exp(-i pos f)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    ang = positions.double().cpu()[:, None] * inv_freq[None, :]  # [T, 32]
+    z = torch.view_as_complex(o.double().cpu()[..., 448:].reshape(*o.shape[:-1], 32, 2).contiguous())
+    rot = torch.polar(torch.ones_like(ang), -ang).reshape(o.shape[0], *([1] * (o.dim() - 2)), 32)
+    out = o.double().cpu().clone()
+    out[..., 448:] = torch.view_as_real(z * rot).reshape(*o.shape[:-1], 64)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("heads", [None, 3, 16])
+def test_inverse_rope_rows(dtype, heads, device):
+    T, P = pick(5, 300), pick(64, 65536)
+    shape = (T, 512) if heads is None else (T, heads, 512)
+    o = torch.randn(shape, device=device).to(dtype)
+    pos = torch.randint(0, P, (T,), device=device)
+    pos[0] = 0
+    table = _table(P, device)
+    want = _torch_rotation(o, pos)
+    ref = inverse_rope_rows_ref(o, pos, table)
+    assert_close("ref vs complex rotation", want, ref, 1e-5, 1e-5, 1e-9)
+    got = inverse_rope_rows(o, pos, table)
+    assert got.data_ptr() == o.data_ptr()
+    if dtype == torch.float32:
+        assert_close("inverse rope", ref, o, 1e-5, 1e-5, 1e-9)
+    else:  # one bf16 rounding of the rotated fp32 value; the nope lanes pass through bit for bit
+        assert_close("inverse rope", ref, o, 0, 2**-8, 1e-5)
+        assert torch.equal(o[..., :448].cpu(), ref[..., :448].to(dtype).cpu())
+    # forward then inverse is the identity
+    x = torch.randn(T, 512, device=device)
+    fwd = rope_rows_ref(x, pos, table)
+    back = inverse_rope_rows(fwd.clone(), pos, table)
+    assert_close("round trip", x, back, 1e-5, 1e-5, 1e-9)
+
+
+def test_inverse_rope_rows_strided(device):
+    T = pick(4, 64)
+    base = torch.randn(T, 6, 512, device=device)
+    o = base[:, ::2]  # non-contiguous heads
+    pos = torch.arange(T, device=device) * 3
+    table = _table(4 * T, device)
+    ref = inverse_rope_rows_ref(o, pos, table)
+    untouched = base[:, 1::2].clone()
+    inverse_rope_rows(o, pos, table)
+    assert_close("strided", ref, o, 1e-5, 1e-5, 1e-9)
+    assert torch.equal(base[:, 1::2], untouched)
+
+
+def test_inverse_rope_rows_edges(device):
+    table = _table(8, device)
+    o = torch.randn(0, 4, 512, device=device)
+    assert inverse_rope_rows(o, torch.zeros(0, dtype=torch.int32, device=device), table) is o
+    x = torch.randn(2, 512, device=device)
+    with pytest.raises(ValueError, match="positions span"):
+        inverse_rope_rows(x, torch.tensor([0, 8], device=device), table)
+    before = x.clone()
+    inverse_rope_rows(x, torch.tensor([-1, 8], device=device), table, validate=False)  # unknown rows unchanged
+    assert torch.equal(x, before)
+    with pytest.raises(TypeError, match="positions"):
+        inverse_rope_rows(x, torch.tensor([0.0, 1.0], device=device), table)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        inverse_rope_rows(x, torch.tensor([0, 1], device=device), table[:, :48])
+    with pytest.raises(TypeError, match="o must"):
+        inverse_rope_rows(x.int(), torch.tensor([0, 1], device=device), table)
+    assert math.isfinite(float(x.sum()))
