@@ -9,10 +9,9 @@ reduce kernel merges. The split schedule comes from :func:`openmla.plan_decode`.
 
 from __future__ import annotations
 
-import os
-
 import math
 import numbers
+import os
 
 import torch
 import triton
