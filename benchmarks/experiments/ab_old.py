@@ -51,7 +51,7 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("ab_old: needs an sm90 GPU")
         return 0
-    from bench_decode_gluon import make_problem
+    from problems import make_problem
     from common import bench_us
     from openmla_old.ops import decode_gluon as dg_old
 

@@ -23,7 +23,7 @@ def main() -> int:
         print("ab_old_spans: needs an sm90 GPU")
         return 0
     import openmla_old
-    from bench_decode_gluon import make_span_problem
+    from problems import make_span_problem
     from common import ab_summary, alternate_us, env_line
 
     import openmla

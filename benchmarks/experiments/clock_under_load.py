@@ -37,7 +37,7 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("clock_under_load: needs an sm90 GPU")
         return 0
-    from bench_decode_gluon import make_span_problem
+    from problems import make_span_problem
     from common import bench_us, sustained_load
 
     import openmla

@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: timing, the read-only bandwidth yardstick, environment line."""
+"""Helpers the experiments share: timing, alternating A/B rounds, sustained load, the bandwidth yardstick."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def main() -> int:
         print("l2_resident: needs an sm90 GPU with Gluon")
         return 0
     variants = (sys.argv[1] if len(sys.argv) > 1 else "ws,seesaw").split(",")
-    from bench_decode_gluon import make_problem
+    from problems import make_problem
     from common import bench_us
 
     print("# split kernel alone, CUDA-graph median; 'shared' = every request reads the same pages (L2-resident)")

@@ -99,7 +99,7 @@ def main() -> int:
     if any(v not in EVENTS for v in variants):
         print(f"pair_trace: variants must be among {sorted(EVENTS)}")
         return 1
-    from bench_decode_gluon import make_problem
+    from problems import make_problem
     from common import bench_us
 
     from openmla.ops.decode_gluon_seesaw import TRACE_NE, TRACE_NP

@@ -33,7 +33,7 @@ def ab_against_el(label: str, launch, shapes: list) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print(f"{label}: needs an sm90 GPU")
         return 0
-    from bench_decode_gluon import make_span_problem
+    from problems import make_span_problem
     from common import ab_summary, alternate_us, env_line, shapes_from_env
 
     import openmla

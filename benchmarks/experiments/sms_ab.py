@@ -26,7 +26,7 @@ SHAPES = [(128, 128, 8192, 1), (128, 128, 8192, 2)]
 def ab_shape(h: int, b: int, s, qlen: int, sms: list) -> str:
     """One shape's line: the plans for each SM count in ``sms`` alternating, against the first."""
     import torch
-    from bench_decode_gluon import make_span_problem
+    from problems import make_span_problem
     from common import ab_summary, alternate_us
 
     import openmla

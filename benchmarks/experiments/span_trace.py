@@ -109,7 +109,7 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("span_trace: needs an sm90 GPU")
         return 0
-    from bench_decode_gluon import make_span_problem
+    from problems import make_span_problem
     from common import bench_us, env_line
 
     from openmla.ops.decode_gluon_seesaw import TRACE_NE, TRACE_NP

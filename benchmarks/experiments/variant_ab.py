@@ -29,7 +29,7 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("variant_ab: needs an sm90 GPU")
         return 0
-    from bench_decode_gluon import make_span_problem
+    from problems import make_span_problem
     from common import ab_summary, alternate_us, env_line, shapes_from_env
 
     import openmla
