@@ -578,7 +578,8 @@ def _topk_fwd(logits, row_len, topk, out, impl):
     elif topk >= S:  # every valid key is kept
         thr = torch.full((T,), float("-inf"), dtype=torch.float32, device=logits.device)
     else:
-        thr = torch.topk(logits, topk, dim=1, sorted=False).values.amin(dim=1)
+        finite = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"))  # torch.topk ranks NaN first
+        thr = torch.topk(finite, topk, dim=1, sorted=False).values.amin(dim=1)
     _indexer_topk_fwd_kernel[(T,)](
         logits, row_len if row_len is not None else logits, thr, out, logits.stride(0), out.stride(0), S, topk,
         BLOCK=_TOPK_BLOCK if not INTERPRET else 64, HAS_LEN=row_len is not None, RADIX=radix, num_warps=_TOPK_WARPS,
