@@ -91,16 +91,17 @@ def allocate_v4_cache(
     return buf[:, : block_size * V4_TOKEN_BYTES].view(num_blocks, block_size, V4_TOKEN_BYTES)
 
 
-def _check_v4_cache(kv_cache, kv_cache_dtype: str) -> tuple[torch.Tensor, int]:
-    """Validate a V4 cache; return it as 3-D (uint8 for fp8_v4) and the mode (0 auto, 1 fp8_v4)."""
+def _check_v4_cache(kv_cache, kv_cache_dtype: str, auto_width: int = V4_D) -> tuple[torch.Tensor, int]:
+    """Validate a V4 cache; return it as 3-D (uint8 for fp8_v4) and the mode (0 auto, 1 fp8_v4).
+    An auto cache has rows of ``auto_width`` (512; the indexer's compressed keys 128)."""
     if kv_cache_dtype not in V4_KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {V4_KV_CACHE_DTYPES}; got {kv_cache_dtype!r}")
     if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4 and kv_cache.shape[2] == 1:
         kv_cache = kv_cache.squeeze(2)  # FlashMLA's [num_blocks, block_size, 1, 584]
     if kv_cache_dtype == "auto":
         check_tensor("kv_cache", kv_cache, dtypes=_AUTO_DTYPES, ndim=3)
-        if kv_cache.shape[-1] != V4_D:
-            raise ValueError(f'an "auto" V4 kv_cache has rows of {V4_D}; got {describe(kv_cache)}')
+        if kv_cache.shape[-1] != auto_width:
+            raise ValueError(f'an "auto" V4 kv_cache has rows of {auto_width}; got {describe(kv_cache)}')
         return kv_cache, 0
     check_tensor("kv_cache", kv_cache, dtypes=(torch.uint8, torch.float8_e4m3fn), ndim=3)
     nb, bs, width = kv_cache.shape

@@ -271,13 +271,11 @@ def compress_kv(
     check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
     check_index("state_slots", state_slots, ndim=1, device=dev, length=B)
     check_tensor("cos_sin_cache", cos_sin_cache, dtypes=_FLOAT_DTYPES, ndim=2, shape=(None, ROPE_DIM), device=dev)
-    cache, mode = _check_v4_cache(kv_cache, kv_cache_dtype)
+    cache, mode = _check_v4_cache(kv_cache, kv_cache_dtype, auto_width=d)
     if cache.device != dev:
         raise ValueError(f"kv_cache must be on {dev} like kv; got {describe(cache)}")
     if mode == 1 and d != V4_D:
         raise ValueError(f"an fp8_v4 compressed cache holds d = {V4_D}; got d = {d} (use an auto cache)")
-    if mode == 0 and cache.shape[-1] != d:
-        raise ValueError(f"kv_cache rows must be d = {d} wide; got {describe(cache)}")
     check_index("block_table", block_table, ndim=2, device=dev)
     if block_table.shape[0] != B:
         raise ValueError(f"block_table must have B = {B} rows; got {describe(block_table)}")

@@ -1,0 +1,187 @@
+"""compress_kv against the stateless fp32 reference; the same entries for one prefill, chunks and decode steps."""
+
+import pytest
+import torch
+
+import openmla  # noqa: F401
+from openmla.ops.cache_v4 import allocate_v4_cache
+from openmla.ops.compressor import allocate_compressor_state, compress_kv
+from openmla.reference.v4 import compress_kv_ref, dequantize_v4_cache_ref, rope_cache_ref, v4_block_bytes
+from openmla.utils.testing import assert_close, pick
+
+
+def _table(num_pos, device):
+    inv_freq = 1.0 / 160000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    return rope_cache_ref(inv_freq, num_pos).to(device)
+
+
+class _Setup:
+    """Random per-token projections for B requests and a compressed cache with a shuffled block table."""
+
+    def __init__(self, lens, ratio, d, overlap, layout, device, bs_c=4, cache_dtype=torch.float32):
+        self.lens, self.ratio, self.d, self.layout, self.device = lens, ratio, d, layout, device
+        coff = 2 if overlap else 1
+        self.kv = [torch.randn(n, coff * d, device=device) for n in lens]
+        ape = torch.randn(ratio, coff * d, device=device)
+        self.score = [torch.randn(n, coff * d, device=device) * 2 + ape[torch.arange(n) % ratio] for n in lens]
+        self.weight = torch.rand(d, device=device) + 0.5
+        self.table = _table(max(lens) + 1, device)
+        W = max(max(lens) // ratio // bs_c + 1, 1)
+        nb = len(lens) * W + 2
+        self.bs_c = bs_c
+        self.cache = allocate_v4_cache(nb, bs_c, kv_cache_dtype=layout, device=device, dtype=cache_dtype)
+        if layout == "auto":
+            self.cache = torch.full((nb, bs_c, d), float("nan"), dtype=cache_dtype, device=device)
+        else:
+            self.cache.fill_(0xFF)
+        self.block_table = torch.randperm(nb, device=device)[: len(lens) * W].view(len(lens), W).int()
+        self.state = allocate_compressor_state(len(lens) + 2, ratio, d, overlap=overlap, device=device)
+        self.state.fill_(float("nan"))  # stale rows of an earlier request must never be read
+        self.slots = torch.tensor([len(lens) + 1 - b for b in range(len(lens))], dtype=torch.int32, device=device)
+
+    def step(self, chunks):
+        """One batched step: request b brings tokens [chunks[b][0], chunks[b][1])."""
+        qsl, seq, kvs, scs = [0], [], [], []
+        for b, (s, e) in enumerate(chunks):
+            qsl.append(qsl[-1] + e - s)
+            seq.append(e)
+            kvs.append(self.kv[b][s:e])
+            scs.append(self.score[b][s:e])
+        dev = self.device
+        compress_kv(
+            torch.cat(kvs), torch.cat(scs), self.state, self.slots, torch.tensor(qsl, dtype=torch.int32, device=dev),
+            torch.tensor(seq, dtype=torch.int32, device=dev), self.weight, self.table, self.cache, self.block_table,
+            ratio=self.ratio, eps=1e-6, kv_cache_dtype=self.layout,
+        )  # fmt: skip
+
+    def entries(self, b):
+        n = self.lens[b] // self.ratio
+        flat = dequantize_v4_cache_ref(self.cache, self.layout)
+        i = torch.arange(n, device=self.device)
+        return flat[self.block_table[b, i // self.bs_c].long() * self.bs_c + i % self.bs_c]
+
+    def ref(self, b):
+        return compress_kv_ref(self.kv[b], self.score[b], self.weight, self.table, self.ratio, 1e-6)
+
+    def raw(self):
+        return v4_block_bytes(self.cache).clone() if self.layout == "fp8_v4" else self.cache.view(torch.uint8).clone()
+
+
+CASES = [  # ratio, d, overlap, layout
+    (4, 128, True, "auto"),
+    (4, 512, True, "fp8_v4"),
+    (pick(16, 128), 512, False, "fp8_v4"),
+    (8, 128, False, "auto"),
+]
+
+
+@pytest.mark.parametrize("ratio,d,overlap,layout", CASES, ids=lambda x: str(x))
+def test_compress_prefill(ratio, d, overlap, layout, device):
+    lens = [3 * ratio + 1, ratio - 1, 2 * ratio, ratio]
+    s = _Setup(lens, ratio, d, overlap, layout, device)
+    s.step([(0, n) for n in lens])
+    for b in range(len(lens)):
+        ref = s.ref(b)
+        got = s.entries(b)
+        if layout == "auto":
+            assert_close(f"entries {b}", ref, got, 2e-5, 2e-5, 1e-9)
+        else:  # e4m3 per 64-group, bf16 rope
+            assert_close(f"entries {b}", ref, got, 1e-3, 2**-4, 1e-3)
+
+
+def _chunks(n, sizes):
+    out, s, k = [], 0, 0
+    while s < n:
+        e = min(n, s + sizes[k % len(sizes)])
+        out.append((s, e))
+        s, k = e, k + 1
+    return out
+
+
+@pytest.mark.parametrize("ratio,d,overlap,layout", CASES[:3], ids=lambda x: str(x))
+def test_compress_chunked_and_decode_identical(ratio, d, overlap, layout, device):
+    """A request's cache bytes are identical for one prefill, chunked prefill, and one-by-one decode."""
+    n = 2 * ratio + 3
+    lens = [n, n]
+    one = _Setup(lens, ratio, d, overlap, layout, device)
+    torch.manual_seed(0)
+    chunked = _Setup(lens, ratio, d, overlap, layout, device)
+    chunked.kv, chunked.score, chunked.weight, chunked.block_table = one.kv, one.score, one.weight, one.block_table
+    chunked.cache.copy_(one.cache)
+    one.step([(0, n), (0, n)])
+    # request 0 in ragged chunks (one closes two windows at once), request 1 one token per step
+    c0 = _chunks(n, [ratio + 3, 1, 2 * ratio, 1])
+    c1 = [(t, t + 1) for t in range(n)]
+    for k in range(max(len(c0), len(c1))):
+        reqs = []
+        if k < len(c0):
+            reqs.append(0)
+        if k < len(c1):
+            reqs.append(1)
+        sub_slots = chunked.slots
+        chunked.slots = sub_slots[reqs]
+        kv_keep, sc_keep, bt_keep = chunked.kv, chunked.score, chunked.block_table
+        chunked.kv = [kv_keep[b] for b in reqs]
+        chunked.score = [sc_keep[b] for b in reqs]
+        chunked.block_table = bt_keep[reqs]
+        chunked.step([(c0 if b == 0 else c1)[k] for b in reqs])
+        chunked.slots, chunked.kv, chunked.score, chunked.block_table = sub_slots, kv_keep, sc_keep, bt_keep
+    assert torch.equal(one.raw().cpu(), chunked.raw().cpu())
+    assert_close("vs ref", one.ref(0), chunked.entries(0), *((2e-5, 2e-5, 1e-9) if layout == "auto" else
+                                                             (1e-3, 2**-4, 1e-3)))  # fmt: skip
+
+
+def test_entry_mid_decode_step(device):
+    """A verify step of 3 tokens whose middle token closes a window, beside a prefilling request."""
+    ratio = 4
+    s = _Setup([10, 7], ratio, 128, True, "auto", device)
+    s.step([(0, 6), (0, 2)])
+    s.step([(6, 9), (2, 7)])  # positions 6, 7, 8: entry 1 is emitted by position 7, in the middle
+    s.step([(9, 10), (7, 7)])  # a request with no tokens this step
+    for b in range(2):
+        assert_close(f"entries {b}", s.ref(b), s.entries(b), 2e-5, 2e-5, 1e-9)
+    # nothing was written beyond the emitted entries (the cache started as NaN)
+    flat = s.cache.view(-1, 128)
+    assert int((~flat.isnan().all(-1)).sum()) == 10 // 4 + 7 // 4
+
+
+def test_padding_tokens_and_bf16_inputs(device):
+    """Tokens past query_start_loc[B] are ignored; bf16 projections are read as fp32."""
+    ratio, d = 4, 128
+    s = _Setup([8], ratio, d, True, "auto", device)
+    kv = torch.cat([s.kv[0], torch.randn(5, 2 * d, device=device)]).to(torch.bfloat16)
+    sc = torch.cat([s.score[0], torch.randn(5, 2 * d, device=device)]).to(torch.bfloat16)
+    compress_kv(kv, sc, s.state, s.slots[:1], torch.tensor([0, 8], device=device), torch.tensor([8], device=device),
+                s.weight, s.table, s.cache, s.block_table, ratio=ratio, kv_cache_dtype="auto")  # fmt: skip
+    ref = compress_kv_ref(kv[:8], sc[:8], s.weight, s.table, ratio)
+    assert_close("bf16 in", ref, s.entries(0), 2e-5, 2e-5, 1e-9)
+
+
+def test_compressor_errors(device):
+    ratio, d = 4, 128
+    s = _Setup([8, 4], ratio, d, True, "auto", device)
+    kv, sc = torch.randn(12, 2 * d, device=device), torch.randn(12, 2 * d, device=device)
+    qsl, seq = torch.tensor([0, 8, 12], device=device), torch.tensor([8, 4], device=device)
+    args = (s.weight, s.table, s.cache, s.block_table)
+    auto = {"ratio": ratio, "kv_cache_dtype": "auto"}
+    with pytest.raises(ValueError, match="kv must be"):
+        compress_kv(kv[:, :100], sc[:, :100], s.state, s.slots, qsl, seq, *args, **auto)
+    with pytest.raises(ValueError, match="state"):
+        compress_kv(kv, sc, s.state[:, :, :4], s.slots, qsl, seq, *args, **auto)
+    with pytest.raises(ValueError, match="distinct"):
+        compress_kv(kv, sc, s.state, s.slots[[0, 0]], qsl, seq, *args, **auto)
+    with pytest.raises(ValueError, match="state_slots must lie"):
+        compress_kv(kv, sc, s.state, s.slots + 10, qsl, seq, *args, **auto)
+    with pytest.raises(ValueError, match="seq_lens must be >="):
+        compress_kv(kv, sc, s.state, s.slots, qsl, torch.tensor([8, 3], device=device), *args, **auto)
+    with pytest.raises(ValueError, match="cos_sin_cache has"):
+        compress_kv(kv, sc, s.state, s.slots, qsl, seq, s.weight, s.table[:4], s.cache, s.block_table, **auto)
+    with pytest.raises(ValueError, match="fp8_v4 compressed cache holds d = 512"):
+        compress_kv(kv, sc, s.state, s.slots, qsl, seq, s.weight, s.table, allocate_v4_cache(2, 4, device=device),
+                    s.block_table, ratio=ratio)  # fmt: skip
+    bad_bt = torch.full_like(s.block_table, 99)
+    with pytest.raises(ValueError, match="block_table refers"):
+        compress_kv(kv, sc, s.state, s.slots, qsl, seq, s.weight, s.table, s.cache, bad_bt, **auto)
+    before = s.cache.clone()
+    compress_kv(kv, sc, s.state, s.slots, qsl, seq, s.weight, s.table, s.cache, bad_bt, validate=False, **auto)
+    assert torch.equal(before.isnan(), s.cache.isnan())  # entries through a missing block are dropped
