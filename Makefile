@@ -5,7 +5,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-gpu bench-decode clean
+# Files that follow `ruff format` (checked by `make lint`; the rest of the tree keeps its hand wrapping for now).
+FORMATTED := openmla/bench tests/test_bench.py benchmarks/bench_decode.py benchmarks/bench_prefill.py \
+	benchmarks/experiments/problems.py
+
+.PHONY: demo test test-gpu lint bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
@@ -23,6 +27,16 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# ruff (installed by the test extra): lint the whole tree, formatting of $(FORMATTED).
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check $(FORMATTED)
+
+# `openmla bench` with the bench extra (progress bar, plots); ARGS="--quick --label x" passes options.
+bench: $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[bench]"
+	$(PY) -m openmla bench $(ARGS)
 
 # The same test files at real shapes; run on a CUDA machine.
 test-gpu: $(VENV)/.installed

@@ -1,7 +1,7 @@
 """``openmla bench --family prefill``: kept so that ``python benchmarks/bench_prefill.py [options]`` still works.
 
-    python benchmarks/bench_prefill.py                      # the default prefill preset beside cuDNN SDPA
-    python benchmarks/bench_prefill.py --shapes "h128 n4096 fp8"
+python benchmarks/bench_prefill.py                      # the default prefill preset beside cuDNN SDPA
+python benchmarks/bench_prefill.py --shapes "h128 n4096 fp8"
 """
 
 import sys

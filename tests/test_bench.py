@@ -10,6 +10,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from openmla import bench
 from openmla.bench import decode, prefill, report
@@ -95,14 +96,28 @@ def test_shape_specs():
 
 def test_bad_arguments(tmp_path, capsys):
     assert bench_main(["--shapes", "nope", "--out", str(tmp_path)]) == 2
-    assert bench_main(["--shapes", "h2 b1 s16", "--out", str(tmp_path)]) == 2  # two families: name the family
+    assert bench_main(["--shapes", "h2", "--out", str(tmp_path)]) == 2  # no family takes it
+    assert bench_main(["--shapes", "prefill:h2 b1 s16", "--out", str(tmp_path)]) == 2
     assert bench_main(["--family", "nope", "--out", str(tmp_path)]) == 2
     assert "error" in capsys.readouterr().err
 
 
-def test_rows_ratio_and_peer_dtype():
-    import torch
+def test_specs_find_their_family():
+    from openmla.bench.cli import _plan
 
+    args = types.SimpleNamespace(
+        family="decode,prefill", shapes="h2 b1 s16 fp8; h2 n8 t16;decode:h1 b1 s1", quick=False
+    )
+    plan = _plan(args, torch.device("cpu"))
+    assert [str(s) for s in plan["decode"]] == ["h2 b1 s16 q1", "h1 b1 s1 q1"] and plan["decode"][0].dtype == "fp8"
+    assert [str(s) for s in plan["prefill"]] == ["h2 n8 t16"]
+    args.shapes = "quick"
+    assert {k: len(v) for k, v in _plan(args, torch.device("cpu")).items()} == {
+        k: len(bench.load_family(k).PRESETS["quick"]) for k in ("decode", "prefill")
+    }
+
+
+def test_rows_ratio_and_peer_dtype():
     ctx = BenchContext(torch.device("cpu"), Timer(torch.device("cpu")), peers=False, quick=False, bw_gbs=100.0,
                        peak_tflops=10.0, env=dict(gpu="g", torch="t", triton="tr", git="x", label="L"))  # fmt: skip
     ctx.family = "decode"

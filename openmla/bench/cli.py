@@ -5,8 +5,9 @@
 
 ``--shapes`` takes a preset name (``default``, ``quick``, ``full``, ``tiny``; ``tiny`` is the default on the CPU)
 or shape specs separated by ``;``; a spec may name its family (``"decode:h128 b32 s4096 q1;prefill:h128 n4096"``),
-else it belongs to the one family selected. Writes ``DIR/bench[-LABEL].csv`` and ``.json`` and, with matplotlib,
-``DIR/bench[-LABEL]-<family>.png``. Exit codes: 0 done, 1 an openmla point failed, 2 bad arguments.
+else it belongs to the one selected family whose ``parse`` takes it. Writes ``DIR/bench[-LABEL].csv`` and ``.json``
+and, with matplotlib, ``DIR/bench[-LABEL]-<family>.png``. Exit codes: 0 done, 1 an openmla point failed, 2 bad
+arguments.
 """
 
 from __future__ import annotations
@@ -54,13 +55,22 @@ def _plan(args, device) -> dict[str, list]:
             continue
         fam, _, body = spec.rpartition(":")
         fam = fam.strip()
-        if not fam:
-            if len(fams) != 1:
-                raise ValueError(f"shape {spec!r}: name its family ('decode:...') when several are selected")
-            fam = fams[0]
-        if fam not in mods:
-            mods[fam] = load_family(fam)
-        out.setdefault(fam, []).append(mods[fam].parse(body))
+        if fam:
+            mods.setdefault(fam, load_family(fam))
+            out.setdefault(fam, []).append(mods[fam].parse(body))
+            continue
+        fits = {}  # an unprefixed spec belongs to the one selected family that parses it
+        for f in fams:
+            try:
+                fits[f] = mods[f].parse(body)
+            except ValueError as err:
+                last = err
+        if len(fits) != 1:
+            if not fits:
+                raise last
+            raise ValueError(f"shape {spec!r} fits {', '.join(fits)}: prefix it with its family ('decode:...')")
+        ((f, shape),) = fits.items()
+        out.setdefault(f, []).append(shape)
     return out
 
 
@@ -93,9 +103,12 @@ def run(args) -> int:
         print("# no CUDA device: the Triton interpreter on the CPU (timings check the plumbing, not the hardware)")
     bw, bw_sweep = read_bandwidth(device, args.quick)
     peak, peak_sweep = matmul_peak(device, args.quick)
-    print(f"# read bandwidth (torch.sum, bf16): {bw:.0f} GB/s, the best of "
-          + ", ".join(f"{g:g} GiB {v:.0f}" for g, v in bw_sweep)
-          + f"; bf16 matmul peak: {peak:.1f} TFLOPS, the best of " + ", ".join(f"n{n} {t:.1f}" for n, t in peak_sweep))
+    print(
+        f"# read bandwidth (torch.sum, bf16): {bw:.0f} GB/s, the best of "
+        + ", ".join(f"{g:g} GiB {v:.0f}" for g, v in bw_sweep)
+        + f"; bf16 matmul peak: {peak:.1f} TFLOPS, the best of "
+        + ", ".join(f"n{n} {t:.1f}" for n, t in peak_sweep)
+    )
     rows: list[dict] = []
     for key, sweep, unit in (("read", bw_sweep, "gbs"), ("matmul", peak_sweep, "tflops")):
         for size, val in sweep:

@@ -89,6 +89,16 @@ class BenchContext:
         self._point += 1
         row = dict.fromkeys(("p50_us", "p20_us", "p80_us", "gbs", "tflops", "frac_bw", "frac_peak", "peer", "ratio",
                              "check", "timer", "samples", "flops", "bytes"), "")  # fmt: skip
-        row.update(self.env, family=self.family, op=op, provider="openmla", shape=shape, dtype=dtype,
-                   bw_gbs=self.bw_gbs, peak_tflops=self.peak_tflops, error=error, _point=f"{self.family}#{self._point}")
+        row.update(
+            self.env,
+            family=self.family,
+            op=op,
+            provider="openmla",
+            shape=shape,
+            dtype=dtype,
+            bw_gbs=self.bw_gbs,
+            peak_tflops=self.peak_tflops,
+            error=error,
+            _point=f"{self.family}#{self._point}",
+        )
         return row

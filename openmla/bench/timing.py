@@ -8,6 +8,7 @@ the figures check the plumbing, not the hardware.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import time
@@ -111,18 +112,21 @@ def read_bandwidth(device: torch.device, quick: bool = False) -> tuple[float, li
     sweep = []
     for gib in sizes:
         x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
-        if device.type == "cuda":
-            s = triton.testing.do_bench(lambda: x.sum(), warmup=10, rep=100, return_mode="median") * 1e-3
-        else:
-            x.sum()
-            t0 = time.perf_counter()
-            x.sum()
-            s = time.perf_counter() - t0
-        sweep.append((gib, gib * 2**30 / s / 1e9))
-        del x
+        sweep.append((gib, gib * 2**30 / _seconds(x.sum, device, 10) / 1e9))
+        x = None  # freed before the next, larger buffer
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return max(g for _, g in sweep), sweep
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, warmup_ms: int) -> float:
+    """Median seconds of ``fn`` (``do_bench`` on a GPU, one timed call after a warm-up on the CPU)."""
+    if device.type == "cuda":
+        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=100, return_mode="median") * 1e-3
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def matmul_peak(device: torch.device, quick: bool = False) -> tuple[float, list[tuple[int, float]]]:
@@ -131,17 +135,9 @@ def matmul_peak(device: torch.device, quick: bool = False) -> tuple[float, list[
     sizes = ((8192,) if quick else (4096, 8192, 16384)) if device.type == "cuda" else (128,)
     sweep = []
     for n in sizes:
-        a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-        b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-        if device.type == "cuda":
-            s = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median") * 1e-3
-        else:
-            a @ b
-            t0 = time.perf_counter()
-            a @ b
-            s = time.perf_counter() - t0
-        sweep.append((n, 2.0 * n**3 / s / 1e12))
-        del a, b
+        a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+        sweep.append((n, 2.0 * n**3 / _seconds(functools.partial(torch.matmul, a, b), device, 25) / 1e12))
+        a = b = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return max(t for _, t in sweep), sweep
