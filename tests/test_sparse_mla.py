@@ -348,3 +348,50 @@ def test_sparse_mla_errors(device):
     with pytest.raises(TypeError, match="attn_sink must have dtype"):
         openmla.apply_attn_sink(torch.zeros(T, H, 8, device=device), torch.zeros(T, H, device=device),
                                 torch.zeros(H, dtype=torch.int32, device=device))  # fmt: skip
+
+
+_SM90_SCRIPT = r"""
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import openmla.ops.sparse as S
+from openmla.utils.sm90_report import resource_report
+
+kern = S._sparse_mla_fwd_kernel
+report = []
+for block_h, fmt, splits, extra in json.loads(sys.argv[1]):
+    block_n, warps, stages = S._GPU_TILING[(block_h, fmt)]
+    const = dict(PAGE=64, E_PAGE=2, FMT=fmt, D_V=512, D_T=64, D_TP=64, BLOCK_H=block_h, BLOCK_N=block_n,
+                 NUM_SPLITS=splits, RAGGED=False, HAS_LEN=True, HAS_EXTRA=extra, E_RAGGED=extra, E_HAS_LEN=False,
+                 HAS_SINK=True, COMPUTE=tl.bfloat16, DOT_PRECISION="tf32")
+    cache = "*u8" if fmt else "*bf16"
+    ptrs = dict(q="*bf16", kv=cache, kv_f32="*fp32", kv_b16="*bf16", ekv=cache, ekv_f32="*fp32", ekv_b16="*bf16",
+                sink="*fp32", out="*bf16", lse="*fp32", o_part="*fp32", lse_part="*fp32", scale_log2="fp32")
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "*i32" if "idx" in n or "ptr" in n or "lens" in n else "i32")
+           for n in kern.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
+             if n not in const and (n.startswith("stride") or sig[n].startswith("*"))}
+    c = triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    report.append(dict(variant=[block_h, fmt, splits, extra], **resource_report(c)))
+print("REPORT" + json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU runs compile the kernels for real")
+def test_sparse_mla_compiles_for_sm90():
+    """Offline sm90 compile (no GPU): the tiles the launcher picks compile, 64-head tiles run wgmma, and the fp8
+    tiles (dequantised in registers) do not spill."""
+    pytest.importorskip("triton.backends.nvidia")
+    from openmla.utils.sm90_report import run_report_script
+
+    variants = [[16, 0, 1, True], [64, 1, 4, True]]
+    for r in run_report_script(_SM90_SCRIPT, variants):
+        block_h, fmt = r["variant"][:2]
+        assert r["regs"] <= 255, r
+        if block_h == 64:
+            assert r["wgmma"] > 0, r
+        if fmt == 1:
+            assert r["stack"] == 0 and r["local"] == 0, r

@@ -38,10 +38,10 @@ _LOG2E = 1.4426950408889634
 # H200 (benchmarks/bench_sparse.py --sweep times the alternatives).
 _GPU_TILING = {
     (16, 0): (64, 4, 3),
-    (32, 0): (64, 4, 3),
+    (32, 0): (64, 8, 2),
     (64, 0): (64, 8, 2),
     (16, 1): (32, 4, 2),
-    (32, 1): (32, 4, 2),
+    (32, 1): (32, 8, 2),
     (64, 1): (32, 8, 2),
 }
 _MAX_BLOCK_H = 64  # heads per program at most (H = 128 runs two head blocks over the same rows)
@@ -67,35 +67,36 @@ def _sink_factor(b_lse, b_sink):
 
 
 @triton.jit
-def _load_kv_rows(kv, kv_f32, kv_b16, row, m_n, o_c, o_r, FMT: tl.constexpr, DC: tl.constexpr,
-                  D_V: tl.constexpr, D_T: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+def _load_kv_rows(p_kv, p_f32, p_b16, m_n, o_c, o_r, FMT: tl.constexpr, DC: tl.constexpr, D_V: tl.constexpr,
+                  D_T: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
     """A tile of gathered cache rows as four column chunks [N, DC] of the first D_V values and the tail
-    [N, D_TP] (columns D_V..D; zeros where masked or beyond D_T). ``row``: each row's offset in elements of
-    ``kv`` (bytes for FMT 1), 0 where masked. FMT 0: bf16/fp16 rows. FMT 1: fp8_ds_mla (656 bytes: 4 x 128
-    e4m3 with one fp32 scale per 128, then 64 bf16); a NaN from dequantising counts as 0."""
+    [N, D_TP] (columns D_V..D; zeros where masked or beyond D_T). ``p_kv`` [N]: each row's start in the cache's
+    element type (bytes for FMT 1); ``p_f32`` / ``p_b16``: the same addresses as fp32 / bf16 pointers (FMT 1).
+    FMT 0: bf16/fp16 rows. FMT 1: fp8_ds_mla (656 bytes: 4 x 128 e4m3 with one fp32 scale per 128 at byte 512,
+    then 64 bf16 at byte 528); a NaN from dequantising counts as 0. A new cache format is one more branch."""
     m2 = m_n[:, None]
     m_r = m2 & (o_r[None, :] < D_T)
     if FMT == 0:
-        k0 = tl.load(kv + row[:, None] + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
-        k1 = tl.load(kv + row[:, None] + DC + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
-        k2 = tl.load(kv + row[:, None] + 2 * DC + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
-        k3 = tl.load(kv + row[:, None] + 3 * DC + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
-        k_r = tl.load(kv + row[:, None] + D_V + o_r[None, :], mask=m_r, other=0.0).to(COMPUTE)
+        k0 = tl.load(p_kv[:, None] + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
+        k1 = tl.load(p_kv[:, None] + DC + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
+        k2 = tl.load(p_kv[:, None] + 2 * DC + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
+        k3 = tl.load(p_kv[:, None] + 3 * DC + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
+        k_r = tl.load(p_kv[:, None] + D_V + o_r[None, :], mask=m_r, other=0.0).to(COMPUTE)
     else:
-        p_s = kv_f32 + row // 4 + 128  # the 4 fp32 scales at byte 512
-        k0 = _dequant_group(kv, p_s, row, m_n, o_c, 0, COMPUTE)
-        k1 = _dequant_group(kv, p_s, row, m_n, o_c, 1, COMPUTE)
-        k2 = _dequant_group(kv, p_s, row, m_n, o_c, 2, COMPUTE)
-        k3 = _dequant_group(kv, p_s, row, m_n, o_c, 3, COMPUTE)
-        k_r = tl.load(kv_b16 + row[:, None] // 2 + 264 + o_r[None, :], mask=m_r, other=0.0).to(tl.float32)
+        p_s = p_f32 + 128  # the 4 fp32 scales at byte 512
+        k0 = _dequant_group(p_kv, p_s, m_n, o_c, 0, COMPUTE)
+        k1 = _dequant_group(p_kv, p_s, m_n, o_c, 1, COMPUTE)
+        k2 = _dequant_group(p_kv, p_s, m_n, o_c, 2, COMPUTE)
+        k3 = _dequant_group(p_kv, p_s, m_n, o_c, 3, COMPUTE)
+        k_r = tl.load(p_b16[:, None] + 264 + o_r[None, :], mask=m_r, other=0.0).to(tl.float32)
         k_r = tl.where(k_r != k_r, 0.0, k_r).to(COMPUTE)  # noqa: PLR0124 (NaN test)
     return k0, k1, k2, k3, k_r
 
 
 @triton.jit
-def _dequant_group(kv, p_s, row, m_n, o_c, G: tl.constexpr, COMPUTE: tl.constexpr):
+def _dequant_group(p_kv, p_s, m_n, o_c, G: tl.constexpr, COMPUTE: tl.constexpr):
     """Group G (128 values) of fp8_ds_mla rows: e4m3 bytes x the group's fp32 scale; NaN -> 0."""
-    b_q = tl.load(kv + row[:, None] + G * 128 + o_c[None, :], mask=m_n[:, None], other=0)
+    b_q = tl.load(p_kv[:, None] + G * 128 + o_c[None, :], mask=m_n[:, None], other=0)
     b_s = tl.load(p_s + G, mask=m_n, other=0.0)
     b_v = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_s[:, None]
     b_nan = b_v != b_v  # noqa: PLR0124 (NaN test)
@@ -147,23 +148,14 @@ def _row_span(idx, indptr, lens, i_t, stride_i_t, K, nnz, RAGGED: tl.constexpr, 
 
 
 @triton.jit
-def _attend_source(q0, q1, q2, q3, q_r, b_m, b_l, a0, a1, a2, a3, p_idx, lo, hi, kv, kv_f32, kv_b16,
-                   stride_kv_b, stride_kv_p, num_slots, scale_log2, o_c, o_r, PAGE: tl.constexpr,
-                   FMT: tl.constexpr, DC: tl.constexpr, D_V: tl.constexpr, D_T: tl.constexpr,
-                   BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """Entries [lo, hi) of one index row (p_idx) into the softmax state: slots < 0 or >= num_slots are
-    skipped, never read."""
-    for n0 in range(lo, hi, BLOCK_N):
-        o_n = n0 + tl.arange(0, BLOCK_N)
-        m_n = o_n < hi
-        slot = tl.load(p_idx + o_n, mask=m_n, other=-1).to(tl.int64)
-        m_n = m_n & (slot >= 0) & (slot < num_slots)
-        slot = tl.where(m_n, slot, 0)
-        row = (slot // PAGE) * stride_kv_b + (slot % PAGE) * stride_kv_p
-        k0, k1, k2, k3, k_r = _load_kv_rows(kv, kv_f32, kv_b16, row, m_n, o_c, o_r, FMT, DC, D_V, D_T, COMPUTE)
-        b_m, b_l, a0, a1, a2, a3 = _tile_update(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l, a0, a1,
-                                                a2, a3, m_n, scale_log2, D_T, COMPUTE, DOT_PRECISION)  # fmt: skip
-    return b_m, b_l, a0, a1, a2, a3
+def _source_rows(p_idx, o_i, m_i, kv, kv_f32, kv_b16, stride_kv_b, stride_kv_p, num_slots, PAGE: tl.constexpr):
+    """Entries o_i [N] (where m_i) of one index row: row pointers (as kv's type, fp32, bf16) and which are valid;
+    a slot < 0 or >= num_slots is skipped, never read."""
+    slot = tl.load(p_idx + o_i, mask=m_i, other=-1).to(tl.int64)
+    ok = m_i & (slot >= 0) & (slot < num_slots)
+    slot = tl.where(ok, slot, 0)
+    row = (slot // PAGE) * stride_kv_b + (slot % PAGE) * stride_kv_p
+    return kv + row, kv_f32 + row // 4, kv_b16 + row // 2, ok
 
 
 @triton.jit
@@ -268,17 +260,23 @@ def _sparse_mla_fwd_kernel(
     a1 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
     a2 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
     a3 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
-    b_m, b_l, a0, a1, a2, a3 = _attend_source(
-        q0, q1, q2, q3, q_r, b_m, b_l, a0, a1, a2, a3, p_idx, lo, tl.minimum(hi, n1), kv, kv_f32, kv_b16,
-        stride_kv_b, stride_kv_p, num_slots, scale_log2, o_c, o_r, PAGE, FMT, DC, D_V, D_T, BLOCK_N, COMPUTE,
-        DOT_PRECISION,
-    )  # fmt: skip
-    if HAS_EXTRA:
-        b_m, b_l, a0, a1, a2, a3 = _attend_source(
-            q0, q1, q2, q3, q_r, b_m, b_l, a0, a1, a2, a3, p_eidx, tl.maximum(lo, n1) - n1, hi - n1, ekv,
-            ekv_f32, ekv_b16, stride_ekv_b, stride_ekv_p, e_num_slots, scale_log2, o_c, o_r, E_PAGE, FMT, DC,
-            D_V, D_T, BLOCK_N, COMPUTE, DOT_PRECISION,
-        )  # fmt: skip
+    # one loop over the concatenated list, so that the extra source costs no second copy of the loop (which
+    # spilled at 64 heads); a tile that straddles the two sources takes each row from its own cache
+    for n0 in range(lo, hi, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < hi
+        p_kv, p_f32, p_b16, ok = _source_rows(p_idx, o_n, m_n & (o_n < n1), kv, kv_f32, kv_b16, stride_kv_b,
+                                              stride_kv_p, num_slots, PAGE)  # fmt: skip
+        if HAS_EXTRA:
+            e_kv, e_f32, e_b16, e_ok = _source_rows(p_eidx, o_n - n1, m_n & (o_n >= n1), ekv, ekv_f32, ekv_b16,
+                                                    stride_ekv_b, stride_ekv_p, e_num_slots, E_PAGE)  # fmt: skip
+            p_kv = tl.where(ok, p_kv, e_kv)
+            p_f32 = tl.where(ok, p_f32, e_f32)
+            p_b16 = tl.where(ok, p_b16, e_b16)
+            ok = ok | e_ok
+        k0, k1, k2, k3, k_r = _load_kv_rows(p_kv, p_f32, p_b16, ok, o_c, o_r, FMT, DC, D_V, D_T, COMPUTE)
+        b_m, b_l, a0, a1, a2, a3 = _tile_update(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l, a0, a1, a2,
+                                                a3, ok, scale_log2, D_T, COMPUTE, DOT_PRECISION)  # fmt: skip
 
     # epilogue: normalise; natural-log LSE of the scaled scores (sink-free); -inf and 0 for an empty row
     empty = b_l == 0.0
