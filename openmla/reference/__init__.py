@@ -31,3 +31,16 @@ from openmla.reference.sparse import (  # noqa: F401
     sparse_mla_ref,
     sparse_seq_lens_ref,
 )
+from openmla.reference.v4 import (  # noqa: F401
+    combine_topk_swa_indices_ref,
+    compress_kv_ref,
+    concat_and_cache_v4_ref,
+    csa_topk_global_ref,
+    dequantize_and_gather_k_cache_ref,
+    dequantize_v4_cache_ref,
+    gather_cache_v4_ref,
+    hca_indices_ref,
+    inverse_rope_rows_ref,
+    rope_rows_ref,
+    swa_indices_ref,
+)
