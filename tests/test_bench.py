@@ -15,7 +15,7 @@ import torch
 from openmla import bench
 from openmla.bench import decode, prefill, report
 from openmla.bench.cli import main as bench_main
-from openmla.bench.context import BenchContext
+from openmla.bench.context import BenchContext, cosine
 from openmla.bench.timing import Timer, Timing
 from openmla.cli import main
 
@@ -155,3 +155,59 @@ def test_registry_plugin(tmp_path, monkeypatch):
     fake = [r for r in rows if r["family"] == "fake"]
     assert [(r["shape"], bool(r["error"])) for r in fake] == [("ok", False), ("bad", True)]
     assert "no kernel" in fake[1]["error"] and float(fake[0]["p50_us"]) > 0
+
+
+class _FakeFlashMLA:
+    """FlashMLA's dense decode as its docstring states it (q `[b, s_q, h_q, 576]`, k_cache `[blocks, 64, 1, 576]`,
+    causal bottom-right), in fp32 torch: checks that the bench hands the peer the same problem in its layout."""
+
+    @staticmethod
+    def get_mla_metadata(*args, **kwargs):
+        return object(), None
+
+    @staticmethod
+    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, softmax_scale, causal):
+        b, s_q, h, d = q.shape
+        page = k_cache.shape[1]
+        out = torch.zeros(b, s_q, h, head_dim_v)
+        for i in range(b):
+            n = int(cache_seqlens[i])
+            kv = k_cache[block_table[i, : -(-n // page)].long()].reshape(-1, d)[:n].float()
+            s = torch.einsum("qhd,kd->qhk", q[i].float(), kv) * softmax_scale
+            if causal:
+                hide = torch.arange(n)[None, :] > (n - s_q + torch.arange(s_q))[:, None]
+                s = s.masked_fill(hide[:, None, :], float("-inf"))
+            out[i] = torch.softmax(s, -1).nan_to_num(0.0) @ kv[:, :head_dim_v]  # a row that sees no key: 0
+        return out.to(q.dtype), torch.zeros(b, h, s_q)
+
+
+@pytest.mark.parametrize("spec", ["h4 b3 s50~30 q2", "h2 b2 s70 q1 fp8"])
+def test_decode_peer_side_by_side(monkeypatch, spec):
+    """With a peer present: its row, the ratio and the output check (the peer sees the same inputs)."""
+    dev = torch.device("cpu")
+    ctx = BenchContext(dev, Timer(dev, rounds=1), peers=True, quick=False, bw_gbs=1.0, peak_tflops=1.0,
+                       env=dict(gpu="cpu", torch="t", triton="tr", git="x", label=""))  # fmt: skip
+    ctx.family = "decode"
+    monkeypatch.setattr(ctx, "peer", lambda name: _FakeFlashMLA if name == "flash_mla" else None)
+    own, peer = decode.run(decode.parse(spec), ctx)
+    assert (own["provider"], peer["provider"], own["peer"]) == ("openmla", "flashmla", "flashmla")
+    assert own["check"] > (0.99 if "fp8" in spec else 0.9999), own["check"]
+    assert own["ratio"] == peer["p50_us"] / own["p50_us"] and peer["dtype"] == "bf16"
+    assert float(peer["bytes"]) >= float(own["bytes"]) and peer["flops"] == own["flops"]
+    assert any(line.split()[-1] == f"{own['check']:.5f}" for line in report.table_lines([own, peer]))
+
+
+def test_prefill_peer_layout():
+    """The SDPA peer gets the batch as ``[B, H, L, D]`` and its output comes back as openmla's ``[T, H, d_v]``
+    (the math backend stands in for cuDNN on the CPU)."""
+    from torch.nn.attention import SDPBackend
+
+    import openmla
+
+    B, L, h = 2, 24, 2
+    q, k = (torch.randn(B * L, h, 192, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(B * L, h, 128, dtype=torch.bfloat16)
+    cu = torch.arange(B + 1, dtype=torch.int32) * L
+    out, _ = openmla.flash_attn_varlen(q, k, v, cu, cu, L, L, prefill.SCALE, causal=True)
+    fn, ref = prefill._cudnn(q, k, v, B, L, backend=SDPBackend.MATH)
+    assert ref.shape == out.shape and cosine(out, ref) > 0.9999

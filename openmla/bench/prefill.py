@@ -76,10 +76,13 @@ def _fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).to(FP8), scale
 
 
-def _cudnn(q, k, v, B: int, L: int):
-    """A closure running cuDNN SDPA over the batch ``[B, H, L, D]`` and its output as ``[T, H, d_v]``, or raise."""
+def _cudnn(q, k, v, B: int, L: int, backend=None):
+    """A closure running SDPA (cuDNN unless ``backend``) over the batch ``[B, H, L, D]`` and its output as
+    ``[T, H, d_v]``, or raise."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    backend = SDPBackend.CUDNN_ATTENTION if backend is None else backend
 
     h = q.shape[1]
     qs, ks, vs = (x.view(B, L, h, -1).transpose(1, 2).contiguous() for x in (q, k, v))
@@ -88,7 +91,7 @@ def _cudnn(q, k, v, B: int, L: int):
         vv = torch.nn.functional.pad(vs, (0, D_QK - D_V)) if pad else vs
 
         def fn(vv=vv):
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            with sdpa_kernel(backend):
                 return sdpa(qs, ks, vv, is_causal=True, scale=SCALE)
 
         try:
