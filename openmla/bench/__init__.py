@@ -30,6 +30,7 @@ import importlib
 FAMILIES: dict[str, str] = {
     "decode": "openmla.bench.decode",
     "prefill": "openmla.bench.prefill",
+    "sparse": "openmla.bench.sparse",
 }
 
 __all__ = ["FAMILIES", "load_family", "main"]

@@ -605,10 +605,15 @@ def sparse_mla(
     if T == 0:
         return out, (lse if return_lse else None)
 
-    block_h, block_n, num_warps, num_stages = _tiling_override or _tiling(H, fmt)
+    block_h, block_n, num_warps, num_stages = _tiling(H, fmt)
+    if _tiling_override is not None:  # (BLOCK_N, num_warps, num_stages) or (BLOCK_H, BLOCK_N, warps, stages)
+        over = tuple(int(x) for x in _tiling_override)
+        block_h, block_n, num_warps, num_stages = over if len(over) == 4 else (block_h, *over)
     head_blocks = triton.cdiv(H, block_h)
     if _num_splits_override is not None:
         splits = int(_num_splits_override)
+        if splits < 1:
+            raise ValueError(f"_num_splits_override must be >= 1; got {_num_splits_override!r}")
     else:
         splits = _num_splits(T, head_blocks, K + EK, _num_sms(dev))
     if splits > 1:

@@ -1,0 +1,187 @@
+"""Family ``sparse``: sparse MLA over top-k slot lists (``openmla.sparse_mla``) beside FlashMLA's sparse kernels.
+
+A shape spec is space-separated fields: ``decode h<heads> b<batch> [q<qlen>] k<topk> [fp8|bf16]`` (b x qlen query
+rows, each with its own top-k list, the 656-byte ``fp8_ds_mla`` cache by default) or ``prefill h<heads> t<queries>
+k<topk> [s<kv rows>]`` (a bf16 cache of s rows, default 32768); an optional ``tile<BLOCK_N>x<warps>x<stages>`` and
+``split<n>`` time one of ``sparse_mla``'s private tile / split variants (tuning). Example: ``decode h128 b128 q2
+k2048``.
+
+Each point: slots drawn uniformly (seeded) from a cache of at least 2 GiB of 64-token blocks on the GPU (decode;
+larger than L2), no -1 entries, every top-k entry valid. TFLOPS = 2 * h * rows * topk * (576 + 512) (FlashMLA's
+count); bytes = rows * topk * bytes a row + q + out. Peers (``flash_mla``, optional): decode runs
+``flash_mla_with_kvcache`` with ``indices`` on the same fp8 bytes; it takes 64 or 128 heads only, so h < 64 is
+timed on q padded to 64 heads (the FLOP count stays the real one, and the ratio is against that padded call);
+prefill runs ``flash_mla_sparse_fwd`` on the same bf16 rows. ``check`` is the cosine similarity of the outputs.
+Decode points are CUDA-graph replays, prefill points ``do_bench`` medians.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import openmla
+from openmla.bench.context import BenchContext, cosine
+from openmla.utils.perf import decode_bytes, decode_flops
+
+OP = "sparse_mla"
+BLOCK = 64
+D_QK, D_V = 576, 512
+ROW_BYTES = {"fp8": 656, "bf16": 2 * D_QK}
+SCALE = 192**-0.5
+POOL_GIB = 2.0
+PEER_HEADS = (64, 128)  # the head counts FlashMLA's sparse decode takes
+
+_DECODE = [f"decode h{h} b{b} q{q} k2048" for q in (1, 2) for h in (16, 32, 64, 128) for b in (1, 64, 128)]
+PRESETS = {
+    "default": _DECODE + ["prefill h128 t4096 k2048"],  # issue 29's table
+    "quick": ["decode h128 b128 q1 k2048", "decode h64 b64 q1 k2048", "decode h16 b128 q1 k2048",
+              "decode h128 b1 q1 k2048", "prefill h128 t4096 k2048"],
+    "tiny": ["decode h2 b2 q1 k40", "decode h3 b1 q2 k20 bf16", "prefill h2 t3 k30 s64"],  # CPU (interpreter)
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SparseShape:
+    mode: str  # "decode" or "prefill"
+    h: int
+    k: int
+    b: int = 1
+    q: int = 1
+    t: int = 0  # prefill queries
+    s: int = 32768  # prefill kv rows
+    dtype: str = "fp8"  # the cache's (prefill: bf16)
+    tile: tuple = ()
+    split: int = 0
+
+    def __str__(self) -> str:
+        extra = (" tile" + "x".join(map(str, self.tile)) if self.tile else "") + (
+            f" split{self.split}" if self.split else ""
+        )
+        if self.mode == "decode":
+            return f"decode h{self.h} b{self.b} q{self.q} k{self.k}{extra}"
+        return f"prefill h{self.h} t{self.t} k{self.k} s{self.s}{extra}"
+
+    @property
+    def rows(self) -> int:
+        return self.b * self.q if self.mode == "decode" else self.t
+
+
+def parse(spec: str) -> SparseShape:
+    """``"decode h128 b128 q2 k2048"`` / ``"prefill h128 t4096 k2048"`` -> :class:`SparseShape`."""
+    toks = spec.replace(",", " ").split()
+    bad = ValueError(
+        f"bad sparse shape {spec!r}: want 'decode h<heads> b<batch> [q<qlen>] k<topk> [fp8|bf16]' or "
+        "'prefill h<heads> t<queries> k<topk> [s<kv rows>]', optional tile<N>x<warps>x<stages>, split<n>"
+    )
+    if not toks or toks[0] not in ("decode", "prefill"):
+        raise bad
+    f: dict = {"mode": toks[0]}
+    if toks[0] == "prefill":
+        f["dtype"] = "bf16"
+    try:
+        for tok in toks[1:]:
+            if tok in ("fp8", "bf16"):
+                f["dtype"] = tok
+            elif tok.startswith("tile"):
+                f["tile"] = tuple(int(x) for x in tok[4:].split("x"))
+                if len(f["tile"]) != 3:
+                    raise ValueError(tok)
+            elif tok.startswith("split"):
+                f["split"] = int(tok[5:])
+            elif tok[0] in "hkbqts":
+                f[tok[0]] = int(tok[1:])
+            else:
+                raise ValueError(tok)
+        shape = SparseShape(**f)
+    except (ValueError, TypeError, IndexError):
+        raise bad from None
+    if min(shape.h, shape.k, shape.b, shape.q, shape.s) < 1 or (shape.mode == "prefill" and shape.t < 1):
+        raise bad
+    if shape.mode == "prefill" and shape.dtype != "bf16":
+        raise ValueError(f"bad sparse shape {spec!r}: prefill points use a bf16 cache")
+    return shape
+
+
+def _cache(shape: SparseShape, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the cache openmla reads, its bf16 rows [slots, 576] or None): fp8_ds_mla bytes or bf16 rows, 64-row blocks."""
+    row_bytes = ROW_BYTES[shape.dtype]
+    if shape.mode == "prefill":
+        slots = shape.s
+    else:
+        want = int(POOL_GIB * 2**30 / row_bytes) if dev.type == "cuda" else 4 * shape.k
+        slots = max(shape.rows * shape.k, want)
+    blocks = -(-slots // BLOCK)
+    torch.manual_seed(0)
+    if shape.dtype == "bf16":
+        cache = torch.randn(blocks, BLOCK, D_QK, device=dev, dtype=torch.bfloat16)
+        return cache, cache.view(-1, D_QK)
+    # fp8_ds_mla bytes written by openmla's cache writer, a chunk of blocks at a time (bounded scratch)
+    cache = torch.empty(blocks, BLOCK, 656, dtype=torch.uint8, device=dev)
+    chunk = 1 << 16
+    flat_slots = blocks * BLOCK
+    for s0 in range(0, flat_slots, chunk):
+        n = min(chunk, flat_slots - s0)
+        rows = torch.randn(n, D_QK, device=dev, dtype=torch.bfloat16)
+        slot = torch.arange(s0, s0 + n, device=dev, dtype=torch.int64)
+        openmla.concat_and_cache_mla(rows[:, :512], rows[:, 512:], cache, slot, kv_cache_dtype="fp8_ds_mla",
+                                     validate=False)  # fmt: skip
+    return cache, None
+
+
+def run(shape: SparseShape, ctx: BenchContext) -> list[dict]:
+    """Time one point: openmla and, when importable, FlashMLA, alternating; returns its rows."""
+    dev = ctx.device
+    h, k, rows = shape.h, shape.k, shape.rows
+    cache, rows_bf16 = _cache(shape, dev)
+    slots = cache.shape[0] * cache.shape[1]
+    g = torch.Generator(device=dev).manual_seed(1)
+    kv_slots = slots if shape.mode == "decode" else shape.s
+    idx = torch.randint(0, kv_slots, (rows, k), device=dev, dtype=torch.int32, generator=g)
+    q = torch.randn(rows, h, D_QK, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(rows, h, D_V, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(rows, h, dtype=torch.float32, device=dev)
+    kv_dtype = "fp8_ds_mla" if shape.dtype == "fp8" else "auto"
+    priv = {}
+    if shape.tile:
+        priv["_tiling_override"] = shape.tile
+    if shape.split:
+        priv["_num_splits_override"] = shape.split
+
+    def own():
+        openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype=kv_dtype, out=out, lse=lse, **priv)
+
+    own()
+    fns, check = {"openmla": own}, None
+    fm = ctx.peer("flash_mla")
+    if fm is not None:
+        try:
+            if shape.mode == "decode":
+                hp = next((p for p in PEER_HEADS if p >= h), None)
+                if hp is None or shape.dtype != "fp8":
+                    raise ValueError(f"FlashMLA's sparse decode takes {PEER_HEADS} heads and an fp8 cache")
+                qp = torch.zeros(shape.b, shape.q, hp, D_QK, device=dev, dtype=torch.bfloat16)
+                qp[:, :, :h] = q.view(shape.b, shape.q, h, D_QK)
+                kc, ip, meta = cache.unsqueeze(2), idx.view(shape.b, shape.q, k), fm.get_mla_metadata()[0]
+
+                def peer():
+                    return fm.flash_mla_with_kvcache(qp, kc, None, None, D_V, meta, softmax_scale=SCALE,
+                                                     causal=False, is_fp8_kvcache=True, indices=ip)  # fmt: skip
+
+                got = peer()[0][:, :, :h].reshape(rows, h, D_V)
+            else:
+                kv3, i3 = rows_bf16.unsqueeze(1), idx.unsqueeze(1)
+
+                def peer():
+                    return fm.flash_mla_sparse_fwd(q, kv3, i3, SCALE, D_V)
+
+                got = peer()[0]
+            check = cosine(out, got)
+            fns["flashmla"] = peer
+        except Exception as exc:  # the peer refuses this shape: its column stays empty
+            ctx.note(f"# flashmla failed at {shape}: {type(exc).__name__}: {exc}".splitlines()[0])
+    timings = ctx.time(fns, graph=shape.mode == "decode")
+    nbytes = decode_bytes(rows * k, ROW_BYTES[shape.dtype], rows, h)
+    return ctx.rows(OP, str(shape), timings, flops=decode_flops(rows * k, h), nbytes=nbytes, dtype=shape.dtype,
+                    peer="flashmla", check=check)  # fmt: skip
