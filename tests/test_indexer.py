@@ -9,7 +9,6 @@ from openmla.reference import (
     concat_and_cache_indexer_k_ref,
     dequantize_indexer_k_cache_ref,
     indexer_logits_ref,
-    quantize_indexer_k_ref,
     split_fp8_indexer_cache_ref,
     topk_from_logits_ref,
 )
@@ -75,7 +74,7 @@ def test_concat_and_cache_indexer_k(cache_dtype, dtype, scale_fmt, block_size, s
         got = dequantize_indexer_k_cache_ref(cache, "fp8").reshape(-1, D)[slots[slots >= 0].long()]
         want = k[slots >= 0].float()
         amax = want.abs().amax(-1, keepdim=True)
-        bound = 2.0 ** -3 if scale_fmt == "ue8m0" else 2.0 ** -4  # a power-of-two scale wastes up to a bit
+        bound = 2.0**-3 if scale_fmt == "ue8m0" else 2.0**-4  # a power-of-two scale wastes up to a bit
         assert bool(((got - want).abs() <= amax * bound + 1e-6).all())
         s = scales.reshape(-1)[slots[slots >= 0].long()]
         if scale_fmt == "ue8m0":
@@ -176,23 +175,27 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("cache_dtype,cdtype,qdtype", SCORE_CASES, ids=_ids)
-@pytest.mark.parametrize("block_size", [1, 5, pick(16, 64)])
-@pytest.mark.parametrize("shape", ["mixed", "decode"])
-def test_indexer_logits(cache_dtype, cdtype, qdtype, block_size, shape, device):
+LOGIT_SHAPES = [("mixed", 1), ("mixed", 5), ("mixed", pick(16, 64)), ("decode", pick(16, 64))]
+
+
+@pytest.mark.parametrize("cache_dtype,cdtype,qdtype", pick(SCORE_CASES[:1] + SCORE_CASES[2:], SCORE_CASES), ids=_ids)
+@pytest.mark.parametrize("shape,block_size", LOGIT_SHAPES)
+def test_indexer_logits(cache_dtype, cdtype, qdtype, shape, block_size, device):
     lens, qlens, pad = SHAPES[shape]
     H, D = pick(3, 64), pick(20 if cache_dtype == "auto" else 32, 128)  # D 20: a masked column tail
     args = _batch(lens, qlens, H, D, block_size, cache_dtype, cdtype, qdtype, device, pad_rows=pad)
     ref = indexer_logits_ref(*args, cache_dtype=cache_dtype)
     out = openmla.indexer_logits(*args, cache_dtype=cache_dtype)
     _check_scores("logits", ref, out, qdtype)
+    if shape == "decode":
+        return
     # the prefill hint spreads a request's rows over several programs (and several rows per dot): same scores
     out2 = openmla.indexer_logits(*args, cache_dtype=cache_dtype, max_query_len=max(qlens), validate=False)
     _check_scores("logits (max_query_len)", ref, out2, qdtype)
 
 
 @pytest.mark.parametrize("cache_dtype,cdtype,qdtype", [SCORE_CASES[0], SCORE_CASES[5]], ids=_ids)
-@pytest.mark.parametrize("topk", pick([4, 16], [64, 2048]))
+@pytest.mark.parametrize("topk", pick([6], [64, 2048]))
 @pytest.mark.parametrize("topk_impl", ["triton", "torch"])
 def test_indexer_topk(cache_dtype, cdtype, qdtype, topk, topk_impl, device):
     lens, qlens, pad = SHAPES["mixed"]

@@ -31,6 +31,7 @@ FAMILIES: dict[str, str] = {
     "decode": "openmla.bench.decode",
     "prefill": "openmla.bench.prefill",
     "sparse": "openmla.bench.sparse",
+    "indexer": "openmla.bench.indexer",
 }
 
 __all__ = ["FAMILIES", "load_family", "main"]

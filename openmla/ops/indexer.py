@@ -53,6 +53,7 @@ _NUM_WARPS = 4
 _NUM_STAGES = 3
 _MAX_ROWS = 128  # query rows x heads per tl.dot (its N side)
 _QUERY_SPLIT = 128  # query rows per program when max_query_len is given (prefill parallelism)
+_WRITE_TOKENS = 16  # tokens per program of the cache writer
 # Top-k pass: logits per chunk of the row scan, warps per row program.
 _TOPK_BLOCK = 1024
 _TOPK_WARPS = 8
@@ -82,36 +83,40 @@ def _concat_and_cache_indexer_k_fwd_kernel(
     stride_k_t,
     stride_c_b,  # elements (bytes for fp8)
     stride_c_o,
+    T,
     num_slots,
     block_size,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     FP8: tl.constexpr,
     UE8M0: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
 ):
-    i_t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping + i_t).to(tl.int64)
+    o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = o_t < T
+    slot = tl.load(slot_mapping + o_t, mask=m_t, other=-1).to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots)
     slot = tl.where(valid, slot, 0)
     i_blk = slot // block_size
     i_off = slot % block_size
     o_d = tl.arange(0, BLOCK_D)
-    m_d = (o_d < D) & valid
-    b_k = tl.load(k + i_t * stride_k_t + o_d, mask=m_d, other=0.0).to(tl.float32)
+    m_k = valid[:, None] & (o_d < D)[None, :]
+    b_k = tl.load(k + o_t[:, None] * stride_k_t + o_d[None, :], mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_T, D]
     if FP8:
-        b_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(b_k), axis=0), 1e-4), 448.0)
+        b_amax = tl.maximum(tl.max(tl.abs(b_k), axis=1), 1e-4)
+        b_s = tl.math.div_rn(b_amax, tl.full([BLOCK_T], 448.0, dtype=tl.float32))
         if UE8M0:  # round up to a power of two: bump the exponent when any mantissa bit is set
             bits = b_s.to(tl.int32, bitcast=True)
             bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
             b_s = bits.to(tl.float32, bitcast=True)
-        b_q = to_e4m3(tl.math.div_rn(b_k, b_s + tl.zeros_like(b_k)), EXACT_ROUND).to(tl.uint8, bitcast=True)
+        b_q = to_e4m3(tl.math.div_rn(b_k, b_s[:, None] + tl.zeros_like(b_k)), EXACT_ROUND).to(tl.uint8, bitcast=True)
         base = i_blk * stride_c_b
-        tl.store(cache + base + i_off * D + o_d, b_q, mask=m_d)
+        tl.store(cache + (base + i_off * D)[:, None] + o_d[None, :], b_q, mask=m_k)
         tl.store(cache_f32 + (base + block_size * D) // 4 + i_off, b_s, mask=valid)
     else:
-        p_c = cache + i_blk * stride_c_b + i_off * stride_c_o + o_d
-        tl.store(p_c, b_k.to(cache.dtype.element_ty), mask=m_d)
+        p_c = cache + (i_blk * stride_c_b + i_off * stride_c_o)[:, None] + o_d[None, :]
+        tl.store(p_c, b_k.to(cache.dtype.element_ty), mask=m_k)
 
 
 def _check_cache(name: str, cache, cache_dtype: str, head_dim: int | None = None) -> int:
@@ -187,9 +192,10 @@ def concat_and_cache_indexer_k(
         top = int(slot_mapping.max())
         if top >= num_slots:
             raise ValueError(f"slot_mapping holds slot {top} but cache has only {num_slots} slots")
-    _concat_and_cache_indexer_k_fwd_kernel[(T,)](
+    _concat_and_cache_indexer_k_fwd_kernel[(triton.cdiv(T, _WRITE_TOKENS),)](
         k, cache, _scale_view(cache, cache_dtype), slot_mapping, k.stride(0), cache.stride(0), cache.stride(1),
-        num_slots, block_size, D=D, BLOCK_D=triton.next_power_of_2(D), FP8=cache_dtype == "fp8",
+        T, num_slots, block_size, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=_WRITE_TOKENS,
+        FP8=cache_dtype == "fp8",
         UE8M0=scale_fmt == "ue8m0", EXACT_ROUND=INTERPRET,
     )  # fmt: skip
 
