@@ -80,7 +80,7 @@ def _merge_reduce_scatter(out, lse, group, W, rank):
     _all_gather(lses, lse.contiguous(), group=group)
     lses = _clean_lse(lses.view(W, T, HW))
     lse_all = _global_lse(lses)  # [T, W*H]
-    send = _corrected(out, lses[rank], lse_all).view(T, W, H, D).transpose(0, 1).contiguous()
+    send = _corrected(out, lses[rank], lse_all).view(T, W, H, D).transpose(0, 1).reshape(W * T, H, D)
     recv = torch.empty(T, H, D, dtype=out.dtype, device=out.device)
     _reduce_scatter(recv, send, group=group)
     return recv, lse_all[:, rank * H : (rank + 1) * H].contiguous()

@@ -11,6 +11,7 @@ contributes nothing.
 from __future__ import annotations
 
 import torch
+
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
 from openmla.ops.decode import mla_decode
 from openmla.parallel.comm import _all_gather, all_gather_heads, group_info, merge_heads, merge_replicated

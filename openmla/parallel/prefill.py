@@ -158,8 +158,10 @@ def dcp_mla_prefill_with_context(
         n = dc.num_tokens
         mine = int(cnt[rank].sum())
         if mine:
-            gather_cache(kv_cache, block_table[c.b0 : c.b1], cnt[rank].to(dev), seq_starts=lstart[rank].to(dev),
-                         kv_cache_dtype=kv_cache_dtype, scale=kv_scale, out=ws_local[:mine], validate=False)  # fmt: skip
+            gather_cache(
+                kv_cache, block_table[c.b0 : c.b1], cnt[rank].to(dev), seq_starts=lstart[rank].to(dev),
+                kv_cache_dtype=kv_cache_dtype, scale=kv_scale, out=ws_local[:mine], validate=False,
+            )  # fmt: skip
         _all_gather(ws_all[: W * n_max], ws_local[:n_max], group=group)
         ws = ws_all[index.to(dev)]  # [n, d_c + d_rope], request-major
         kv_h = torch.mm(ws[:, :d_c], w_t).view(n, H, d_nope + d_v)

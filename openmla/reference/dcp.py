@@ -14,12 +14,14 @@ def dcp_local_seq_lens_ref(seq_lens, world_size: int, rank: int, interleave: int
 
 
 def dcp_shard_cache_ref(kv_cache, block_table, seq_lens, block_size: int, world_size: int, rank: int,
-                        interleave: int = 1, *, spare_blocks: int = 1):  # fmt: skip
+                        interleave: int = 1, *, spare_blocks: int = 1, reserve_lens=None):  # fmt: skip
     """Copy the tokens ``rank`` owns out of a single-rank paged cache into a fresh local one.
 
     Args:
         kv_cache: `[num_blocks, bs, D]`; block_table: `[B, max_blocks]`; seq_lens: `[B]` global lengths.
         block_size: the local cache's block size. spare_blocks: extra (NaN-filled, never owned) blocks.
+        reserve_lens: `[B]` global lengths to allocate local blocks for (default ``seq_lens``); only the
+            first ``seq_lens`` tokens are copied, the rest of the reserved rows hold NaN.
 
     Returns:
         (local_cache `[n, block_size, D]`, local_block_table `[B, max_local_blocks]` int32). Local blocks
@@ -29,13 +31,14 @@ def dcp_shard_cache_ref(kv_cache, block_table, seq_lens, block_size: int, world_
     W, I = world_size, interleave
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     B = block_table.shape[0]
-    per_req = []
+    per_req, nblk = [], []
     for b in range(B):
+        cap = int(seq_lens[b]) if reserve_lens is None else max(int(seq_lens[b]), int(reserve_lens[b]))
+        nblk.append(-(-sum(1 for g in range(cap) if (g // I) % W == rank) // block_size))
         S = int(seq_lens[b])
         slots = request_slots_ref(block_table[b], S, kv_cache.shape[1])
         mine = [g for g in range(S) if (g // I) % W == rank]
         per_req.append(slots[mine] if mine else slots[:0])
-    nblk = [-(-len(s) // block_size) for s in per_req]
     total = sum(nblk) + spare_blocks
     width = max([1] + nblk)
     local = torch.empty(total, block_size, kv_cache.shape[-1], dtype=kv_cache.dtype, device=kv_cache.device)
@@ -50,7 +53,8 @@ def dcp_shard_cache_ref(kv_cache, block_table, seq_lens, block_size: int, world_
             blk = free.pop(0)
             table[b, j] = blk
             rows = slots[j * block_size : (j + 1) * block_size]
-            local[blk, : rows.numel()] = flat[rows]
+            if rows.numel():
+                local[blk, : rows.numel()] = flat[rows]
     table[table < 0] = 0  # columns past a request's blocks are never read; keep them valid block ids
     return local, table
 
