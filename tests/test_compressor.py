@@ -185,3 +185,49 @@ def test_compressor_errors(device):
     before = s.cache.clone()
     compress_kv(kv, sc, s.state, s.slots, qsl, seq, s.weight, s.table, s.cache, bad_bt, validate=False, **auto)
     assert torch.equal(before.isnan(), s.cache.isnan())  # entries through a missing block are dropped
+
+
+def _hf_config(ratio):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip("transformers has no deepseek_v4")
+    return transformers.DeepseekV4Config(
+        hidden_size=64, head_dim=128, qk_rope_head_dim=64, num_attention_heads=2, num_hidden_layers=2,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": ratio},
+        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64},
+        max_position_embeddings=1024, index_head_dim=64, index_n_heads=2,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_compress_matches_transformers(kind, device):
+    """compress_kv and its reference against transformers' DeepseekV4{CSA,HCA}Compressor (fp32, no cache)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    cfg = _hf_config(8)
+    m = (hf.DeepseekV4CSACompressor if kind == "csa" else hf.DeepseekV4HCACompressor)(cfg).float()
+    ratio = m.compress_rate
+    with torch.no_grad():
+        for p in m.parameters():  # HF zero-initialises the position bias: randomise everything
+            p.copy_(torch.randn_like(p) * 0.5)
+        m.kv_norm.weight.copy_(torch.rand_like(m.kv_norm.weight) + 0.5)
+    if kind == "csa":
+        m.indexer.forward = lambda h, *a, **k: torch.zeros(h.shape[0], h.shape[1], 1, dtype=torch.long)
+    L = 5 * ratio + 3
+    x = torch.randn(1, L, 64)
+    with torch.no_grad():
+        want = m(x, None, torch.arange(L)[None], None, 0)[0][0, 0]  # [L // ratio, 128]
+        kv = x[0] @ m.kv_proj.weight.T
+        score = x[0] @ m.gate_proj.weight.T + m.position_bias[torch.arange(L) % ratio]
+    table = rope_cache_ref(m.rotary_emb.compress_inv_freq, L + 1) * m.rotary_emb.compress_attention_scaling
+    w = m.kv_norm.weight.detach()
+    ref = compress_kv_ref(kv, score, w, table, ratio, cfg.rms_norm_eps)
+    assert_close("reference vs transformers", want, ref, 1e-5, 1e-5, 1e-9)
+    state = allocate_compressor_state(1, ratio, 128, overlap=kind == "csa", device=device)
+    cache = torch.zeros(L // ratio, 1, 128, device=device)
+    one = torch.zeros(1, dtype=torch.int32, device=device)
+    compress_kv(kv.to(device), score.to(device), state, one, torch.tensor([0, L], device=device),
+                torch.tensor([L], device=device), w.to(device), table.to(device), cache,
+                torch.arange(L // ratio, dtype=torch.int32, device=device)[None], ratio=ratio, eps=cfg.rms_norm_eps,
+                kv_cache_dtype="auto")  # fmt: skip
+    assert_close("compress_kv vs transformers", want, cache[:, 0], 2e-5, 2e-5, 1e-9)

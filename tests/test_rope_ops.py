@@ -18,8 +18,8 @@ def _table(num_pos, device, theta=10000.0):
 
 def _torch_rotation(o, positions, theta=10000.0):
     """Independent oracle: complex multiplication of (a + ib) by exp(-i pos f)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
-    ang = positions.double().cpu()[:, None] * inv_freq[None, :]  # [T, 32]
+    inv_freq = 1.0 / theta ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    ang = (positions.float().cpu()[:, None] * inv_freq[None, :]).double()  # [T, 32], the table's fp32 angles
     z = torch.view_as_complex(o.double().cpu()[..., 448:].reshape(*o.shape[:-1], 32, 2).contiguous())
     rot = torch.polar(torch.ones_like(ang), -ang).reshape(o.shape[0], *([1] * (o.dim() - 2)), 32)
     out = o.double().cpu().clone()
@@ -83,3 +83,20 @@ def test_inverse_rope_rows_edges(device):
     with pytest.raises(TypeError, match="o must"):
         inverse_rope_rows(x.int(), torch.tensor([0, 1], device=device), table)
     assert math.isfinite(float(x.sum()))
+
+
+def test_inverse_rope_matches_transformers(device):
+    """V4's output un-rotation in transformers: apply_rotary_pos_emb(o, cos, -sin) on the last 64 dims."""
+    pytest.importorskip("transformers")
+    try:
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+    except ImportError:
+        pytest.skip("transformers has no deepseek_v4")
+    T, H, P = pick(6, 200), pick(2, 16), 4096
+    inv_freq = 1.0 / 160000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    pos = torch.randint(0, P, (T,))
+    freqs = pos[:, None].float() * inv_freq[None, :]
+    o = torch.randn(T, H, 512)
+    want = apply_rotary_pos_emb(o.transpose(0, 1)[None], freqs.cos()[None], -freqs.sin()[None])[0].transpose(0, 1)
+    got = inverse_rope_rows(o.to(device), pos.to(device), rope_cache_ref(inv_freq, P).to(device))
+    assert_close("vs transformers", want, got, 1e-5, 1e-5, 1e-9)
