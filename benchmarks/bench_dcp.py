@@ -1,0 +1,129 @@
+"""DCP decode benchmark: ``dcp_mla_decode`` (each route and merge) beside ``mla_decode`` over the same local shard.
+
+python benchmarks/bench_dcp.py                                   # one process: W = 1 (NCCL on a GPU, gloo on CPU)
+torchrun --nproc-per-node 8 benchmarks/bench_dcp.py              # W = 8 (one GPU per rank)
+python benchmarks/bench_dcp.py --shapes "h16 b128 s8192 q1;h16 b32 s8192 q4" --csv out/dcp.csv
+
+A shape is ``h<heads per rank> b<batch> s<global seq len> q<qlen>`` (optionally ``i<interleave>``). Every rank
+holds a random shard of ``dcp_local_seq_lens(s)`` keys per request in a bf16 cache of 64-token blocks. Rows:
+provider (``local``: ``mla_decode`` of the gathered heads over the shard, no communication; ``dcp-<route>-<merge>``:
+the whole call), median / 20% / 80% ms from ``triton.testing.do_bench``, and the bytes each rank moves
+(docs/dcp.md). On CPU (the Triton interpreter) it runs one tiny default shape, as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+import openmla  # noqa: F401  (configures the interpreter on CPU)
+from openmla.ops.decode import mla_decode
+from openmla.parallel import dcp_local_seq_lens, dcp_mla_decode
+from openmla.parallel.comm import all_gather_heads
+
+
+def _parse(spec: str) -> dict:
+    out = {"i": 1}
+    for tok in spec.split():
+        out[tok[0]] = int(tok[1:])
+    return out
+
+
+def _time(fn, device) -> tuple[float, float, float]:
+    if device.type == "cuda":
+        import triton.testing
+
+        return tuple(triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8]))
+    import time
+
+    fn()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    ts.sort()
+    return ts[1], ts[0], ts[2]
+
+
+def _comm_bytes(W: int, T: int, H: int) -> int:
+    """Bytes each rank receives per call on the reduce-scatter route (docs/dcp.md)."""
+    return (W - 1) * T * H * (576 * 2 + W * 4 + 512 * 2)
+
+
+def _bench_shape(spec: str, rank: int, W: int, device: torch.device, info: dict) -> list[dict]:
+    """Time the local decode and every (route, merge) of one shape; one row each."""
+    cuda = device.type == "cuda"
+    s = _parse(spec)
+    H, B, S, qlen, I = s["h"], s["b"], s["s"], s["q"], s["i"]
+    page = 64 if cuda else 16
+    g = torch.Generator(device=device).manual_seed(rank)
+    seq = torch.full((B,), S, dtype=torch.int32, device=device)
+    local = int(dcp_local_seq_lens(seq, W, rank, I)[0])
+    nb = -(-local // page)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cache = torch.randn(B * nb + 1, page, 576, generator=g, device=device).to(dtype)
+    bt = torch.arange(B * nb, dtype=torch.int32, device=device).view(B, nb)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=device) * qlen
+    q = (torch.randn(B * qlen, H, 576, generator=g, device=device) * 0.1).to(dtype)
+    sm = 576**-0.5
+    q_all = all_gather_heads(q)
+    local_lens = torch.full((B,), local, dtype=torch.int32, device=device)
+    runs = [("local", lambda: mla_decode(q_all, cache, bt, local_lens, qsl, sm, causal=False, return_lse=True))]
+    for route in ["plain"] if qlen == 1 else ["segmented", "masked"]:
+        for merge in ("reduce_scatter", "all_to_all"):
+            kw = dict(interleave=I, route=route, merge=merge, max_query_len=qlen, validate=False)
+            runs.append((f"dcp-{route}-{merge}", lambda kw=kw: dcp_mla_decode(q, cache, bt, seq, qsl, sm, **kw)))
+    rows = []
+    for name, fn in runs:
+        dist.barrier()
+        p50, p20, p80 = _time(fn, device)
+        rows.append(dict(
+            op="dcp_mla_decode", provider=name, shape=spec, world_size=W, p50_ms=round(p50, 4), p20_ms=round(p20, 4),
+            p80_ms=round(p80, 4), comm_bytes=_comm_bytes(W, B * qlen, H),
+            kv_bytes=B * local * 576 * cache.element_size(), **info,
+        ))  # fmt: skip
+        if rank == 0:
+            print(f"{spec:24s} W{W} {name:28s} {p50:9.4f} ms  (p20 {p20:.4f}, p80 {p80:.4f})", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=None, help='";"-separated, e.g. "h16 b128 s8192 q1"')
+    p.add_argument("--csv", default=None, help="append one row per point to this CSV file")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:  # a single process: W = 1
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    default = "h16 b128 s8192 q1;h16 b32 s8192 q1;h16 b32 s8192 q2;h16 b32 s8192 q4;h128 b32 s4096 q1"
+    shapes = (args.shapes or (default if cuda else "h2 b2 s40 q2")).split(";")
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
+    rows = []
+    for spec in shapes:
+        rows += _bench_shape(spec, rank, W, device, dict(gpu=gpu, torch=torch.__version__, sha=sha))
+    if args.csv and rank == 0:
+        new = not os.path.exists(args.csv)
+        with open(args.csv, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            if new:
+                w.writeheader()
+            w.writerows(rows)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
