@@ -54,7 +54,8 @@ def tiny():
 
 def make_engine(tiny, *, kv_cache_dtype="auto", dtype=DTYPE, state_dict=None, **kw):
     cfg, sd, _ = tiny
-    model = build_model(cfg, state_dict or sd, device=testing.suite_device(), dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    model = build_model(cfg, state_dict or sd, device=testing.suite_device(), dtype=dtype,
+                        kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     opts = dict(block_size=16, max_num_seqs=3, max_num_batched_tokens=24, max_model_len=64, record_logits=True)
     opts.update(kw)
     return LLMEngine(model, EngineConfig(**opts))

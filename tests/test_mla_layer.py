@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from openmla.engine.loader import TINY_YARN
 from openmla.layers import MLAAttention, RotaryEmbedding, mla_softmax_scale
 from openmla.metadata import BatchSpec, MLAMetadataBuilder
-from openmla.engine.loader import TINY_YARN
 from openmla.utils.testing import assert_close, pick
 
 hf_v3 = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
@@ -76,7 +76,8 @@ def run_steps(ours, xs, schedule, block_size, device, *, threshold, workspace_to
     builder = MLAMetadataBuilder(
         num_heads=ours.num_heads, block_size=block_size, max_num_seqs=B, max_model_len=W * block_size,
         max_num_batched_tokens=sum(x.shape[0] for x in xs), device=device, decode_threshold=threshold,
-        dtype=dtype, workspace_tokens=workspace_tokens,
+        dtype=dtype, workspace_tokens=workspace_tokens, kv_entry=ours.kv_lora_rank + ours.qk_rope_head_dim,
+        kv_lora_rank=ours.kv_lora_rank, kv_cache_dtype=ours.kv_cache_dtype,
     )  # fmt: skip
     done = [0] * B
     outs = [torch.zeros(x.shape[0], x.shape[1]) for x in xs]

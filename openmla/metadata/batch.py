@@ -61,7 +61,9 @@ class BatchSpec:
         self.validate()
 
     def validate(self) -> None:
-        """Check shapes, dtypes and the host-side invariants (no device synchronisation).
+        """Check shapes, dtypes and the host-side invariants (no device synchronisation): ``query_start_loc``
+        starts at 0, does not decrease and ends at ``num_actual_tokens``; ``seq_lens_cpu``, when given, is
+        bounded by ``max_seq_len``. The device tensors are trusted to hold the CPU copies' values.
 
         Raises:
             TypeError: a field has the wrong type or dtype.
@@ -97,6 +99,14 @@ class BatchSpec:
             raise ValueError(f"the device tensors of a BatchSpec must share one device; got {devices}")
         if B and int(self.query_start_loc_cpu[0]) != 0:
             raise ValueError("query_start_loc[0] must be 0")
+        if B and bool((self.query_start_loc_cpu[1:] < self.query_start_loc_cpu[:-1]).any()):
+            raise ValueError(f"query_start_loc must not decrease; got {self.query_start_loc_cpu.tolist()}")
+        if self.seq_lens_cpu is not None:
+            if tuple(self.seq_lens_cpu.shape) != (B,):
+                raise ValueError(f"seq_lens_cpu must be [{B}]; got {tuple(self.seq_lens_cpu.shape)}")
+            top = int(self.seq_lens_cpu.max()) if B else 0
+            if top > self.max_seq_len:
+                raise ValueError(f"max_seq_len {self.max_seq_len} is below the longest seq_lens entry ({top})")
         total = int(self.query_start_loc_cpu[-1])
         if total != self.num_actual_tokens:
             raise ValueError(f"num_actual_tokens {self.num_actual_tokens} != query_start_loc[-1] {total}")

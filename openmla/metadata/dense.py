@@ -311,7 +311,8 @@ class MLAMetadataBuilder:
 
         Raises:
             TypeError: ``spec`` is not a BatchSpec.
-            ValueError: the batch exceeds the sizes the builder was made for, or lives elsewhere.
+            ValueError: the batch exceeds the sizes the builder was made for (requests, ``max_model_len``), or
+                lives elsewhere.
         """
         if not isinstance(spec, BatchSpec):
             raise TypeError(f"build expects a BatchSpec, got {type(spec).__name__}")
@@ -324,6 +325,10 @@ class MLAMetadataBuilder:
             )
         if not _same_device(spec.device, self.device):
             raise ValueError(f"batch tensors are on {spec.device} but the builder's buffers on {self.device}")
+        # the plan's work items and the block-table buffer cover max_model_len: a longer request would be cut
+        if spec.max_seq_len > self.max_model_len:
+            raise ValueError(f"batch has a request of up to {spec.max_seq_len} tokens (max_seq_len) but "
+                             f"max_model_len {self.max_model_len}")  # fmt: skip
 
         qsl = spec.query_start_loc_cpu.tolist()  # host tensor: no device sync
         query_lens = [qsl[i + 1] - qsl[i] for i in range(spec.num_reqs)]

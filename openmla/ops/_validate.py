@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -71,14 +72,30 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def scalar_scale(name: str, scale, device: torch.device) -> torch.Tensor:
-    """A per-tensor fp32 scale as a 1-element device tensor (accepts a float or a 1-element tensor)."""
+def check_scale_value(name: str, value: float) -> float:
+    """A per-tensor scale must be positive and finite (0 would divide by zero, a negative one flip signs)."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite float; got {value!r}")
+    return value
+
+
+def scalar_scale(name: str, scale, device: torch.device, *, validate: bool = True) -> torch.Tensor:
+    """A per-tensor fp32 scale as a 1-element device tensor (accepts a float or a 1-element tensor).
+
+    A float is checked to be positive and finite; a tensor's value only when ``validate`` (a host sync;
+    never while a CUDA graph is captured)."""
     if scale is None:
         raise ValueError(f"{name} is required for an fp8 cache (stored = value / {name})")
+    if isinstance(scale, bool):
+        raise TypeError(f"{name} must be a float or a 1-element tensor; got {scale!r}")
     if isinstance(scale, (int, float)):
+        check_scale_value(name, float(scale))
         return torch.full((1,), float(scale), dtype=torch.float32, device=device)
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
         raise ValueError(f"{name} must be a float or a 1-element tensor; got {scale!r}")
     if not scale.is_floating_point():
         raise TypeError(f"{name} must be a floating tensor; got dtype {scale.dtype}")
-    return scale.reshape(1).to(device=device, dtype=torch.float32)
+    scale = scale.reshape(1).to(device=device, dtype=torch.float32)
+    if validate and not capturing():
+        check_scale_value(name, float(scale))
+    return scale

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from openmla.device import INTERPRET
+from openmla.ops._bf16 import to_bf16
 from openmla.ops._fp8 import to_e4m3
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe, scalar_scale
 
@@ -66,8 +67,12 @@ def _concat_and_cache_mla_fwd_kernel(
     b_r = tl.load(k_pe + i_t * stride_r_t + o_r, mask=m_r, other=0.0).to(tl.float32)
 
     if MODE == 0:
-        tl.store(cache + row + o_c, b_c.to(cache.dtype.element_ty), mask=m_c)
-        tl.store(cache + row + D_C + o_r, b_r.to(cache.dtype.element_ty), mask=m_r)
+        if cache.dtype.element_ty == tl.bfloat16:  # round to nearest even under the interpreter too
+            tl.store(cache + row + o_c, to_bf16(b_c, EXACT_ROUND), mask=m_c)
+            tl.store(cache + row + D_C + o_r, to_bf16(b_r, EXACT_ROUND), mask=m_r)
+        else:
+            tl.store(cache + row + o_c, b_c.to(cache.dtype.element_ty), mask=m_c)
+            tl.store(cache + row + D_C + o_r, b_r.to(cache.dtype.element_ty), mask=m_r)
     elif MODE == 1:
         s = tl.load(scale)
         tl.store(cache + row + o_c, to_e4m3(b_c / s, EXACT_ROUND), mask=m_c)
@@ -81,7 +86,15 @@ def _concat_and_cache_mla_fwd_kernel(
         p_q = cache + row + o_g[:, None] * 128 + tl.arange(0, 128)[None, :]
         tl.store(p_q, b_q, mask=valid)
         tl.store(cache_f32 + row // 4 + 128 + o_g, b_s, mask=valid)
-        tl.store(cache_b16 + row // 2 + 264 + o_r, b_r.to(tl.bfloat16), mask=m_r)
+        tl.store(cache_b16 + row // 2 + 264 + o_r, to_bf16(b_r, EXACT_ROUND), mask=m_r)
+
+
+@triton.jit
+def _to_out(x, out, EXACT_ROUND: tl.constexpr):
+    """fp32 ``x`` in ``out``'s dtype, bf16 rounded to nearest even under the interpreter too."""
+    if out.dtype.element_ty == tl.bfloat16:
+        return to_bf16(x, EXACT_ROUND)
+    return x.to(out.dtype.element_ty)
 
 
 @triton.jit
@@ -108,6 +121,7 @@ def _gather_cache_fwd_kernel(
     BLOCK_T: tl.constexpr,
     MODE: tl.constexpr,
     HAS_STARTS: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
@@ -135,10 +149,10 @@ def _gather_cache_fwd_kernel(
             b_q = tl.load(cache + row[:, None] + g * 128 + o_q[None, :], mask=m_ok[:, None], other=0)
             b_s = tl.load(cache_f32 + row // 4 + 128 + g, mask=m_ok, other=0.0)
             b_v = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_s[:, None]
-            tl.store(p_out + g * 128 + o_q[None, :], b_v.to(out.dtype.element_ty), mask=m_t[:, None])
+            tl.store(p_out + g * 128 + o_q[None, :], _to_out(b_v, out, EXACT_ROUND), mask=m_t[:, None])
         o_r = tl.arange(0, 64)
         b_r = tl.load(cache_b16 + row[:, None] // 2 + 264 + o_r[None, :], mask=m_ok[:, None], other=0.0)
-        tl.store(p_out + 512 + o_r[None, :], b_r.to(tl.float32).to(out.dtype.element_ty), mask=m_t[:, None])
+        tl.store(p_out + 512 + o_r[None, :], _to_out(b_r.to(tl.float32), out, EXACT_ROUND), mask=m_t[:, None])
     else:
         o_d = tl.arange(0, BLOCK_D)
         m_d = o_d < D
@@ -146,7 +160,7 @@ def _gather_cache_fwd_kernel(
         b_v = b_v.to(tl.float32)
         if MODE == 1:
             b_v = b_v * tl.load(scale)
-        tl.store(p_out + o_d[None, :], b_v.to(out.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+        tl.store(p_out + o_d[None, :], _to_out(b_v, out, EXACT_ROUND), mask=m_t[:, None] & m_d[None, :])
 
 
 def _check_cache(kv_cache, kv_cache_dtype: str, entry: int | None = None) -> int:
@@ -198,10 +212,10 @@ def concat_and_cache_mla(
             a negative slot marks a padding token, which is skipped.
         kv_cache_dtype (str): "auto", "fp8" or "fp8_ds_mla".
         scale (torch.Tensor | float): per-tensor fp32 dequantisation scale for "fp8"
-            (stored = sat(value / scale)); ignored otherwise.
-        validate (bool): check that every slot lies inside the cache (a host synchronisation). An
-            engine whose allocator made the slots passes False on its per-layer hot path; slots beyond
-            the cache are then skipped by the kernel, never written.
+            (stored = sat(value / scale)), positive and finite; ignored otherwise.
+        validate (bool): check that every slot lies inside the cache and that a tensor ``scale`` is positive
+            and finite (a host synchronisation). An engine whose allocator made the slots passes False on its
+            per-layer hot path; slots beyond the cache are then skipped by the kernel, never written.
 
     Raises:
         ValueError/TypeError: on a wrong shape, dtype or device, or a slot beyond the cache
@@ -211,13 +225,14 @@ def concat_and_cache_mla(
     dev = kv_c.device
     check_tensor("k_pe", k_pe, dtypes=_AUTO_DTYPES, ndim=2, shape=(kv_c.shape[0], None), device=dev)
     check_index("slot_mapping", slot_mapping, ndim=1, device=dev, length=kv_c.shape[0])
+    slot_mapping = slot_mapping.contiguous()  # the kernel reads one slot per token from a dense array
     d_c, d_r = kv_c.shape[1], k_pe.shape[1]
     mode = _check_cache(kv_cache, kv_cache_dtype, entry=d_c + d_r)
     if kv_cache.device != dev:
         raise ValueError(f"kv_cache must be on {dev} like kv_c; got {describe(kv_cache)}")
     if mode == 2 and (d_c != 512 or d_r != 64):
         raise ValueError(f"fp8_ds_mla stores kv_c [T, 512] and k_pe [T, 64]; got d_c {d_c}, d_rope {d_r}")
-    scale_t = scalar_scale("scale", scale, dev) if mode == 1 else slot_mapping
+    scale_t = scalar_scale("scale", scale, dev, validate=validate) if mode == 1 else slot_mapping
     num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
     num_slots = num_blocks * block_size
     T = kv_c.shape[0]
@@ -289,8 +304,9 @@ def gather_cache(
         out (torch.Tensor | None): `[sum(seq_lens), D]` of ``out_dtype`` to write into (avoids the host
             synchronisation that sizing the output needs). D = kv_cache.shape[-1], or 576 for fp8_ds_mla.
         out_dtype (torch.dtype): dtype of a newly allocated output (bf16 by default).
-        validate (bool): check the block table against the cache (a host sync); callers that checked
-            the whole batch once (chunked prefill) pass False. Unchecked bad blocks read as zeros.
+        validate (bool): check the block table against the cache and a tensor ``scale`` (positive, finite)
+            on the host (a sync); callers that checked the whole batch once (chunked prefill) pass False.
+            Unchecked bad blocks read as zeros.
 
     Returns:
         torch.Tensor: `[sum(seq_lens), D]`, dequantised rows ``[kv_c | k_pe]``.
@@ -302,8 +318,12 @@ def gather_cache(
     check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
     if seq_starts is not None:
         check_index("seq_starts", seq_starts, ndim=1, device=dev, length=B)
+        seq_starts = seq_starts.contiguous()  # the kernel reads dense arrays
+    seq_lens = seq_lens.contiguous()
+    if out is None and out_dtype not in _AUTO_DTYPES:
+        raise TypeError(f"out_dtype must be one of bf16, fp16, fp32; got {out_dtype}")
     D = 576 if mode == 2 else kv_cache.shape[-1]
-    scale_t = scalar_scale("scale", scale, dev) if mode == 1 else seq_lens
+    scale_t = scalar_scale("scale", scale, dev, validate=validate) if mode == 1 else seq_lens
     num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
     max_blocks = block_table.shape[1]
 
@@ -330,5 +350,6 @@ def gather_cache(
         scale_t, kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), block_table.stride(1),
         out.stride(0), num_blocks, block_size, max_blocks,
         D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=BLOCK_T, MODE=mode, HAS_STARTS=seq_starts is not None,
+        EXACT_ROUND=INTERPRET,
     )  # fmt: skip
     return out

@@ -265,8 +265,10 @@ def mla_prefill_with_context(
         context_lens_cpu = both[:B] if context_lens_cpu is None else context_lens_cpu
         query_start_loc_cpu = both[B:] if query_start_loc_cpu is None else query_start_loc_cpu
     qsl = query_start_loc_cpu.to(torch.int64)
-    if B and (int(qsl[0]) != 0 or int(qsl[-1]) > T or bool((qsl[1:] < qsl[:-1]).any())):
-        raise ValueError(f"query_start_loc must start at 0, not decrease and end at most at {T}; got {qsl.tolist()}")
+    if B and (int(qsl[0]) != 0 or bool((qsl[1:] < qsl[:-1]).any())):
+        raise ValueError(f"query_start_loc must start at 0 and not decrease; got {qsl.tolist()}")
+    if (int(qsl[-1]) if B else 0) != T:  # every row of q belongs to a request (else out rows stay unwritten)
+        raise ValueError(f"query_start_loc[-1] ({int(qsl[-1]) if B else 0}) must equal q.shape[0] ({T})")
     if B and int(context_lens_cpu.min()) < 0:
         raise ValueError(f"context_lens must be non-negative; got {context_lens_cpu.tolist()}")
     max_q = int((qsl[1:] - qsl[:-1]).max()) if B else 0

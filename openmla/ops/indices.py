@@ -36,6 +36,7 @@ def _expand_page_indices_fwd_kernel(
     m_t = (o_t < n) & (i_blk < max_blocks) & (start + o_t < capacity)
     blk = tl.load(block_table + i_b * stride_bt_b + i_blk * stride_bt_w, mask=m_t, other=-1).to(tl.int64)
     slot = tl.where(blk >= 0, blk * block_size + o_t % block_size, -1)
+    slot = tl.where(slot <= 2147483647, slot, -1)  # a slot int32 cannot hold is -1, never a wrapped value
     tl.store(kv_indices + start + o_t, slot.to(tl.int32), mask=m_t)
 
 
@@ -60,6 +61,11 @@ def expand_page_indices(
             `B` are set to the total (padded requests of length 0, for CUDA graphs).
         out_indices (torch.Tensor | None): int32 buffer large enough for `sum(seq_lens)` slots; it is
             first filled with -1. With both buffers given nothing synchronises with the host.
+
+    Raises:
+        ValueError: negative ``seq_lens``, a request longer than its block table covers, or a slot past
+            int32 (checked on the host unless a CUDA graph is being captured; unchecked, such a slot is
+            written as -1, never wrapped).
 
     Returns:
         (kv_indptr, kv_indices): `[B + 1]` (or the given buffer) and `[sum(seq_lens)]` (or the given
@@ -93,6 +99,12 @@ def expand_page_indices(
                 f"seq_lens reaches {int(seq_lens.max())} but block_table [{B}, {max_blocks}] covers "
                 f"{max_blocks * block_size} tokens at block_size {block_size}"
             )
+        # the largest slot any request reads must fit the int32 output
+        need = (seq_lens.long() + block_size - 1) // block_size
+        used = torch.arange(max_blocks, device=dev)[None, :] < need[:, None]
+        top = int(block_table[used].max()) if bool(used.any()) else 0
+        if (top + 1) * block_size - 1 > 2**31 - 1:
+            raise ValueError(f"block_table holds block {top}: its slots at block_size {block_size} overflow int32")
     if out_indices is None:
         total = int(kv_indptr[B]) if B else 0
         kv_indices = torch.empty(total, dtype=torch.int32, device=dev)

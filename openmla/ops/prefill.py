@@ -575,6 +575,7 @@ def flash_attn_varlen(
     if B < 0:
         raise ValueError(f"cu_seqlens_q must have B + 1 >= 1 entries; got {describe(cu_seqlens_q)}")
     check_index("cu_seqlens_k", cu_seqlens_k, ndim=1, device=dev, length=B + 1)
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # the kernels read dense arrays
     for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(val, numbers.Integral) or isinstance(val, bool) or val < 0:
             raise ValueError(f"{name} must be a non-negative int; got {val!r}")
