@@ -37,10 +37,11 @@ def test_bench_end_to_end(tmp_path):
     assert len(doc["rows"]) == len(rows) and doc["meta"]["label"] == "t 1" and doc["meta"]["bw_gbs"] > 0
     assert set(doc["rows"][0]) == set(report.COLUMNS)
     own = [r for r in rows if r["provider"] == "openmla"]
-    assert [r["family"] for r in own] == ["decode"] * len(decode.PRESETS["tiny"]) + ["prefill"] * len(
-        prefill.PRESETS["tiny"]
-    )
-    assert {r["dtype"] for r in own} == {"bf16", "fp8"}
+    fams = [r["family"] for r in own]
+    assert list(dict.fromkeys(fams)) == list(bench.FAMILIES)  # every registered family, in order
+    n_dec, n_pre = len(decode.PRESETS["tiny"]), len(prefill.PRESETS["tiny"])
+    assert fams[: n_dec + n_pre] == ["decode"] * n_dec + ["prefill"] * n_pre
+    assert {r["dtype"] for r in own if r["family"] in ("decode", "prefill")} == {"bf16", "fp8"}
     assert {r["op"] for r in rows if r["family"] == "roofline"} == {"read", "matmul"}
     for r in own:
         p50, p20, p80 = (float(r[k]) for k in ("p50_us", "p20_us", "p80_us"))
