@@ -32,6 +32,7 @@ FAMILIES: dict[str, str] = {
     "prefill": "openmla.bench.prefill",
     "sparse": "openmla.bench.sparse",
     "indexer": "openmla.bench.indexer",
+    "v4": "openmla.bench.v4",
 }
 
 __all__ = ["FAMILIES", "load_family", "main"]
