@@ -212,3 +212,22 @@ def test_prefill_peer_layout():
     out, _ = openmla.flash_attn_varlen(q, k, v, cu, cu, L, L, prefill.SCALE, causal=True)
     fn, ref = prefill._cudnn(q, k, v, B, L, backend=SDPBackend.MATH)
     assert ref.shape == out.shape and cosine(out, ref) > 0.9999
+
+
+def test_compare_two_runs(tmp_path, capsys):
+    from openmla.bench import compare
+
+    def run(path, own_us, peer_us):
+        rows = [
+            dict(family="decode", shape="h1", dtype="fp8", provider="openmla", peer="flashmla", p50_us=own_us),
+            dict(family="decode", shape="h1", dtype="bf16", provider="flashmla", peer="", p50_us=peer_us),
+            dict(family="decode", shape="h2", dtype="bf16", provider="openmla", peer="", p50_us=own_us),
+        ]
+        report.write_csv(path, [dict(dict.fromkeys(report.COLUMNS, ""), **r) for r in rows])
+
+    run(tmp_path / "a.csv", 20.0, 10.0)
+    run(tmp_path / "b.csv", 10.0, 11.0)
+    got = compare.compare(tmp_path / "a.csv", tmp_path / "b.csv")
+    assert [(r["shape"], r["speedup"], r["peer_drift"]) for r in got] == [("h1", 2.0, 1.1), ("h2", 2.0, None)]
+    assert compare.main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]) == 0
+    assert "2.000x" in capsys.readouterr().out

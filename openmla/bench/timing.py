@@ -64,8 +64,7 @@ class Timer:
         self.rounds = rounds
 
     def _once(self, fn: Callable[[], object], graph: bool) -> tuple[list[float], str]:
-        if self.device.type != "cuda":
-            fn()  # warm-up (first-call costs)
+        if self.device.type != "cuda":  # no warm-up: a family calls openmla once before it times it
             out = []
             for _ in range(2):
                 t0 = time.perf_counter()
