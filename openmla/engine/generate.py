@@ -88,6 +88,8 @@ class LLMEngine:
         device (torch.device | str | None): default: the model's device.
         dtype (torch.dtype | None): default: the dtype of the model's LM head.
         drafter (NgramDrafter | None): draft proposer for ``num_spec_tokens > 0``.
+        block_manager_factory (callable | None): ``(num_blocks, block_size) -> BlockManager``; default
+            :class:`BlockManager` (``openmla.parallel.engine`` passes its rank-aware DCP one).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class LLMEngine:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         drafter: NgramDrafter | None = None,
+        block_manager_factory: Callable[[int, int], BlockManager] | None = None,
     ) -> None:
         cfg = config or EngineConfig()
         self.config = cfg
@@ -107,7 +110,7 @@ class LLMEngine:
         self.vocab_size = model.config.vocab_size
         max_model_len = cfg.max_model_len or model.config.max_position_embeddings
         num_blocks = cfg.num_blocks or cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        self.block_manager = (block_manager_factory or BlockManager)(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=cfg.max_num_seqs,
