@@ -50,7 +50,7 @@ _INTERPRET_FP8 = tl.constexpr(INTERPRET)  # NaN e4m3 bytes need an explicit test
 # split planner: with fewer than _SPLIT_WAVE x SMs programs (tokens x head blocks), cut each token's key list
 # into splits of at least _MIN_SPLIT_KEYS keys, at most _MAX_SPLITS of them
 _SPLIT_WAVE = 1
-_MIN_SPLIT_KEYS = 256
+_MIN_SPLIT_KEYS = 128
 _MAX_SPLITS = 32
 _MERGE_BLOCK_H = 16
 _MERGE_BLOCK_D = 128
