@@ -1,10 +1,12 @@
 """Command line: ``openmla generate`` and ``openmla demo`` (also ``python -m openmla ...``).
 
 ``openmla generate --model PATH --prompt-ids 5,6,7 [--prompt-ids ...] --max-new-tokens N [--device cpu|cuda]
-[--kv-cache-dtype auto|fp8] [--speculate K] [--json]``
+[--kv-cache-dtype auto|fp8] [--speculate K] [--json] [--dcp N [--dcp-interleave I]]``
     Greedy generation for a batch of token-id prompts. With ``--json`` the last line of stdout is a JSON
     list with one list of generated token ids per prompt (prompt excluded), in prompt order, exactly
-    ``N`` each. ``--model tiny`` (the default) is the built-in seeded tiny DeepSeek V3.
+    ``N`` each. ``--model tiny`` (the default) is the built-in seeded tiny DeepSeek V3. ``--dcp N`` shards
+    the KV cache over N ranks (decode context parallelism, ``openmla.parallel``): N local processes, or
+    the ones ``torchrun --nproc-per-node N -m openmla generate --dcp N ...`` starts; rank 0 prints.
 
 ``openmla demo [--device cpu|cuda] [--model PATH] [--kv-cache-dtype auto|fp8] [--speculate K]``
     Builds the tiny DeepSeek V3 (or loads PATH), generates for a handful of prompts of different lengths
@@ -92,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated token ids; repeat for a batch")  # fmt: skip
     g.add_argument("--max-new-tokens", type=_positive, required=True, metavar="N")
     g.add_argument("--json", action="store_true", help="print the generated ids as JSON on the last line")
+    g.add_argument("--dcp", type=_positive, default=None, metavar="N",
+                   help="decode context parallelism: the KV cache sharded over N ranks (N local processes, "
+                   "or the processes of torchrun --nproc-per-node N); gloo on cpu, NCCL on cuda")  # fmt: skip
+    g.add_argument("--dcp-interleave", type=_positive, default=1, metavar="I", help="DCP tokens per rank in turn")
     d = sub.add_parser("demo", help="generate with the tiny DeepSeek V3 and check against transformers")
     _add_common(d, 2)
     d.add_argument("--max-new-tokens", type=_positive, default=24, metavar="N")
@@ -126,13 +132,33 @@ def _make_engine(args, prompts: list[list[int]], max_new_tokens: int, *, record:
         max_model_len=max_model_len,
         num_spec_tokens=args.speculate,
     )
+    if getattr(args, "dcp", None) is not None:  # inside a DCP rank (see _cmd_generate)
+        from openmla.parallel.engine import dcp_engine
+
+        return dcp_engine(model, cfg, interleave=args.dcp_interleave), sd, dtype
     return LLMEngine(model, cfg), sd, dtype
 
 
 def _cmd_generate(args) -> int:
+    rank = 0
+    if args.dcp is not None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # start the ranks; each comes back here with its process group
+            from openmla.parallel.launch import run_ranks
+
+            return run_ranks(_cmd_generate, args, args.dcp)
+        rank = dist.get_rank()
     prompts = args.prompt_ids
     engine, _, _ = _make_engine(args, prompts, args.max_new_tokens)
     outs = engine.generate(prompts, args.max_new_tokens)
+    if args.dcp is not None:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, outs)
+        if any(o != outs for o in every):
+            raise RuntimeError(f"DCP ranks generated different tokens: {every}")
+        if rank:
+            return 0
     for i, (p, o) in enumerate(zip(prompts, outs)):
         print(f"prompt {i} ({len(p)} tokens) -> {' '.join(map(str, o))}")
     st = engine.stats
