@@ -5,7 +5,8 @@ A shape spec is space-separated fields: ``decode b<batch> s<keys> [q<qlen>] [h<h
 of s keys whose last t are queries, ``max_query_len=t``). Defaults: h64 d128 k2048, fp8 cache (block-split, 64-token
 blocks, scattered over a shuffled block table) and an e4m3 q (vLLM's contract: q's per-head scale folded into the
 weights); ``qbf16`` scores a bf16 q against the fp8 cache, ``bf16`` keeps a bf16 cache (and q).
-An optional ``tile<block_n>x<split>x<warps>x<stages>`` times a scores tiling (``OPENMLA_INDEXER_TILING``).
+An optional ``tile<block_n>x<split>x<warps>x<stages>`` times a scores tiling (``OPENMLA_INDEXER_TILING``), and
+``ttile<block>x<warps>`` a top-k tiling (``OPENMLA_INDEXER_TOPK_TILING``); tuning only.
 
 Each point gives four rows: ``indexer_logits`` (the scores pass; bytes = keys read once per request + q + weights
 + the fp32 logits written, so ``frac_bw`` is the fraction of the read bandwidth measured in the same run; FLOPs =
@@ -49,10 +50,13 @@ class IndexerShape:
     cache: str = "fp8"
     qdtype: str = "fp8"
     tile: tuple = ()
+    ttile: tuple = ()
 
     def __str__(self) -> str:
-        extra = (" qbf16" if self.qdtype == "bf16" and self.cache == "fp8" else "") + (
-            " tile" + "x".join(map(str, self.tile)) if self.tile else ""
+        extra = (
+            (" qbf16" if self.qdtype == "bf16" and self.cache == "fp8" else "")
+            + (" tile" + "x".join(map(str, self.tile)) if self.tile else "")
+            + (" ttile" + "x".join(map(str, self.ttile)) if self.ttile else "")
         )
         head = f"decode b{self.b} s{self.s} q{self.q}" if self.mode == "decode" else f"prefill t{self.t} s{self.s}"
         return f"{head} h{self.h} d{self.d} k{self.k} {self.cache}{extra}"
@@ -77,6 +81,10 @@ def parse(spec: str) -> IndexerShape:
                 f["cache"] = tok
             elif tok == "qbf16":
                 f["qdtype"] = "bf16"
+            elif tok.startswith("ttile"):
+                f["ttile"] = tuple(int(x) for x in tok[5:].split("x"))
+                if len(f["ttile"]) != 2:
+                    raise ValueError(tok)
             elif tok.startswith("tile"):
                 f["tile"] = tuple(int(x) for x in tok[4:].split("x"))
                 if len(f["tile"]) != 4:
@@ -127,13 +135,14 @@ def _inputs(shape: IndexerShape, dev):
 def run(shape: IndexerShape, ctx: BenchContext) -> list[dict]:
     """Time one point: the scores pass, the top-k pass (radix select and torch.topk) and the whole call."""
     dev = ctx.device
-    if shape.tile:
-        os.environ["OPENMLA_INDEXER_TILING"] = ",".join(map(str, shape.tile))
+    env = {"OPENMLA_INDEXER_TILING": shape.tile, "OPENMLA_INDEXER_TOPK_TILING": shape.ttile}
+    env = {k: ",".join(map(str, v)) for k, v in env.items() if v}
+    os.environ.update(env)
     try:
         return _run(shape, ctx, dev)
     finally:
-        if shape.tile:
-            del os.environ["OPENMLA_INDEXER_TILING"]
+        for k in env:
+            del os.environ[k]
 
 
 def _run(shape: IndexerShape, ctx: BenchContext, dev) -> list[dict]:
@@ -141,7 +150,7 @@ def _run(shape: IndexerShape, ctx: BenchContext, dev) -> list[dict]:
     q = args[0]
     T, H, D = q.shape
     S, K = shape.s, shape.k
-    mql = shape.t if shape.mode == "prefill" else None
+    mql = shape.qlen  # the engine knows it: verify rows share a dot, prefill rows spread over programs
     kw = dict(cache_dtype=cache_dtype, max_query_len=mql, validate=False)
     logits = torch.empty(T, args[3].shape[1] * BLOCK, dtype=torch.float32, device=dev)
     idx = torch.empty(T, K, dtype=torch.int32, device=dev)

@@ -50,13 +50,15 @@ _Q_DTYPES = _AUTO_DTYPES + (torch.float8_e4m3fn,)
 _BLOCK_N = 64
 _KEY_SPLIT = 1024
 _NUM_WARPS = 4
-_NUM_STAGES = 3
+_NUM_STAGES = 4  # offline sm90 compile: 3 key tiles in flight, 33 KB shared, 111 registers (4 programs an SM)
 _MAX_ROWS = 128  # query rows x heads per tl.dot (its N side)
 _QUERY_SPLIT = 128  # query rows per program when max_query_len is given (prefill parallelism)
 _WRITE_TOKENS = 16  # tokens per program of the cache writer
-# Top-k pass: logits per chunk of the row scan, warps per row program.
-_TOPK_BLOCK = 1024
-_TOPK_WARPS = 8
+# Top-k pass: logits per chunk of the row scan (one program per row; a big chunk keeps 32 KB of loads in flight,
+# the row's passes being sequential), warps per row program. OPENMLA_INDEXER_TOPK_TILING="block,num_warps".
+_TOPK_BLOCK = 8192
+_TOPK_WARPS = 16
+_TOPK_BLOCK_INTERPRET = 64  # CPU: tiny rows
 _TOPK_IMPLS = ("triton", "torch")
 
 
@@ -277,6 +279,8 @@ def _indexer_logits_fwd_kernel(
     Q_PER: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
+    PAGE_ALIGNED: tl.constexpr,
+    MAX_PAGES: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -308,6 +312,13 @@ def _indexer_logits_fwd_kernel(
     o_j = tl.arange(0, Q_PER)
     o_n0 = tl.arange(0, BLOCK_N)
     p_bt = block_table + i_b.to(tl.int64) * stride_bt_b
+    if PAGE_ALIGNED:
+        # no tile crosses a page (BLOCK_N divides block_size): the split's block numbers are loaded before the
+        # key loop, one per tile inside it (a block-table load inside the loop kept the pipeline one tile deep)
+        o_pg = tl.arange(0, MAX_PAGES)
+        i_pg0 = n_lo // block_size
+        m_pg = (i_pg0 + o_pg < max_blocks) & ((i_pg0 + o_pg) * block_size < tl.minimum(n_hi, L))
+        b_pages = tl.load(p_bt + i_pg0 + o_pg, mask=m_pg, other=-1).to(tl.int64)
     for j0 in range(j_lo, j_hi, Q_PER):
         t_m = (q_start + j0 + o_mj).to(tl.int64)
         m_m = (j0 + o_mj < j_hi) & (o_mh < H)
@@ -325,12 +336,18 @@ def _indexer_logits_fwd_kernel(
         n_mid = n_lo + tl.cdiv(tl.maximum(vis_hi - n_lo, 0), BLOCK_N) * BLOCK_N
         for n0 in range(n_lo, n_mid, BLOCK_N):
             o_n = n0 + o_n0
-            i_pg = o_n // block_size
-            m_n = (o_n < vis_hi) & (i_pg < max_blocks)
-            blk = tl.load(p_bt + i_pg, mask=m_n, other=-1).to(tl.int64)
-            m_n = m_n & (blk >= 0) & (blk < num_blocks)  # an unchecked bad block scores -inf, never read
-            base = tl.where(m_n, blk * stride_c_b, 0)
             off = o_n % block_size
+            if PAGE_ALIGNED:
+                blk = tl.sum(tl.where(o_pg == n0 // block_size - i_pg0, b_pages, 0))
+                ok = (blk >= 0) & (blk < num_blocks)  # an unchecked bad block scores -inf, never read
+                m_n = (o_n < vis_hi) & ok
+                base = tl.where(ok, blk * stride_c_b, 0) + tl.zeros_like(o_n).to(tl.int64)
+            else:
+                i_pg = o_n // block_size
+                m_n = (o_n < vis_hi) & (i_pg < max_blocks)
+                blk = tl.load(p_bt + i_pg, mask=m_n, other=-1).to(tl.int64)
+                m_n = m_n & (blk >= 0) & (blk < num_blocks)  # an unchecked bad block scores -inf, never read
+                base = tl.where(m_n, blk * stride_c_b, 0)
             if FP8:
                 p_k = k_cache + base[:, None] + (off * D)[:, None] + o_d[None, :]
                 b_k = tl.load(p_k, mask=m_n[:, None] & m_d[None, :], other=0)
@@ -419,13 +436,17 @@ def _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_
         q_per = min(triton.next_power_of_2(max_query_len), _MAX_ROWS // BLOCK_H)
     n_q = 1 if max_query_len is None else triton.cdiv(max_query_len, _QUERY_SPLIT)
     compute, precision = _compute(q.dtype, k_cache.dtype)
+    block_size = k_cache.shape[1]
+    aligned = block_size % block_n == 0
+    pages = split // block_size if split % block_size == 0 else triton.cdiv(split, block_size) + 1
     grid = (B + 1, triton.cdiv(S, split), n_q)
     _indexer_logits_fwd_kernel[grid](
         q, weights, k_cache, _scale_view(k_cache, cache_dtype), block_table, seq_lens, query_start_loc, out, row_len,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         out.stride(0), T, B, H, k_cache.shape[0], block_table.shape[1], S, k_cache.shape[1], split,
         D=D, BLOCK_D=max(32, triton.next_power_of_2(D)), BLOCK_H=BLOCK_H, Q_PER=q_per, BLOCK_N=block_n,
-        FP8=cache_dtype == "fp8", COMPUTE=compute, DOT_PRECISION=precision, num_warps=warps, num_stages=stages,
+        FP8=cache_dtype == "fp8", PAGE_ALIGNED=aligned, MAX_PAGES=triton.next_power_of_2(pages), COMPUTE=compute,
+        DOT_PRECISION=precision, num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
@@ -528,22 +549,21 @@ def _indexer_topk_fwd_kernel(
         n_valid = 0
         n_scan = n
         for i_pass in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * i_pass
             b_hist = tl.zeros([256], dtype=tl.int32)
             for c0 in range(0, n_scan, BLOCK):
                 o = c0 + o_c
                 b_x = tl.load(p_row + o, mask=o < n, other=float("-inf"))
                 b_key = _order_key(b_x)
                 m = (b_x > float("-inf")) & ((b_key & hi_mask) == prefix)  # NaN and -inf never count
-                b_hist += tl.histogram(((b_key >> shift) & 0xFF).to(tl.int32), 256, mask=m)
+                b_hist += tl.histogram(((b_key >> (24 - 8 * i_pass)) & 0xFF).to(tl.int32), 256, mask=m)
             if i_pass == 0:
                 n_valid = tl.sum(b_hist, axis=0)
                 n_scan = tl.where(n_valid > K, n, 0)  # at most K valid: take them all, skip the other passes
             b_incl = tl.sum(b_hist, axis=0) - tl.cumsum(b_hist, axis=0) + b_hist  # keys in bins >= each bin
             i_bin = tl.max(tl.where(b_incl >= k_rem, o_bin, 0), axis=0)
             k_rem = k_rem - tl.sum(tl.where(o_bin > i_bin, b_hist, 0), axis=0)
-            prefix = prefix | (i_bin.to(tl.uint32) << shift)
-            hi_mask = hi_mask | (tl.full([], 0xFF, tl.uint32) << shift)
+            prefix = prefix | (i_bin.to(tl.uint32) << (24 - 8 * i_pass))
+            hi_mask = hi_mask | (tl.full([], 0xFF, tl.uint32) << (24 - 8 * i_pass))
         take_all = n_valid <= K
         thr_key = tl.where(take_all, tl.zeros([], dtype=tl.uint32), prefix)
         n_eq = tl.where(take_all, K, k_rem)
@@ -576,8 +596,19 @@ def _indexer_topk_fwd_kernel(
         tl.store(p_out + o, tl.full([BLOCK], -1, dtype=tl.int32), mask=o < K)
 
 
+def _topk_tiling() -> tuple[int, int]:
+    env = os.environ.get("OPENMLA_INDEXER_TOPK_TILING")
+    if not env:
+        return (_TOPK_BLOCK_INTERPRET if INTERPRET else _TOPK_BLOCK), _TOPK_WARPS
+    block, warps = (int(v) for v in env.split(","))
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"OPENMLA_INDEXER_TOPK_TILING: block must be a power of two >= 16; got {env!r}")
+    return block, warps
+
+
 def _topk_fwd(logits, row_len, topk, out, impl):
     T, S = logits.shape
+    block, warps = _topk_tiling()
     radix = impl == "triton"
     if radix:
         thr = logits
@@ -588,7 +619,7 @@ def _topk_fwd(logits, row_len, topk, out, impl):
         thr = torch.topk(finite, topk, dim=1, sorted=False).values.amin(dim=1)
     _indexer_topk_fwd_kernel[(T,)](
         logits, row_len if row_len is not None else logits, thr, out, logits.stride(0), out.stride(0), S, topk,
-        BLOCK=_TOPK_BLOCK if not INTERPRET else 64, HAS_LEN=row_len is not None, RADIX=radix, num_warps=_TOPK_WARPS,
+        BLOCK=block, HAS_LEN=row_len is not None, RADIX=radix, num_warps=warps,
     )  # fmt: skip
     return out
 
