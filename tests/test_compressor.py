@@ -231,3 +231,42 @@ def test_compress_matches_transformers(kind, device):
                 torch.arange(L // ratio, dtype=torch.int32, device=device)[None], ratio=ratio, eps=cfg.rms_norm_eps,
                 kv_cache_dtype="auto")  # fmt: skip
     assert_close("compress_kv vs transformers", want, cache[:, 0], 2e-5, 2e-5, 1e-9)
+
+
+@pytest.mark.gpu
+def test_compress_decode_cuda_graph(device):
+    """Decode steps replayed from one CUDA graph (static inputs updated in place) give the reference entries."""
+    ratio, d, B = 4, 512, 3
+    s = _Setup([41, 38, 45], ratio, d, True, "fp8_v4", device)
+    s.table = _table(64, device)
+    n0 = [33, 30, 37]
+    s.step([(0, n) for n in n0])  # eager prefill
+    kv = torch.zeros(B, 2 * d, device=device)
+    sc = torch.zeros(B, 2 * d, device=device)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
+    seq = torch.tensor(n0, dtype=torch.int32, device=device)
+
+    def load(step):
+        for b in range(B):
+            kv[b], sc[b] = s.kv[b][n0[b] + step], s.score[b][n0[b] + step]
+        seq.copy_(torch.tensor([n + step + 1 for n in n0], dtype=torch.int32))
+
+    def fn():
+        compress_kv(kv, sc, s.state, s.slots, qsl, seq, s.weight, s.table, s.cache, s.block_table, ratio=ratio)
+
+    load(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles; a repeated step is idempotent
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for step in range(8):
+        load(step)
+        graph.replay()
+    torch.cuda.synchronize()
+    for b in range(B):
+        n = (n0[b] + 8) // ratio
+        assert_close(f"graph entries {b}", s.ref(b)[:n], s.entries(b)[:n], 1e-3, 2**-4, 1e-3)

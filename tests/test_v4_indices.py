@@ -138,3 +138,37 @@ def test_index_errors(device):
     with pytest.raises(ValueError, match="topk 9 exceeds"):
         combine_topk_swa_indices(torch.zeros(T, 4, dtype=torch.int32, device=device), qsl, seq, seq, window=4,
                                  ratio=4, topk=9, M=20, N=2)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_index_sets_cuda_graph(device):
+    """swa / csa / hca index sets captured once and replayed for a later decode step (buffers updated in place)."""
+    qsl, seq, table, T = _batch([1, 1, 1], [40, 6, 130], 16, device, pad_tokens=1)
+    topk = torch.randint(-1, 40, (T, 8), device=device, dtype=torch.int32)
+    bufs = {k: (torch.empty(T, w, dtype=torch.int32, device=device), torch.empty(T, dtype=torch.int32, device=device))
+            for k, w in (("swa", 16), ("csa", 8), ("hca", 64))}  # fmt: skip
+
+    def fn():
+        swa_indices(qsl, seq, table, block_size=16, window=16, num_tokens=T, out_indices=bufs["swa"][0],
+                    out_lens=bufs["swa"][1])  # fmt: skip
+        csa_topk_indices(topk, qsl, seq, table, block_size=4, ratio=4, out_indices=bufs["csa"][0],
+                         out_lens=bufs["csa"][1])  # fmt: skip
+        hca_indices(qsl, seq, table, block_size=4, ratio=4, width=64, num_tokens=T, out_indices=bufs["hca"][0],
+                    out_lens=bufs["hca"][1])  # fmt: skip
+
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    seq += 3  # a later step: every request three tokens longer
+    topk.random_(-1, 40)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = {
+        "swa": swa_indices_ref(qsl, seq, table, 16, 16, T),
+        "csa": csa_topk_global_ref(topk, qsl, seq, table, 4, 4),
+        "hca": hca_indices_ref(qsl, seq, table, 4, 4, 64, T),
+    }
+    for k, (ref_i, ref_l) in want.items():
+        assert torch.equal(bufs[k][1].cpu(), ref_l), k
+        assert torch.equal(bufs[k][0].cpu(), ref_i), k
