@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: environment, `openmla bench`, then the GPU test set. Logs and bench output go to $OUT (or ./out).
-# usage: bash benchmarks/gpu_run.sh [bench|tests|all] [pytest args...]   (e.g. tests -n 8 tests/test_decode_gluon.py)
+# usage: bash benchmarks/gpu_run.sh [bench|tests|all|ab] [pytest args...]   (tests -n 8 tests/test_decode_gluon.py)
+#   ab: .old/'s openmla (benchmarks/prepare_old.sh REV, carried) with --label before, then this tree's with --label
+#   after, the same $BENCH_ARGS (default "--family decode"), and the two compared point by point
 #   bench: `openmla bench` with $BENCH_ARGS (e.g. BENCH_ARGS="--quick" or "--family decode --label after"; shape
 #   specs hold spaces: run `python3 -m openmla bench --shapes ...` directly for those);
 #   FlashMLA is timed beside it when importable (../shared/peers/README.md: the .peers folder)
@@ -15,8 +17,21 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "$what" = bench ] || [ "$what" = all ]; then
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
-  timeout "${BENCH_TIMEOUT:-$([ "$what" = all ] && echo 300 || echo 540)}" python3 -m openmla bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  bt=${BENCH_TIMEOUT:-$([ "$what" = all ] && echo 300 || echo 540)}
+  timeout "$bt" python3 -m openmla bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests_gpu.log" | tail -40
+fi
+if [ "$what" = ab ]; then
+  [ -d .old/openmla ] || { echo "no .old/openmla: run 'bash benchmarks/prepare_old.sh REV' and carry .old" >&2; exit 2; }
+  out=$(cd "$OUT" && pwd); peers=""; [ -d .peers/flash_mla ] && peers="$PWD/.peers"
+  ab_args=${BENCH_ARGS:---family decode}
+  # shellcheck disable=SC2086
+  (cd .old && PYTHONPATH="$PWD${peers:+:$peers}" timeout "${BENCH_TIMEOUT:-270}" python3 -m openmla.bench \
+    --out "$out" --label "before-$(cat REV 2>/dev/null || echo old)" $ab_args 2>&1 | tee "$out/bench_before.log")
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT:-270}" python3 -m openmla.bench --out "$out" --label after $ab_args 2>&1 \
+    | tee "$out/bench_after.log"
+  python3 -m openmla.bench.compare "$out"/bench-before-*.csv "$out/bench-after.csv" 2>&1 | tee "$out/compare.txt"
 fi

@@ -231,3 +231,24 @@ def test_compare_two_runs(tmp_path, capsys):
     assert [(r["shape"], r["speedup"], r["peer_drift"]) for r in got] == [("h1", 2.0, 1.1), ("h2", 2.0, None)]
     assert compare.main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]) == 0
     assert "2.000x" in capsys.readouterr().out
+
+
+def test_default_families_skip_what_cannot_run(monkeypatch, capsys):
+    """Without --family: a family that does not import (an older checkout) or lacks the preset is skipped, said;
+    named with --family it is an error."""
+    from openmla.bench.cli import _plan
+
+    lean = types.ModuleType("lean_family")
+    lean.OP, lean.PRESETS, lean.parse = "lean", {"default": ["x"]}, str
+    monkeypatch.setitem(sys.modules, "lean_family", lean)
+    monkeypatch.setattr(bench, "FAMILIES", {"decode": bench.FAMILIES["decode"], "ghost": "no_such_module_xyz",
+                                            "lean": "lean_family"})  # fmt: skip
+    monkeypatch.setattr("openmla.bench.cli.FAMILIES", bench.FAMILIES)
+    args = types.SimpleNamespace(family=None, shapes="tiny", quick=False)
+    assert list(_plan(args, torch.device("cpu"))) == ["decode"]
+    out = capsys.readouterr().out
+    assert "family ghost skipped" in out and "family lean skipped" in out
+    with pytest.raises(ValueError, match="ghost"):
+        _plan(types.SimpleNamespace(family="ghost", shapes="tiny", quick=False), torch.device("cpu"))
+    with pytest.raises(ValueError, match="lean"):
+        _plan(types.SimpleNamespace(family="decode,lean", shapes="tiny", quick=False), torch.device("cpu"))

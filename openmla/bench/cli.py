@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
 import time
 import traceback
@@ -26,7 +27,7 @@ __all__ = ["add_arguments", "main", "run"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``openmla bench`` on parser ``p``."""
-    p.add_argument("--family", default=",".join(FAMILIES), help=f"comma-separated families ({', '.join(FAMILIES)})")
+    p.add_argument("--family", default=None, help=f"comma-separated families (default: all of {', '.join(FAMILIES)})")
     p.add_argument("--shapes", default=None, metavar="PRESET|SPECS",
                    help="preset (default, quick, full, tiny) or ';'-separated specs, e.g. 'h128 b128 s8192 q2 fp8' "
                         "(default: 'default' on a GPU, 'tiny' on the CPU)")  # fmt: skip
@@ -41,14 +42,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(args, device) -> dict[str, list]:
-    """``{family: [shape, ...]}`` from ``--family`` / ``--shapes`` (ValueError on bad input)."""
-    fams = [f.strip() for f in args.family.split(",") if f.strip()]
-    mods = {f: load_family(f) for f in fams}
+    """``{family: [shape, ...]}`` from ``--family`` / ``--shapes`` (ValueError on bad input). Without ``--family``
+    every registered family runs that imports (an older checkout may lack a family's API) and has the preset."""
+    explicit = args.family is not None
+    fams = [f.strip() for f in args.family.split(",") if f.strip()] if explicit else list(FAMILIES)
+    mods = {}
+    for f in fams:
+        try:
+            mods[f] = load_family(f)
+        except ImportError as exc:
+            if explicit:
+                raise ValueError(f"family {f} does not import: {exc}") from None
+            print(f"# family {f} skipped: it does not import here ({type(exc).__name__}: {exc})")
+    fams = list(mods)
     preset = args.shapes or ("tiny" if device.type != "cuda" else "quick" if args.quick else "default")
-    if all(preset in m.PRESETS for m in mods.values()):
-        return {f: [m.parse(s) for s in m.PRESETS[preset]] for f, m in mods.items()}
-    if ";" not in preset and ":" not in preset and not any(c.isdigit() for c in preset):
-        raise ValueError(f"unknown preset {preset!r} for {', '.join(f for f in fams if preset not in mods[f].PRESETS)}")
+    if any(preset in m.PRESETS for m in mods.values()) or re.fullmatch(r"[A-Za-z_-]+", preset):
+        missing = [f for f, m in mods.items() if preset not in m.PRESETS]
+        if len(missing) == len(mods) or (explicit and missing):
+            raise ValueError(f"unknown preset {preset!r} for {', '.join(missing)}")
+        for f in missing:
+            print(f"# family {f} skipped: it has no preset {preset!r}")
+        return {f: [m.parse(s) for s in m.PRESETS[preset]] for f, m in mods.items() if f not in missing}
     out: dict[str, list] = {}
     for spec in (s.strip() for s in preset.split(";")):
         if not spec:
@@ -84,7 +98,11 @@ def run(args) -> int:
 
     if args.list:
         for name in FAMILIES:
-            mod = load_family(name)
+            try:
+                mod = load_family(name)
+            except ImportError as exc:
+                print(f"{name}: does not import here ({exc})")
+                continue
             print(f"{name} ({mod.OP}): " + "; ".join(f"{k} ({len(v)})" for k, v in mod.PRESETS.items()))
             for k, v in mod.PRESETS.items():
                 if k != "full":
