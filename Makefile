@@ -6,8 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 # Files that follow `ruff format` (checked by `make lint`; the rest of the tree keeps its hand wrapping for now).
-FORMATTED := openmla/bench tests/test_bench.py benchmarks/bench_decode.py benchmarks/bench_prefill.py \
-	benchmarks/experiments/problems.py
+FORMATTED := openmla/bench tests/test_bench.py benchmarks/bench_decode.py benchmarks/bench_prefill.py
 
 .PHONY: demo test test-gpu lint bench clean
 

@@ -132,26 +132,6 @@ def test_tma_tiles(heads, qlens, causal, dtype, device):
     assert torch.equal(out_bad[: rows.start], out[: rows.start])  # other requests are untouched
 
 
-def test_pdl_reduce(device, monkeypatch):
-    # the reduce launched with programmatic dependent launch (opt-in) waits for the split kernel's writes,
-    # eagerly and replayed from a CUDA graph
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
-        pytest.skip("programmatic dependent launch needs sm90+")
-    import openmla.ops.decode as decode_mod
-
-    monkeypatch.setattr(decode_mod, "_PDL", True)
-    q, cache, bt, sl, qsl = _batch(device, 16, [1, 2, 1], [20000, 5000, 9000], 64, torch.bfloat16)
-    plan = openmla.plan_decode(sl, qsl, 16)
-    assert int(plan.num_splits.max()) > 1
-    out, lse = _check(q, cache, bt, sl, qsl, True, torch.bfloat16, plan=plan)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, plan=plan)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
-
-
 def test_plan_reuse_and_out_buffers(device):
     lens = pick([50, 3, 0, 9], [5000, 3, 0, 20000])
     qlens = [2, 1, 2, 2]
@@ -292,11 +272,12 @@ def test_reduce_task_sizes(programs_per_sm, heads, device, monkeypatch):
     # few reduce programs: tasks grow to whole rows and several heads (the last head block partly past H),
     # and each program loops over several tasks; a mix of merged and single-split requests
     import openmla.ops.decode as decode_mod
-
     import openmla.ops.plan as plan_mod
 
     monkeypatch.setattr(decode_mod, "_REDUCE_PROGRAMS_PER_SM", programs_per_sm)
-    monkeypatch.setattr(plan_mod, "_MIN_SPLIT_ENV", pick("64", None))  # tiny CPU requests still split
+    if not on_gpu():  # tiny CPU requests still split
+        monkeypatch.setattr(plan_mod, "_MIN_SPLIT", 64)
+        monkeypatch.setattr(plan_mod, "_MIN_SPLIT_64_ROWS", 64)
     lens = pick([300, 5, 260, 0, 140], [20000, 70, 9000, 0, 33000])
     q, cache, bt, sl, qsl = _batch(device, heads, [1, 2, 3, 1, 2], lens, 64, torch.bfloat16)
     plan = openmla.plan_decode(sl, qsl, heads, num_sms=pick(8, 16))
@@ -312,10 +293,11 @@ def test_reduce_wide_steps(device, monkeypatch):
     # one-head reduce tasks take up to 64 splits per step of the split loop (one step for all the splits of a
     # request), masked past each request's split count; head-block tasks stay at 2048 elements per step
     import openmla.ops.decode as decode_mod
-
     import openmla.ops.plan as plan_mod
 
-    monkeypatch.setattr(plan_mod, "_MIN_SPLIT_ENV", pick("64", None))
+    if not on_gpu():
+        monkeypatch.setattr(plan_mod, "_MIN_SPLIT", 64)
+        monkeypatch.setattr(plan_mod, "_MIN_SPLIT_64_ROWS", 64)
     lens = pick([700, 5, 260], [30000, 70, 9000])
     q, cache, bt, sl, qsl = _batch(device, 4, [1, 2, 1], lens, 64, torch.bfloat16)
     plan = openmla.plan_decode(sl, qsl, 4, num_sms=pick(16, 132))
@@ -332,32 +314,17 @@ def test_reduce_wide_steps(device, monkeypatch):
     assert block_hb > 1 and block_s == max(2, 2048 // (block_hb * block_d)), (block_hb, block_d, block_s)
 
 
-def test_gluon_variant_env(device, monkeypatch):
+def test_gluon_variant():
     from openmla.ops.decode import _gluon_variant
-    from openmla.ops.decode_gluon import SEESAW_VARIANTS
 
-    for env in (None, "auto"):  # auto: seesaw-pair-eltm once 2+ programs of 64 rows read each KV tile
-        if env is None:
-            monkeypatch.delenv("OPENMLA_DECODE_GLUON_VARIANT", raising=False)
-        else:
-            monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", env)
-        # (kv dtype, heads, max query len, batch, SMs); pair-el also needs a wave of such programs (batch x readers)
-        assert _gluon_variant("auto", 128, 1, 128, 132) == "seesaw-pair-eltm"
-        assert _gluon_variant("auto", 128, 2, 128, 132) == "seesaw-pair-eltm"
-        assert _gluon_variant("auto", 128, 1, 1, 132) == "seesaw"  # batch 1: short splits, seesaw measured faster
-        assert _gluon_variant("auto", 128, 1, 65, 132) == "seesaw"  # under one wave of programs
-        assert _gluon_variant("auto", 64, 1, 128, 132) == "seesaw"  # one reader per tile
-        assert _gluon_variant("auto", 64, 2, 128, 132) == "seesaw-pair-eltm"
-        assert _gluon_variant("auto", 16, 4, 128, 132) == "seesaw"
-        assert _gluon_variant("auto", 32, 1, 128, 132) == "seesaw"
-        assert _gluon_variant("fp8", 128, 2, 128, 132) == "ws"
-    for variant in ("ws", *SEESAW_VARIANTS):  # forced
-        monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", variant)
-        assert _gluon_variant("auto", 128, 2, 128, 132) == variant and _gluon_variant("fp8", 128, 2, 128, 132) == "ws"
-    monkeypatch.setenv("OPENMLA_DECODE_GLUON_VARIANT", "fast")
-    q = torch.zeros(1, 16, 576, dtype=torch.bfloat16, device=device)
-    cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16, device=device)
-    one = torch.ones(1, dtype=torch.int32, device=device)
-    qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="OPENMLA_DECODE_GLUON_VARIANT"):
-        openmla.mla_decode(q, cache, one.view(1, 1) * 0, one, qsl, 0.1)
+    # (kv dtype, heads, max query len, batch, SMs): the pair kernel once 2+ programs of 64 rows read each KV tile
+    # and the batch fills a wave of them
+    assert _gluon_variant("auto", 128, 1, 128, 132) == "pair"
+    assert _gluon_variant("auto", 128, 2, 128, 132) == "pair"
+    assert _gluon_variant("auto", 128, 1, 1, 132) == "seesaw"  # batch 1: short splits, seesaw measured faster
+    assert _gluon_variant("auto", 128, 1, 65, 132) == "seesaw"  # under one wave of programs
+    assert _gluon_variant("auto", 64, 1, 128, 132) == "seesaw"  # one reader per tile
+    assert _gluon_variant("auto", 64, 2, 128, 132) == "pair"
+    assert _gluon_variant("auto", 16, 4, 128, 132) == "seesaw"
+    assert _gluon_variant("auto", 32, 1, 128, 132) == "seesaw"
+    assert _gluon_variant("fp8", 128, 2, 128, 132) == "ws"

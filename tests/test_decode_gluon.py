@@ -48,17 +48,15 @@ ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc
 report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     box = 32
-    if str(block_n).startswith("seesaw"):  # "seesaw[-pair[-nb|-r|-ea|-es|-el|-elt]][+box64][+spans]"
+    seesaw = str(block_n).split("+")[0] in ("seesaw", "pair")
+    if seesaw:  # "seesaw|pair[+box64][+spans[+staged]]"
         fn = gs._mla_decode_gluon_seesaw_kernel
         name, *opts = block_n.split("+")
         box = 64 if "box64" in opts else 32
+        spans = "spans" in opts
         cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=64 // block_h, CAUSAL=causal,
-                    WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name.startswith("seesaw-pair"),
-                    NAMED=name.endswith("-nb"), R_FIRST=name.endswith("-r"),
-                    EARLY={"ea": 1, "es": 2, "el": 3, "elt": 3, "eltm": 3}.get(name.split("-")[-1], 0),
-                    SPANS="spans" in opts,
-                    OPAQUE=stages != "const", OUT_TMA=name[-4:] == "-elt" or name.endswith("-eltm"),
-                    MERGE_TMA=name.endswith("-eltm"), TRACE=False, trace=None, num_warps=4)
+                    WG_REGS=g.SEESAW_WG_REGS, N_HB=2, N_QB=1, PAIR=name == "pair", SPANS=spans,
+                    OUT_TMA=spans and "staged" not in opts, MERGE_TMA=spans, num_warps=4)
         for desc, flag in (("out_desc", "OUT_TMA"), ("part_desc", "MERGE_TMA")):
             if not cons[flag]:
                 cons[desc] = None
@@ -70,16 +68,16 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     for i, name in enumerate(fn.arg_names):
         if name in cons:
             sig[name] = "constexpr"
-        elif name == "lat_desc":  # the seesaw kernel copies half a latent row per box
-            width = 256 if str(block_n).startswith("seesaw") else 512
+        elif name == "lat_desc":  # the seesaw kernels copy half a latent row per box
+            width = 256 if seesaw else 512
             bf16 = f"tensordesc<bf16[{box}, {width}],{nvmma(128, 16)}>"
             sig[name] = f"tensordesc<fp8e4nv[32, 512],{nvmma(128, 8)}>" if fp8 else bf16
         elif name == "rope_desc":
             bf16 = f"tensordesc<bf16[{box}, 64],{nvmma(128, 16)}>"
             sig[name] = f"tensordesc<fp8e4nv[32, 64],{nvmma(64, 8)}>" if fp8 else bf16
-        elif name == "out_desc":  # seesaw-pair-elt's final rows
+        elif name == "out_desc":  # the pair kernel's final rows on the spanning schedule
             sig[name] = f"tensordesc<bf16[{block_h}, 256],{nvmma(128, 16)}>"
-        elif name == "part_desc":  # seesaw-pair-eltm's partials
+        elif name == "part_desc":  # the partials it merges
             sig[name] = f"tensordesc<fp32[{block_h}, 256],{nvmma(128, 32)}>"
         elif name in ptr:
             sig[name] = ptr[name]
@@ -116,46 +114,27 @@ def test_gluon_decode_compiles_for_sm90():
 
 @pytest.mark.skipif(not dg.GLUON_AVAILABLE, reason="triton.experimental.gluon is not installed")
 def test_gluon_seesaw_compiles_for_sm90():
-    # the seesaw variants compile with wgmma + TMA, two 4-warp partitions, fit the shared memory and do
-    # not spill: their stage and Q-chunk indices are a runtime 0 per iteration ("opaque"). With compile-time
-    # indices ("seesaw-const") every operand descriptor is computed before the loop and kept live: it spills.
-    # seesaw-pair / seesaw-pair-nb: the pair kernel with mbarrier / named-barrier handoffs; the named barriers take
-    # away the partition-wide barrier before (and the one the compiler adds after) each handoff's arrive.
-    # seesaw-pair-r: warpgroup 1 in FlashMLA's order; seesaw-pair-ea: each P out at its own row max, block ids
-    # looked up a pair ahead; seesaw-pair-es: the scale folded into the exponent; seesaw-pair-el: lazy row max.
-    # "+box64": one 64-row TMA box per tile (box_rows=64). seesaw-pair-elt: final rows by TMA (spans only).
-    reports = _compile_report([["seesaw", "opaque", True, 16, False], ["seesaw", "opaque", False, 64, False],
-                               ["seesaw", "const", False, 64, False], ["seesaw-pair", "opaque", True, 16, False],
-                               ["seesaw-pair", "opaque", False, 64, False],
-                               ["seesaw-pair-nb", "opaque", False, 64, False],
-                               ["seesaw-pair-r", "opaque", True, 16, False],
-                               ["seesaw+box64", "opaque", False, 64, False],
-                               ["seesaw-pair+box64", "opaque", True, 16, False],
-                               ["seesaw-pair-ea+box64", "opaque", False, 64, False],
-                               ["seesaw-pair-ea", "opaque", True, 16, False],
-                               ["seesaw-pair-es+box64", "opaque", False, 64, False],
-                               ["seesaw-pair-es", "opaque", True, 16, False],
-                               ["seesaw-pair-el+box64", "opaque", False, 64, False],
-                               ["seesaw-pair-el", "opaque", True, 16, False],
-                               ["seesaw-pair-el+box64+spans", "opaque", False, 64, False],
-                               ["seesaw-pair-elt+box64+spans", "opaque", True, 32, False],
-                               ["seesaw-pair-eltm+box64+spans", "opaque", True, 64, False]])  # fmt: skip
+    # the seesaw and pair kernels compile with wgmma + TMA, two 4-warp partitions, fit the shared memory and do
+    # not spill: their stage and Q-chunk indices are a runtime 0 per iteration. "+box64": one 64-row TMA box per
+    # tile (box_rows=64). "+spans": the request-spanning schedule, final rows by TMA ("+staged": through pointer
+    # stores, for rows that are not evenly strided), cut requests merged from partials copied by TMA.
+    reports = _compile_report([["seesaw", "", True, 16, False], ["seesaw", "", False, 64, False],
+                               ["seesaw+box64", "", False, 64, False], ["pair", "", True, 16, False],
+                               ["pair+box64", "", False, 64, False],
+                               ["pair+box64+spans", "", True, 64, False],
+                               ["pair+box64+spans+staged", "", True, 64, False]])  # fmt: skip
     for r in reports:
         assert r["wgmma"] > 0 and r["tma"] > 0 and r["regs"] <= 255, r
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, r
         assert r["num_warps"] == 8 and r["setmaxnreg"], r
-    spill_free = reports[:2] + reports[3:-3]
-    assert all(r["stack"] == 0 and r["local"] == 0 for r in spill_free), spill_free
+    assert all(r["stack"] == 0 and r["local"] == 0 for r in reports[:-2]), reports[:-2]
     # the request-spanning loop keeps a few item values in local memory between items (64 B a thread in Triton
-    # 3.6; the SASS of both pair loops has no local access, checked offline)
-    assert all(r["stack"] <= 128 for r in reports[-3:]), reports[-3:]
-    # seesaw-pair-elt: two [32, 256] output boxes a warpgroup (4 TMA stores each in the PTX, one a warp);
-    # seesaw-pair-eltm: plus the partials' copies for the merge
-    assert reports[-1]["tma"] > reports[-2]["tma"] > reports[-3]["tma"], reports[-3:]
-    assert reports[2]["stack"] > 0, "the compile-time-index variant no longer spills: the opaque index may be moot"
-    assert reports[5]["partition_barriers"] < reports[4]["partition_barriers"], reports[4:6]
+    # 3.6; the SASS of the pair loop has no local access, checked offline)
+    assert all(r["stack"] <= 128 for r in reports[-2:]), reports[-2:]
+    # final rows by TMA: two [32, 256] output boxes a warpgroup (4 TMA stores each in the PTX, one a warp)
+    assert reports[-2]["tma"] > reports[-1]["tma"], reports[-2:]
     # 64-row boxes: half the TMA copies of 32-row boxes (seesaw: 30 -> 15 in the PTX)
-    assert reports[7]["tma"] * 2 == reports[1]["tma"] and reports[8]["tma"] * 2 == reports[3]["tma"], reports
+    assert reports[2]["tma"] * 2 == reports[1]["tma"] and reports[4]["tma"] * 2 == reports[3]["tma"], reports
 
 
 def test_gluon_decode_unsupported_on_cpu():
@@ -186,10 +165,10 @@ def test_gluon_decode_unsupported_on_cpu():
     with pytest.raises(ValueError, match="16 bytes at a time"):  # q's rows are copied 16 bytes a thread
         q_odd = torch.zeros(1, 16, 584, dtype=torch.bfloat16)[..., :576]
         dg.mla_decode_split_gluon(q_odd, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512,
-                                  variant="seesaw-pair-ea")
-    with pytest.raises(ValueError, match="trace needs a seesaw-pair"):  # the cycle trace: pair kernels only
+                                  variant="pair")
+    with pytest.raises(ValueError, match="spans needs"):  # the request-spanning schedule: the pair kernel only
         dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512,
-                                  variant="seesaw", trace=torch.zeros(1, dtype=torch.int64))
+                                  variant="seesaw", spans=object())
 
 
 def test_gluon_q_copyable():
@@ -221,20 +200,20 @@ def _gpu_test(fn):
 
 
 VARIANTS = [
-    {"block_n": 64, "stages": 2},  # the default: warp-specialised (TMA producer warp)
+    {"block_n": 64, "stages": 2},  # warp-specialised (TMA producer warp): fp8 caches
     {"block_n": 32, "stages": 3},
-    # two warpgroup partitions, alternate 64-key tiles, P over the rope columns
-    *({"variant": v} for v in dg.SEESAW_VARIANTS),
+    # two warpgroup partitions: alternate 64-key tiles ("seesaw"), or pairs of tiles in FlashMLA's order ("pair")
+    {"variant": "seesaw"},
+    {"variant": "pair"},
     # (these pick one 64-row TMA box per 64-key tile where pages and splits are multiples of 64, as every plan
     # here at page 64; two 32-row boxes at page 32 or on forced 32-token tilings); two 32-row boxes forced:
     {"variant": "seesaw", "box_rows": 32},
-    {"variant": "seesaw-pair-r", "box_rows": 32},
+    {"variant": "pair", "box_rows": 32},
 ]
-KERNEL_KW = {"ws": {}, "ws-n32": {"block_n": 32, "stages": 3}, "fp8": {}}
-KERNEL_KW.update({v: {"variant": v} for v in dg.SEESAW_VARIANTS})
-KERNEL_KW.update({"seesaw+box32": {"variant": "seesaw", "box_rows": 32},
-                  "seesaw-pair-r+box32": {"variant": "seesaw-pair-r", "box_rows": 32}})
-SEESAW_KERNELS = [k for k in KERNEL_KW if k.startswith("seesaw")]
+KERNEL_KW = {"ws": {}, "ws-n32": {"block_n": 32, "stages": 3}, "fp8": {}, "seesaw": {"variant": "seesaw"},
+             "pair": {"variant": "pair"}, "seesaw+box32": {"variant": "seesaw", "box_rows": 32},
+             "pair+box32": {"variant": "pair", "box_rows": 32}}
+SEESAW_KERNELS = ["seesaw", "pair", "seesaw+box32", "pair+box32"]
 
 
 def _variant_id(i):
@@ -336,12 +315,18 @@ def test_gluon_decode_splits(num_sms, variant, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "ws-n32", *dg.SEESAW_VARIANTS, "fp8"])  # (32-row boxes: 32-token splits)
+@pytest.mark.parametrize("kernel", ["ws", "ws-n32", "seesaw", "pair", "fp8"])  # (32-row boxes: 32-token splits)
 def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
     # splits of 32-token granularity start at multiples of 32 that are not multiples of the 64-token page:
     # a 64-key tile is then two boxes on two pages, and a split's last tile can be half empty. The GPU
     # planner's own tiles are 64 tokens for bf16 at these rows (32 for fp8), so the tiling is forced.
-    monkeypatch.setenv("OPENMLA_DECODE_TILING", "32,4,2")
+    import dataclasses
+
+    from openmla.ops import plan as plan_mod
+
+    tiling = plan_mod.choose_tiling
+    monkeypatch.setattr(plan_mod, "choose_tiling", lambda *a, **kw: dataclasses.replace(
+        tiling(*a, **kw), block_n=32, num_warps=4, num_stages=2))  # fmt: skip
     fp8 = kernel == "fp8"
     kv_dtype = "fp8" if fp8 else "auto"
     lens = [30001, 9001, 12345]
@@ -399,11 +384,11 @@ def test_gluon_decode_empty_rows(kernel, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("variant", ["seesaw-pair-ea", "seesaw-pair-es", "seesaw-pair-el", "seesaw"])
+@pytest.mark.parametrize("variant", ["pair", "seesaw"])
 @pytest.mark.parametrize("q_gain", [1.0, 40.0, 0.01])
 def test_gluon_pair_score_jumps(variant, q_gain, device):
     # large scores (q x 40: the row max jumps by tens of units in log2 from tile to tile), ordinary ones and tiny ones
-    # (q x 0.01: seesaw-pair-el's reference max never moves after the first tile, so no warp rescales),
+    # (q x 0.01: the pair kernel's lazy reference max never moves after the first tile, so no warp rescales),
     # causal and not, a split request, an empty one
     lens = [8191, 3000, 0, 129, 12345]
     q, cache, bt, sl, qsl = _batch(device, 128, [1, 2, 1, 1, 1], lens, 64)
@@ -413,11 +398,10 @@ def test_gluon_pair_score_jumps(variant, q_gain, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("variant,mode", [(v, "cut") for v in dg.SPAN_VARIANTS]
-                         + [("seesaw-pair-el", "snap"), ("seesaw-pair-elt", "snap"), ("seesaw-pair-eltm", "snap")])
+@pytest.mark.parametrize("mode", ["cut", "snap"])
 @pytest.mark.parametrize("num_sms", [8, 30, 132])
 @pytest.mark.parametrize("heads,qlen", [(128, "1"), (128, "2"), (64, "varlen"), (16, "4")])
-def test_gluon_decode_spans(heads, qlen, num_sms, variant, mode, device):
+def test_gluon_decode_spans(heads, qlen, num_sms, mode, device):
     # the request-spanning schedule: each program loops over its group's items, last to first (the mbarrier phases
     # run on across them); "cut": requests cut into pieces (up to 27 here), which the kernel merges through
     # partials and flags; "snap": whole requests. A request without keys, tails inside pages, block ids past the
@@ -425,7 +409,7 @@ def test_gluon_decode_spans(heads, qlen, num_sms, variant, mode, device):
     lens = [4096, 0, 3, 8191, 1000, 33, 2048, 17, 129, 12345]
     q, cache, bt, sl, qsl = _batch(device, heads, _qlens(qlen, len(lens)), lens, 64, bad_tail=True)
     for causal in (True, False):
-        _, _, spans = _check(q, cache, bt, sl, qsl, causal, num_sms=num_sms, spans=mode, variant=variant)
+        _, _, spans = _check(q, cache, bt, sl, qsl, causal, num_sms=num_sms, spans=mode, variant="pair")
         assert int(spans.flags.abs().sum()) == 0, "a flag was not reset"
     if mode == "snap":
         assert int(spans.num_splits.max()) == 1
@@ -434,12 +418,12 @@ def test_gluon_decode_spans(heads, qlen, num_sms, variant, mode, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("variant,mode", [("seesaw-pair-elt", "snap"), ("seesaw-pair-eltm", "cut")])
+@pytest.mark.parametrize("mode", ["snap", "cut"])
 @pytest.mark.parametrize("view", ["padded", "token_major"])
-def test_gluon_elt_out_views(view, variant, mode, device):
-    # seesaw-pair-elt stores final rows by TMA where the rows of ``out`` are evenly strided (here padded to 1024
-    # elements) and falls back to the staged stores elsewhere (here heads strided apart from tokens); q-lengths 1-5.
-    # seesaw-pair-eltm in cut mode: the same two ways out after the merge of a cut request's pieces
+def test_gluon_pair_out_views(view, mode, device):
+    # the pair kernel on the spanning schedule stores final rows by TMA where the rows of ``out`` are evenly strided
+    # (here padded to 1024 elements) and falls back to the staged stores elsewhere (here heads strided apart from
+    # tokens); q-lengths 1-5. In cut mode: the same two ways out after the merge of a cut request's pieces
     from openmla.ops.plan_spans import plan_spans
 
     lens = [4096, 0, 3, 8191, 1000, 33, 2048, 17]
@@ -457,7 +441,7 @@ def test_gluon_elt_out_views(view, variant, mode, device):
     assert (int(sp.num_splits.max()) > 1) == (mode == "cut")
     lse = torch.empty(T, H, dtype=torch.float32, device=device)
     dg.mla_decode_split_gluon(q, cache, bt, sl, qsl, plan, out, lse, SCALE * LOG2E, 1.0, True, 512, spans=sp,
-                              variant=variant)  # fmt: skip
+                              variant="pair")  # fmt: skip
     assert int(sp.flags.abs().sum()) == 0, "a flag was not reset"
     ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True)
     assert_close("out", ref_out, out.float(), *TOLERANCES[torch.bfloat16])
@@ -469,7 +453,7 @@ def test_gluon_elt_out_views(view, variant, mode, device):
 @_gpu_test
 def test_mla_decode_spans(device):
     # mla_decode's default at h128 when the batch fills the SMs: the plan carries the request-spanning schedule
-    # (num_sms=8 here, so that a small batch fills them; a ragged batch, so requests are cut), seesaw-pair-el runs it
+    # (num_sms=8 here, so that a small batch fills them; a ragged batch, so requests are cut), the pair kernel runs it
     # and merges the cut requests; twice with the same plan (the flags reset themselves)
     lens = [3000, 0, 64, 8191, 5000, 77]
     q, cache, bt, sl, qsl = _batch(device, 128, [1, 1, 2, 1, 2, 1], lens, 64)
@@ -480,104 +464,6 @@ def test_mla_decode_spans(device):
         out, lse = openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, causal=True, plan=plan)
         assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
         assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
-
-
-# the points of each warpgroup in program order (the pair-e kernels' points 12-13 fall between 0 and 1)
-TRACE_ORDER = {"seesaw-pair-r": (list(range(13)), list(range(12))),
-               "seesaw-pair-ea": ([0, 12, 13, *range(1, 12)], list(range(12)))}
-TRACE_ORDER["seesaw-pair-es"] = TRACE_ORDER["seesaw-pair-el"] = TRACE_ORDER["seesaw-pair-ea"]
-
-
-@_gpu_test
-@pytest.mark.parametrize("variant,n_events",
-                         [("seesaw-pair-r", (13, 12)), ("seesaw-pair-ea", (14, 12)), ("seesaw-pair-es", (14, 12)),
-                          ("seesaw-pair-el", (14, 12))])
-def test_gluon_pair_trace(variant, n_events, device):
-    # the pair kernel's cycle trace: same results as untraced; each warpgroup's stamps of a traced pair rise in
-    # program order, pairs outside the traced window and untraced programs are left alone
-    from openmla.ops.decode_gluon_seesaw import TRACE_LO, TRACE_NE, TRACE_NP
-
-    np_, ne, lo = TRACE_NP.value, TRACE_NE.value, TRACE_LO.value
-    lens = [128 * (lo + np_ + 4), 128 * (lo + 3) + 5, 0]  # all traced pairs; 3 of them; none (the empty request)
-    q, cache, bt, sl, qsl = _batch(device, 128, [1, 1, 1], lens, 64)
-    plan = openmla.plan_decode(sl, qsl, 128, num_sms=132)
-    programs = plan.capacity * 2
-    trace = torch.zeros(programs * 2 * (np_ + 1) * ne, dtype=torch.int64, device=device)
-    ref_out, ref_lse = _gluon_decode(q, cache, bt, sl, qsl, True, variant=variant)[:2]
-    out, lse = _gluon_decode(q, cache, bt, sl, qsl, True, variant=variant, trace=trace)[:2]
-    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
-    assert_close("lse", ref_lse, lse, 1e-5, 1e-5, 1e-6)
-    t = trace.view(programs, 2, np_ + 1, ne).cpu()
-    items = plan.work_req[: plan.capacity].cpu().tolist()
-    splits = plan.work_split[: plan.capacity].cpu().tolist()
-    chunks = plan.split_len.cpu().tolist()
-    # n_events: _mark points per pair of warpgroup 0 / 1 (thread 0 of each stores its stamps)
-    for p in range(programs):
-        req = items[p // 2]
-        n_pairs = 0
-        if req >= 0:  # this program's key range (a split of its request)
-            kv_lo = splits[p // 2] * chunks[req]
-            n_pairs = -(-max(0, min(lens[req], kv_lo + chunks[req]) - kv_lo) // 128)
-        full = max(0, min(np_, n_pairs - 1 - lo))  # pairs before the last one: every point
-        for wg in (0, 1):
-            # no stamps past the pair points, and in the program's own row only events 0-4 and the nanosecond pair
-            assert int(t[p, wg, :np_, n_events[wg]:].abs().sum()) == 0
-            assert int(t[p, wg, np_, 5 : ne - 2].abs().sum()) == 0
-            for r in range(np_):
-                row = t[p, wg, r, TRACE_ORDER[variant][wg]]
-                if r < full:
-                    assert bool((row > 0).all()) and bool((row[1:] >= row[:-1]).all()), (p, wg, r, row)
-                elif lo + r == n_pairs - 1:  # the last pair: the points before its refills, then none
-                    k = int((row > 0).sum())
-                    assert 0 < k < n_events[wg] and bool((row[k:] == 0).all()), (p, wg, r, row)
-                    assert bool((row[1:k] >= row[: k - 1]).all()), (p, wg, r, row)
-                else:
-                    assert int(row.abs().sum()) == 0, (p, wg, r, row)
-            if req >= 0 and n_pairs > 0:  # the program's own stamps: start, Q stored, first scores, loop, end
-                prog = t[p, wg, np_, :5]
-                assert bool((prog > 0).all()) and bool((prog[1:] >= prog[:-1]).all()), (p, wg, prog)
-                ns = t[p, wg, np_, ne - 2 :]  # %globaltimer at the start and the end
-                assert 0 < int(ns[0]) <= int(ns[1]), (p, wg, ns)
-
-
-@_gpu_test
-def test_gluon_span_trace(device):
-    # the cycle trace on the spanning schedule (cut mode): one row per item; same results as untraced; each item's
-    # own stamps rise in program order (start, Q, first scores, loop, the _span_finish steps of its kind, end), its
-    # nanosecond stamps (events NE-2 / NE-1) bracket it, and each warpgroup's items follow each other in run order
-    from openmla.ops.decode_gluon_seesaw import TRACE_NE, TRACE_NP
-
-    np_, ne = TRACE_NP.value, TRACE_NE.value
-    lens = [4096, 0, 3000, 8191, 1000, 2048]
-    q, cache, bt, sl, qsl = _batch(device, 128, [1] * len(lens), lens, 64)
-    ref_out, ref_lse, sp = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=8, spans="cut",
-                                         variant="seesaw-pair-el")  # fmt: skip
-    trace = torch.zeros(sp.work_req.shape[0] * sp.readers * 2 * (np_ + 1) * ne, dtype=torch.int64, device=device)
-    out, lse, sp = _gluon_decode(q, cache, bt, sl, qsl, True, num_sms=8, spans="cut", variant="seesaw-pair-el",
-                                 trace=trace)  # fmt: skip
-    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
-    assert_close("lse", ref_lse, lse, 1e-5, 1e-5, 1e-6)
-    t = trace.view(sp.work_req.shape[0], sp.readers, 2, np_ + 1, ne)[:, :, :, np_, :].cpu()
-    req, ptr = sp.work_req.cpu().tolist(), sp.work_indptr.cpu().tolist()
-    g_ptr = sp.group_indptr.cpu().tolist()
-    n_pieces = 0
-    for g in range(sp.num_groups):
-        for r in range(sp.readers):
-            prev_end = [0, 0]  # per warpgroup (each runs on from its own finish)
-            for it in range(g_ptr[g + 1] - 1, g_ptr[g] - 1, -1):  # the order the program runs them
-                b = req[it]
-                if lens[b] == 0:  # (no pairs: no first scores)
-                    continue
-                pieces = ptr[b + 1] - ptr[b]
-                kind = [5] if pieces == 1 else ([5, 6, 7] if it < ptr[b + 1] - 1 else [5, 6, 7, 8, 9])
-                n_pieces += pieces > 1
-                for wg in (0, 1):
-                    ev = t[it, r, wg, [0, 1, 2, 3, *kind, 4]]
-                    assert bool((ev > 0).all()) and bool((ev[1:] >= ev[:-1]).all()), (it, r, wg, ev)
-                    ns0, ns1 = int(t[it, r, wg, ne - 2]), int(t[it, r, wg, ne - 1])
-                    assert 0 < ns0 <= ns1 and ns0 >= prev_end[wg], (it, r, wg, ns0, ns1, prev_end)
-                    prev_end[wg] = ns1
-    assert n_pieces > 0, "no request was cut"
 
 
 @_gpu_test

@@ -43,7 +43,7 @@ def _check_schedule(spans, lens, qlens, num_groups, mode="auto"):
             continue
         # the pieces cover the request's keys once, in order, cut at multiples of SPAN_UNIT
         assert mine[0][1] == 0 and mine[-1][2] == L
-        assert all(a[2] == c[1] for a, c in zip(mine, mine[1:]))
+        assert all(a[2] == c[1] for a, c in itertools.pairwise(mine))
         assert all(lo % SPAN_UNIT == 0 and lo < hi for _, lo, hi in mine) or L == 0
     assert int(spans.flags.abs().sum()) == 0
     return groups
@@ -106,23 +106,19 @@ def test_spans_empty_and_tiny(device):
         plan_spans(sl, qsl, 40, 1, 43)
 
 
-def test_plan_decode_spans_switch(device, monkeypatch):
-    # OPENMLA_DECODE_SPANS=1: plan_decode adds the schedule for 64-row tiles (any device); 0: never; the default
-    # adds it only where mla_decode runs the pair kernel (an sm90 GPU); out= keeps its buffers
+def test_plan_decode_spans_switch(device):
+    # _spans=True: plan_decode adds the schedule for 64-row tiles (any device); False: never; the default adds it
+    # only where mla_decode runs the pair kernel (an sm90 GPU); out= keeps its buffers
     lens, qlens = [3000, 64, 0, 9000], [1, 2, 1, 1]
     sl, qsl = _inputs(lens, qlens, device)
-    monkeypatch.setenv("OPENMLA_DECODE_SPANS", "1")
-    plan = openmla.plan_decode(sl, qsl, 128, num_sms=16)
+    plan = openmla.plan_decode(sl, qsl, 128, num_sms=16, _spans=True)
     assert plan.spans is not None and plan.spans.num_groups == 4 and plan.spans.readers == 4
     _check_schedule(plan.spans, lens, qlens, 4)
     ptr = plan.spans.work_lo.data_ptr()
-    again = openmla.plan_decode(sl, qsl, 128, num_sms=16, max_query_len=2, out=plan)
+    again = openmla.plan_decode(sl, qsl, 128, num_sms=16, max_query_len=2, out=plan, _spans=True)
     assert again.spans.work_lo.data_ptr() == ptr and again.work_req.data_ptr() == plan.work_req.data_ptr()
-    assert openmla.plan_decode(sl, qsl, 16, num_sms=16).spans is None  # 16-row tiles: the pair kernel does not run
-    monkeypatch.setenv("OPENMLA_DECODE_SPANS", "0")
-    assert openmla.plan_decode(sl, qsl, 128, num_sms=16).spans is None
-    monkeypatch.setenv("OPENMLA_DECODE_SPANS", "2")
-    with pytest.raises(ValueError, match="OPENMLA_DECODE_SPANS"):
-        openmla.plan_decode(sl, qsl, 128, num_sms=16)
+    # 16-row tiles: the pair kernel does not run
+    assert openmla.plan_decode(sl, qsl, 16, num_sms=16, _spans=True).spans is None
+    assert openmla.plan_decode(sl, qsl, 128, num_sms=16, _spans=False).spans is None
     with pytest.raises(ValueError, match="mode"):
         plan_spans(sl, qsl, 4, 1, 8, mode="even")

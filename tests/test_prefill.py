@@ -256,23 +256,16 @@ from triton.compiler import ASTSource
 import openmla.ops.prefill as P
 
 kern = P._flash_attn_varlen_fwd_kernel
-for dt, qk, pv, bm, bn, warps, stages, tma in [
-    ("*bf16", tl.bfloat16, tl.bfloat16, 128, 64, 8, 3, 0),
-    ("*fp8e4nv", tl.float8e4nv, tl.bfloat16, 128, 64, 8, 2, 0),
-    ("*bf16", tl.bfloat16, tl.bfloat16, 128, 64, 8, 3, 2),  # TMA descriptors + pipelined q @ k^T
-    ("*fp8e4nv", tl.float8e4nv, tl.bfloat16, 128, 64, 8, 3, 1),  # TMA descriptors
+for dt, qk, pv, bm, bn, warps, stages in [
+    ("*bf16", tl.bfloat16, tl.bfloat16, 128, 64, 8, 3),
+    ("*fp8e4nv", tl.float8e4nv, tl.bfloat16, 128, 64, 8, 2),
 ]:
     D1, BD1, D2, BD2 = P._split_head_dim(192, 32 if qk == tl.float8e4nv else 16)
     const = dict(GROUP=1, D1=D1, BLOCK_D1=BD1, D2=D2, BLOCK_D2=BD2, HAS_D2=D2 > 0, D_V=128, BLOCK_DV=128,
                  CAUSAL=True, STORE_LSE=True, HAS_DESCALE=qk == tl.float8e4nv, QK_DTYPE=qk, PV_DTYPE=pv,
-                 DOT_PRECISION="tf32", SCALE_POS=True, BLOCK_M=bm, BLOCK_N=bn, KV_TMA=tma > 0, PIPE_QK=tma > 1)
+                 DOT_PRECISION="tf32", SCALE_POS=True, BLOCK_M=bm, BLOCK_N=bn)
     ptrs = dict(q=dt, k=dt, v=dt, o="*bf16", lse="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32",
                 q_descale="*fp32", k_descale="*fp32", v_descale="*fp32", sm_scale="fp32")
-    e = dt[1:]
-    descs = dict(desc_k1=f"tensordesc<{e}[{bn}, {BD1}]>", desc_k2=f"tensordesc<{e}[{bn}, {BD2}]>",
-                 desc_v=f"tensordesc<{e}[{bn}, 128]>")
-    for n in descs:
-        ptrs[n] = descs[n] if tma else dt
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in kern.arg_names}
     # the launcher marks 16-byte aligned pointers and strides divisible by 16 (as the real launches are)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
@@ -280,8 +273,6 @@ for dt, qk, pv, bm, bn, warps, stages, tma in [
     c = triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
     assert "wgmma" in c.asm["ptx"], "expected Hopper warpgroup MMA"
-    if tma:
-        assert "cp.async.bulk.tensor" in c.asm["ptx"], "expected TMA loads"
 print("compiled")
 """
 
@@ -297,41 +288,12 @@ def test_compiles_for_sm90():
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
 
 
-@pytest.mark.parametrize("pipe", [False, True], ids=["tma", "tma_pipe"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, FP8], ids=["bf16", "fp16", "fp8"])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_kv_tma(causal, dtype, pipe, monkeypatch, device):
-    """Full key tiles through TMA descriptors (KV_TMA), with and without the pipelined q @ k^T: ragged
-    batches where some requests have no full tile, GQA, keys past the request end in the tensor."""
-    monkeypatch.setattr(prefill_ops, "KV_TMA", True)
-    monkeypatch.setattr(prefill_ops, "PIPE_QK", pipe)
-    monkeypatch.setenv("OPENMLA_PREFILL_BACKEND", "triton")  # the Triton kernel's TMA path (not the Gluon tier)
-    for lq, lk in (LAYOUTS["mixed"], LAYOUTS["lk_gt_lq"]):
-        _check(lq, lk, 4, 2, 192, 128, dtype, causal, device)
-    _check(*LAYOUTS["equal"], H, H, 128, 128, dtype, causal, device)
-
-
-@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
-def test_negative_and_zero_scale(tma, monkeypatch, device):
+def test_negative_and_zero_scale(device):
     """sm_scale <= 0 takes the scale-first softmax (the row max may not be taken before scaling)."""
-    monkeypatch.setattr(prefill_ops, "KV_TMA", tma)
-    monkeypatch.setenv("OPENMLA_PREFILL_BACKEND", "triton")
     lq, lk = LAYOUTS["mixed"]
     q, k, v, cu_q, cu_k, _ = _inputs(lq, lk, 2, 2, 192, 128, torch.bfloat16, device)
     for scale in (-0.05, 0.0):
-        out, lse = flash_attn_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), scale)
+        out, lse = flash_attn_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), scale, backend="triton")
         ref_out, ref_lse = flash_attn_varlen_ref(q.cpu(), k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), scale)
         assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
         assert_close("lse", ref_lse, lse, *TOLERANCES[torch.bfloat16])
-
-
-def test_kv_descriptors_fallback():
-    """Layouts TMA cannot read (heads not packed, padded head dims) fall back to pointer loads."""
-    k = torch.zeros(8, 2, 192, dtype=torch.bfloat16)
-    v = torch.zeros(8, 2, 128, dtype=torch.bfloat16)
-    args = (128, 128, 64, 64, 128, 128, 16)
-    assert prefill_ops._kv_descriptors(k, v, *args[:5], 128, args[-1]) is not None
-    wide = torch.zeros(8, 2, 256, dtype=torch.bfloat16)[..., :192]
-    assert prefill_ops._kv_descriptors(wide, v, *args[:5], 128, args[-1]) is None
-    assert prefill_ops._kv_descriptors(k, v[..., :48], *args[:4], 48, 64, args[-1]) is None
-    assert prefill_ops._kv_descriptors(k[:0], v[:0], *args[:5], 128, args[-1]) is None

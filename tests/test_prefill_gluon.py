@@ -98,8 +98,8 @@ def test_gluon_prefill_unsupported_on_cpu():
 
 # An mbarrier phase bug hangs the GPU instead of failing, and pytest-timeout is not installed: a watchdog thread
 # dumps every thread's traceback (the hung test's frame included) to the real stderr (not pytest's capture) and
-# ends the process (exit 1) once a test has run this many seconds. 0 disables it.
-GPU_TEST_TIMEOUT_S = float(os.environ.get("OPENMLA_GPU_TEST_TIMEOUT", "120"))
+# ends the process (exit 1) once a test has run this many seconds.
+GPU_TEST_TIMEOUT_S = 120.0
 _REAL_STDERR = []
 
 

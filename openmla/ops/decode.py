@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from openmla.device import INTERPRET, compute_dtype
@@ -31,8 +29,6 @@ from openmla.ops._validate import (
 )
 from openmla.ops.cache import check_block_table
 from openmla.ops.decode_gluon import (
-    SEESAW_VARIANTS,
-    SPAN_VARIANTS,
     gluon_decode_config,
     gluon_decode_supported,
     mla_decode_split_gluon,
@@ -43,15 +39,13 @@ __all__ = ["mla_decode"]
 
 _LOG2E = 1.4426950408889634
 # "auto" runs the Gluon kernel for tiles of at least this many rows (heads x qlen); measured on the H200
-_GLUON_AUTO_MIN_ROWS = int(os.environ.get("OPENMLA_DECODE_GLUON_MIN_ROWS", "32"))
-_PDL = os.environ.get("OPENMLA_DECODE_PDL", "0") == "1"
+_GLUON_AUTO_MIN_ROWS = 32
 # reduce programs per SM (4 warps each; they loop over the merge tasks)
 _REDUCE_PROGRAMS_PER_SM = 8
 # partial elements (splits x columns) a reduce program loads per step of its split loop; the o loads of a
 # step wait on its lse loads, so a request with many splits costs two dependent memory round trips per step.
-# The one-head path keeps one [splits, columns] tensor per step, the head-block path three (lse, weights, o).
-# One-head 8192 (64 splits of 128 columns: one step at batch 1): h128 b1 s32k 44.1 -> 40.6 us; the head-block
-# path at 8192 spilled (h128 b32 s4096 117.9 -> 222.3 us): RESULTS.md runs 27-28 (sweep knob "reduce_tile").
+# The one-head path keeps one [splits, columns] tensor per step, the head-block path three (lse, weights, o), so
+# it takes a smaller tile (at 8192 it spills).
 _REDUCE_TILE_ONE_HEAD = 8192
 _REDUCE_TILE = 2048
 _REDUCE_MAX_BLOCK_S = 64  # splits per step at most
@@ -173,11 +167,8 @@ def _mla_decode_fwd_kernel(
     CAUSAL: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_H * Q_PER
-    if PDL:  # programmatic dependent launch: the reduce grid may be scheduled from now on
-        gdc_launch_dependents()
     i_w = tl.program_id(0)
     i_h = tl.program_id(1)
     i_q = tl.program_id(2)
@@ -300,13 +291,10 @@ def _mla_decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_HB: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     # A fixed grid of programs walks the tasks of the requests that have more than one split; a task is
     # one query row of one such request, BLOCK_HB heads x BLOCK_D columns. Requests with one split cost
     # nothing here.
-    if PDL:  # launched early (programmatic dependent launch): wait until the split kernel's writes are visible
-        gdc_wait()
     N_D: tl.constexpr = D_V // BLOCK_D
     n_hb = tl.cdiv(H, BLOCK_HB)
     per_row = n_hb * N_D
@@ -344,7 +332,8 @@ def _merge_finish(b_m, b_den, b_acc):
 
 @triton.jit
 def _merge_one_head(o_part, lse_part, out, lse, row, w0, n_split, i_t, i_h, i_d, H, stride_o_t, stride_o_h,
-                    MAX_QLEN: tl.constexpr, D_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+                    MAX_QLEN: tl.constexpr, D_V: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_D: tl.constexpr):  # fmt: skip
     """LSE merge of one (query row, head, BLOCK_D columns) over the request's splits."""
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     b_m = tl.full([], float("-inf"), dtype=tl.float32)
@@ -418,18 +407,11 @@ def _reduce_tiling(plan: DecodePlan, H: int, d_v: int) -> tuple[int, int, int, i
     hbd = block_hb * block_d
     tile = _REDUCE_TILE_ONE_HEAD if block_hb == 1 else _REDUCE_TILE
     # no wider than a request's share of the plan's work items (masked split rows still cost registers and
-    # issue slots: h128 b4 s32k, 16 splits a request, 99.0 us at 64 per step vs 93.8 at 16; RESULTS.md run 28)
+    # issue slots)
     share = triton.next_power_of_2(triton.cdiv(plan.capacity, max(1, plan.batch_size)))
     block_s = max(2, min(_REDUCE_MAX_BLOCK_S, tile // hbd, share))
     tasks = plan.batch_size * plan.max_query_len * triton.cdiv(H, block_hb) * (d_v // block_d)
     return max(1, min(tasks, programs)), block_hb, block_d, block_s
-
-
-def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch between the split kernel and the reduce (sm90+, opt-in:
-    ``OPENMLA_DECODE_PDL=1``): the reduce grid is launched while the split kernel runs and waits on
-    ``griddepcontrol.wait``. It measured no gain on the H200 (RESULTS.md run 16), so it stays off."""
-    return _PDL and not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
@@ -445,8 +427,7 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
     d_r = q.shape[2] - d_v
     dc, d_rp = max(d_v // 4, 16), max(triton.next_power_of_2(d_r), 16)  # a dot's K is at least 16 on the GPU
     kc_desc = kr_desc = None
-    # TMA tiles: forced by the tiling, and the default for fp8 caches on sm90+ (measured 1.26x faster
-    # there, RESULTS.md run 7; the bf16 cache is faster through pointers)
+    # TMA tiles for fp8 caches on sm90+ (1.26x faster there; a bf16 cache is faster through pointers)
     tma_ok = not torch.cuda.is_available() or kv_cache.device.type != "cuda" or \
         torch.cuda.get_device_capability(kv_cache.device) >= (9, 0)
     want_tma = t.tma or (kv_cache.dtype == torch.float8_e4m3fn and kv_cache.device.type == "cuda")
@@ -465,21 +446,19 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
         PAGE=page, MAX_QLEN=plan.max_query_len, D_V=d_v, D_R=d_r, DC=dc, D_RP=d_rp,
         BLOCK_H=t.block_h, Q_PER=t.q_per, BLOCK_N=block_n, PAGE_ALIGNED=page_aligned, USE_TMA=use_tma,
         MAX_PAGES=triton.next_power_of_2(t.max_split // page + 1), CAUSAL=causal, COMPUTE=compute,
-        DOT_PRECISION="ieee" if compute == tl.float32 else "tf32", PDL=_pdl(q.device),
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        DOT_PRECISION="ieee" if compute == tl.float32 else "tf32", num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
 
 
 def _mla_decode_reduce(query_start_loc, plan: DecodePlan, out, lse, d_v: int):
     """Launch the LSE merge of the partials of multi-split requests."""
     H = out.shape[1]
-    pdl = _pdl(out.device)
     programs, block_hb, block_d, block_s = _reduce_tiling(plan, H, d_v)
     _mla_decode_reduce_kernel[(programs,)](
         query_start_loc, plan.num_splits, plan.work_indptr, plan.merge_req, plan.num_merge, plan.o_part,
         plan.lse_part, out, lse, out.stride(0), out.stride(1), H, out.shape[0], plan.capacity,
         MAX_QLEN=plan.max_query_len, D_V=d_v,
-        BLOCK_S=block_s, BLOCK_HB=block_hb, BLOCK_D=block_d, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        BLOCK_S=block_s, BLOCK_HB=block_hb, BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
 
 
@@ -500,37 +479,19 @@ def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtyp
         return True
     # bf16: from 32 rows (16-row tiles are faster on the portable kernel); fp8: always (the portable kernel
     # widens e4m3 in registers and spills; the Gluon kernel widens in shared memory: 1.9x faster at h128,
-    # 1.05x at h16, RESULTS.md run 15)
+    # 1.05x at h16)
     return ok and (plan.tiling.block_m >= _GLUON_AUTO_MIN_ROWS or kv_cache_dtype == "fp8")
 
 
 def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int, batch_size: int, num_sms: int) -> str:
-    """The Gluon kernel variant (``OPENMLA_DECODE_GLUON_VARIANT``, read per call: ``auto``, the default, ``ws`` or
-    one of ``decode_gluon.SEESAW_VARIANTS``). fp8 caches always run ``ws`` (the seesaw kernels take bf16 caches
-    only). ``auto``: ``seesaw-pair-eltm`` when at least 2 programs of 64 rows read each KV tile (head blocks x query
-    blocks: h128, or h64 with 2+ query tokens), so that half the tiles or more come from L2, and the batch alone
-    fills a wave of such programs; ``seesaw`` otherwise. On the H200 (RESULTS.md run 48, split kernels, 64-row
-    TMA boxes) seesaw-pair-r against seesaw: h128 b128 s8k q1 580.8 vs 604.3 us, q2 1077.1 vs 1125.1; h32 (one
-    reader) 335.4 vs 318.9, h128 b1 s32k 28.9 vs 27.9. seesaw-pair-ea against seesaw-pair-r (runs 57-58): h128
-    b128 s8k q1 551.7 vs 561.7 and 563.7 vs 578.1 us, q2 1016.0 vs 1040.6 and 1036.0 vs 1057.8. seesaw-pair-es
-    against seesaw-pair-ea (run 60): q1 515.6 vs 532.0 us, q2 966.0 vs 1005.6. seesaw-pair-el against seesaw-pair-es
-    (run 64): q1 529.5 vs 553.5 us, q2 991.4 vs 1017.1. seesaw-pair-elt (final rows by TMA on the spanning
-    schedule, else seesaw-pair-el) against seesaw-pair-el (runs 96-98, three H200s): q1 1.0002-1.0059x, q2
-    1.0033-1.0047x, a ragged batch 1.0070-1.0108x. seesaw-pair-eltm (cut requests merged from partials copied by
-    TMA) against seesaw-pair-elt (runs 102-103): a ragged batch 1.0044-1.0093x; where nothing is cut (uniform
-    batches snap) it runs the same code, with the same outputs. seesaw measured 12-22% faster than ws at h32-h128
-    (run 33)."""
-    variant = os.environ.get("OPENMLA_DECODE_GLUON_VARIANT", "auto")
-    if variant not in ("auto", "ws") + SEESAW_VARIANTS:
-        raise ValueError(f"OPENMLA_DECODE_GLUON_VARIANT must be 'auto', 'ws' or one of {SEESAW_VARIANTS}; "
-                         f"got {variant!r}")  # fmt: skip
+    """The Gluon kernel: ``ws`` for fp8 caches (the seesaw kernels take bf16 caches only); ``pair`` where 2+
+    programs of 64 rows read each KV tile (h128, or h64 with 2+ query tokens: half the tiles or more come from
+    L2) and the batch alone fills a wave of them; ``seesaw`` otherwise (it hides HBM latency better)."""
     if kv_cache_dtype == "fp8":
         return "ws"
-    if variant == "auto":
-        block_h, q_per = gluon_decode_config(num_heads, max_query_len)
-        readers = triton.cdiv(num_heads, block_h) * triton.cdiv(max_query_len, q_per)
-        return "seesaw-pair-eltm" if readers >= 2 and batch_size * readers >= num_sms else "seesaw"
-    return variant
+    block_h, q_per = gluon_decode_config(num_heads, max_query_len)
+    readers = triton.cdiv(num_heads, block_h) * triton.cdiv(max_query_len, q_per)
+    return "pair" if readers >= 2 and batch_size * readers >= num_sms else "seesaw"
 
 
 def _check_batch(T: int, block_table, seq_lens, query_start_loc, page: int, num_blocks: int) -> None:
@@ -682,9 +643,8 @@ def mla_decode(
         variant = _gluon_variant(kv_cache_dtype, H, plan.max_query_len, B, plan.num_sms)
         spans = None
         if _use_gluon(backend, q, kv_cache, plan, kv_cache_dtype):
-            # the request-spanning schedule where the plan has one and the kernel takes it (RESULTS.md runs 72-73);
-            # its kernel merges cut requests itself
-            spans = plan.spans if variant in SPAN_VARIANTS else None
+            # the request-spanning schedule where the plan has one; the pair kernel merges cut requests itself
+            spans = plan.spans if variant == "pair" else None
             mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan, out, lse,
                                    scale_log2, kv_s, causal, d_v, variant=variant, spans=spans)  # fmt: skip
         else:

@@ -7,14 +7,13 @@ block of 64 rows (``BLOCK_H`` heads x ``Q_PER`` query tokens folded, row ``m`` -
 final rows in ``out``/``lse``; the others get a normalised fp32 partial and its natural-log LSE in
 ``plan.o_part``/``plan.lse_part``, merged afterwards by the existing reduce kernel (not run here).
 
-Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/RESULTS.md``):
+Three kernels (``variant=``; the design and the measurements behind it: ``docs/kernels.md``):
 
-* ``_mla_decode_gluon_ws_kernel`` (warp-specialised), 12 warps in two partitions. A 1-warp
-  producer (32 registers) does the page lookups and issues every TMA load into a ring of ``STAGES``
-  buffers, waiting on per-stage "empty" mbarriers; the two consumer warpgroups (232 registers after
-  ``setmaxnreg``) wait on per-stage "ready" mbarriers, compute, and release a stage with one
-  ``mbarrier.arrive`` after its P V. CTA-wide barriers per 64-key tile: 5 (loop top, row max x 2, P,
-  after P V).
+* ``"ws"``: ``_mla_decode_gluon_ws_kernel`` (warp-specialised), 12 warps in two partitions, ``mla_decode``'s
+  kernel for fp8 caches. A 1-warp producer (32 registers) does the page lookups and issues every TMA load into a
+  ring of ``STAGES`` buffers, waiting on per-stage "empty" mbarriers; the two consumer warpgroups (232 registers
+  after ``setmaxnreg``) wait on per-stage "ready" mbarriers, compute, and release a stage with one
+  ``mbarrier.arrive`` after its P V. CTA-wide barriers per 64-key tile: 5 (loop top, row max x 2, P, after P V).
 * ``Q [64, 576]`` is loaded once (masked ``gl.load``, so any head count / query length / stride works)
   into shared memory as 9 chunks ``[64, 64]`` with the 128-byte-swizzled NVMMA layout.
 * KV tiles of ``BLOCK_N`` (64, or 32) tokens arrive by TMA over a 2-D view ``[num_blocks * PAGE, 576]``
@@ -34,23 +33,19 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
   the ``[64, 512]`` fp32 accumulator split by columns over the warpgroups (128 registers a thread).
 * Launch order: one grid axis of ``work items x head blocks x query blocks`` with the head blocks (then
   query blocks) of a work item adjacent, so the programs that read the same KV tiles run together and all
-  but the first read them from L2 (h128: 800 -> 720 us; RESULTS.md run 24). Both kernels use it.
-* ``variant="seesaw"`` (``_mla_decode_gluon_seesaw_kernel``, bf16 caches, in :mod:`openmla.ops.decode_gluon_seesaw`
-  like the next one; ``mla_decode``'s kernel for them where seesaw-pair-r does not apply): two 4-warp partitions
-  that own alternate 64-key tiles (full-width scores, P over the tile's rope columns, both add every tile's P V
-  to their output half; each stage refilled in two TMA groups); see the comment above ``_seesaw_wg``. 12-22%
-  faster than ws at h32-h128 (RESULTS.md run 33: h128 b128 s8k 498 vs 407 TFLOPS).
-* ``variant="seesaw-pair"`` (the same kernel with ``PAIR=True``, bf16 caches): the same two partitions in
-  FlashMLA's published seesaw order: tiles in pairs, each softmax under the other warpgroup's MMAs, one rescale
-  of the right output half per pair, each stage refilled by its last reader; see the comment above
-  ``_pair_mask``. Faster from L2 (583 vs 555 TFLOPS L2-resident at h128), slower from HBM (it hides less
-  latency; RESULTS.md runs 39-41). ``"seesaw-pair-r"``: FlashMLA's refill order (warpgroup 1's own P V and stage 1's
-  R half first); 3-5% faster than seesaw-pair at h128 b128 (run 48), ``mla_decode``'s kernel at h128 with a
-  full batch. Opt-in, for measurement: ``"seesaw-pair-nb"`` (handoffs on named barriers; 1-2% slower, run 42).
-  Every seesaw variant copies one 64-row TMA box per 64-key tile where pages and splits allow
-  (``box_rows``; 0.3-2.2% faster than two 32-row boxes, run 48).
-* Measured and dropped (RESULTS.md run 8): the same loop without warp specialisation (4-8% slower), a
-  variant issuing the next tile's scores MMA before this tile's softmax, and 32-key tiles as default.
+  but the first read them from L2. Every kernel uses it.
+* ``"seesaw"`` (``_mla_decode_gluon_seesaw_kernel`` in :mod:`openmla.ops.decode_gluon_seesaw`, bf16 caches):
+  two 4-warp partitions that own alternate 64-key tiles (full-width scores, P over the tile's rope columns, both
+  add every tile's P V to their output half; each stage refilled in two TMA groups); see the comment above
+  ``_seesaw_wg``. ``mla_decode``'s kernel for bf16 caches where ``"pair"`` does not apply.
+* ``"pair"`` (the same kernel with ``PAIR=True``, bf16 caches): the two partitions in FlashMLA's seesaw order
+  over pairs of tiles, each P published at its own warpgroup's row max, the block ids looked up a pair ahead, the
+  scale folded into the exponent and a lazy row max that lets each warp skip the O rescale; see the comment
+  above ``_pair_wg0``. With ``spans`` it runs the request-spanning schedule of :mod:`openmla.ops.plan_spans`
+  (one program per SM looping over whole requests or pieces of them, cut requests merged in the kernel from
+  partials copied by TMA, final rows sent by TMA). ``mla_decode``'s kernel where 2+ programs read each KV tile
+  (h128, h64 with 2+ query tokens) and the batch fills the SMs.
+* Both seesaw kernels copy one 64-row TMA box per 64-key tile where pages and splits allow (``box_rows``).
 * fp8 cache (``kv_cache_dtype="fp8"``, float8_e4m3fn, selected by the cache dtype; 64-key tiles,
   ``FP8=True``): the producer TMAs e4m3 tiles (half the bytes: latent boxes ``[32, 128]`` with the
   128-byte swizzle, four per 32 keys, and a ``[32, 64]`` rope box with the 64-byte swizzle) into a ring of
@@ -66,7 +61,7 @@ Design (the measurements behind it: ``docs/gluon_decode_plan.md``, ``benchmarks/
 
 Shared memory: Q 73,728 B + STAGES x BLOCK_N x 1,152 B + P 64 x BLOCK_N x 2 B (+ barriers and
 reduction scratch): 64 x 2 stages = 229,924 B, 32 x 3 = 188,988 B (limit 232,448). No spill (sm90
-offline compile; ``tests/test_decode_gluon.py`` checks every variant).
+offline compile; ``tests/test_decode_gluon.py`` checks every kernel).
 
 Limits: bf16 q; a bf16 cache or an e4m3 cache (per-tensor scale), d_qk = 576 = 512 + 64, page size a multiple of 32,
 split lengths multiples of 32, cache rows of one page contiguous across pages (a 2-D view). Gluon
@@ -85,10 +80,9 @@ if TYPE_CHECKING:
     from openmla.ops.plan import DecodePlan
     from openmla.ops.plan_spans import DecodeSpans
 
-__all__ = ["GLUON_AVAILABLE", "SEESAW_VARIANTS", "gluon_decode_config", "gluon_decode_supported",
-           "mla_decode_split_gluon"]
+__all__ = ["GLUON_AVAILABLE", "VARIANTS", "gluon_decode_config", "gluon_decode_supported", "mla_decode_split_gluon"]
 
-from openmla.ops._gluon import (  # noqa: F401  (GLUON_AVAILABLE is part of this module's API)
+from openmla.ops._gluon import (
     GLUON_AVAILABLE,
     TensorDescriptor,
     fence_async_shared,
@@ -110,15 +104,11 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm90
 # registers of the 1-warp producer partition of the warp-specialised kernel: 24 spills a few bytes (its
 # arguments arrive through shared memory); 32 leaves the two consumer warpgroups 232 (no spill)
 WS_PRODUCER_REGS = 32
-# registers of the second warpgroup (the worker partition) of ``variant="seesaw"``
+# registers of the second warpgroup (the worker partition) of the seesaw kernels
 SEESAW_WG_REGS = 240
-# the seesaw variants for bf16 caches (the losers of runs 27-41 are gone; RESULTS.md keeps their figures):
-# "seesaw" hides HBM latency better, "seesaw-pair" is the faster schedule once the KV tiles come from L2
-SEESAW_VARIANTS = ("seesaw", "seesaw-pair", "seesaw-pair-nb", "seesaw-pair-r", "seesaw-pair-ea", "seesaw-pair-es",
-                   "seesaw-pair-el", "seesaw-pair-elt", "seesaw-pair-eltm")
-# the variants that run a request-spanning schedule (``spans=``: each program loops over the pieces of requests in
-# its group's range, ``openmla.ops.plan_spans``)
-SPAN_VARIANTS = ("seesaw-pair-ea", "seesaw-pair-es", "seesaw-pair-el", "seesaw-pair-elt", "seesaw-pair-eltm")
+# the kernels: "ws" (fp8 caches), "seesaw" (hides HBM latency better), "pair" (the faster schedule once the KV
+# tiles come from L2; the only one that runs the request-spanning schedule)
+VARIANTS = ("ws", "seesaw", "pair")
 
 
 if GLUON_AVAILABLE:
@@ -299,7 +289,7 @@ if GLUON_AVAILABLE:
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         FP8: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """The default kernel (see the module docstring): one program per work item and 64-row block.
+        """The warp-specialised kernel (see the module docstring): one program per work item and 64-row block.
 
         Grid: one axis of ``capacity * N_HB * N_QB`` programs, the ``N_HB`` head blocks x ``N_QB`` query blocks
         of one work item next to each other, so the programs that read the same KV tiles run at the same
@@ -391,8 +381,8 @@ def _kv_layout(fp8: bool = False, inner: int = D_V):
 
 def _out_desc(out: torch.Tensor, block_h: int):
     """A TMA descriptor over a bf16 ``out [T, H, 512]`` as ``[T * H, 512]`` with ``[block_h, 256]`` boxes (the final
-    rows of seesaw-pair-elt), or None where its rows are not evenly strided (token stride != H x head stride) or not
-    16-byte aligned (then the kernel stores them staged, as seesaw-pair-el does)."""
+    rows of the pair kernel on the spanning schedule), or None where its rows are not evenly strided (token stride !=
+    H x head stride) or not 16-byte aligned (then the kernel stores them staged)."""
     T, H, D = out.shape
     st, sh, sd = out.stride()
     if out.dtype != torch.bfloat16 or D != D_V or sd != 1 or st != H * sh or sh % 8 or out.data_ptr() % 16:
@@ -453,8 +443,7 @@ def _q_copyable(q: torch.Tensor) -> bool:
 def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
                            scale_log2: float, v_scale: float, causal: bool, d_v: int, *, block_n: int = 64,
                            stages: int | None = None, variant: str = "ws",
-                           box_rows: int | None = None, trace: torch.Tensor | None = None,
-                           spans: DecodeSpans | None = None) -> None:  # fmt: skip
+                           box_rows: int | None = None, spans: DecodeSpans | None = None) -> None:  # fmt: skip
     r"""Launch the Gluon split-KV kernel (same meaning as ``_mla_decode_split`` in ``ops/decode.py``).
 
     Writes the final rows of single-split requests into ``out``/``lse`` and the normalised fp32
@@ -476,72 +465,34 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         block_n (int): keys per KV tile, 64 or 32 (keyword-only tuning knob; 64 measured faster).
         stages (int | None): KV ring depth (default: 2 for 64-key tiles, 3 for 32). The fp8 path needs
             64-key tiles and fits 2 fp8 stages next to its fp16 tile.
-        variant (str): ``"ws"`` (``_mla_decode_gluon_ws_kernel``) or ``"seesaw"``
+        variant (str): ``"ws"`` (``_mla_decode_gluon_ws_kernel``), ``"seesaw"`` or ``"pair"``
             (``_mla_decode_gluon_seesaw_kernel``: bf16 cache, 64-key tiles, 2 stages; ``block_n``/``stages``
-            must keep their defaults; the faster one, see RESULTS.md run 33).
-            ``"seesaw-pair"``: the same kernel with ``PAIR=True``, the tiles in pairs in FlashMLA's seesaw order
-            (same restrictions; faster than seesaw from L2, slower from HBM: RESULTS.md runs 39-41).
-            ``"seesaw-pair-nb"``: the same with the warpgroups' handoffs on hardware named barriers (opt-in;
-            slower, RESULTS.md run 42).
-            ``"seesaw-pair-r"``: seesaw-pair in FlashMLA's refill order (warpgroup 1: its own P_b V_bR first,
-            then P_a V_aR, the next scores from stage 1's R half first; warpgroup 0: stage 0's L half refilled
-            before P_a is stored; 3-5% faster than seesaw-pair at h128 b128, RESULTS.md run 48).
-            ``"seesaw-pair-ea"``: the pair kernel with each P published at its own warpgroup's row max right
-            after its softmax and the block ids looked up a pair ahead, so that the refills that end a pair go
-            out earlier (the comment above ``_pair_wg0e``; 1.8-2.5% faster than seesaw-pair-r at h128 b128,
-            RESULTS.md run 58).
-            ``"seesaw-pair-es"``: seesaw-pair-ea with the scale folded into the exponent (one FMA a score) and the
-            key mask only in tiles that need it (a uniform branch; 3.1% faster than seesaw-pair-ea at h128 b128 q1,
-            3.9% at q2, RESULTS.md run 60).
-            ``"seesaw-pair-el"``: seesaw-pair-es with a lazy row max: a row's reference max moves only when its
-            scaled scores exceed it by more than 8 (log2), so P <= 256 and each warp skips the O rescale (128
-            multiplies a thread) unless one of its rows moved (a warp vote; 4.5% faster than seesaw-pair-es at h128
-            b128 q1, 2.6% at q2, RESULTS.md run 64).
-            ``"seesaw-pair-elt"``: seesaw-pair-el whose final rows leave by TMA on the request-spanning schedule
-            (``spans``: one box a query token, no wait; the next item refills that staging half last, after
-            ``tma.store_wait``), where ``out``'s rows are evenly strided and the query block's rows all exist (else,
-            and without ``spans``, it is seesaw-pair-el). 0-0.6% / 0.3-0.5% / 0.7-1.1% faster than seesaw-pair-el at
-            h128 b128 q1 / q2 / a ragged batch (RESULTS.md runs 96-98).
-            ``"seesaw-pair-eltm"``: seesaw-pair-elt whose last piece of a cut request keeps its accumulator in
-            registers and copies the other pieces' fp32 partials by TMA into its stage for the merge, where the
-            query block's rows all exist (a cut's last piece 18.7k -> 12.2k fixed cycles at h128 q2; a ragged
-            batch 0.4-0.9% faster than seesaw-pair-elt, RESULTS.md runs 102-103); ``mla_decode`` runs it at h128.
-            ``"seesaw-const"``: the seesaw kernel with compile-time stage indices (spills; a diagnostic for the
-            offline compile test).
-        box_rows (int | None): seesaw variants: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
-            size and split lengths that are multiples of 64, so a tile never crosses a page; half the copies,
-            0.3-2.2% faster, RESULTS.md run 48). None: 64 where it applies, else 32.
-        trace (torch.Tensor | None): seesaw-pair variants only, a diagnostic: an int64 CUDA tensor of at least
-            ``programs * 2 * (TRACE_NP + 1) * TRACE_NE`` elements (``programs = plan.capacity`` x head blocks x
-            query blocks; with ``spans``, its item slots x ``spans.readers``, one row per item; the constants are in
-            ``decode_gluon_seesaw``) that receives each warpgroup's cycle stamps and, as the last two events of its
-            own row, ``%globaltimer`` at its start and end (``benchmarks/experiments/pair_trace.py`` and
-            ``span_trace.py`` read them). None (default): no trace code.
-        spans (DecodeSpans | None): ``plan.spans`` (one of ``SPAN_VARIANTS``): run the request-spanning schedule
+            must keep their defaults); see the module docstring.
+        box_rows (int | None): seesaw kernels: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
+            size and split lengths that are multiples of 64, so a tile never crosses a page; half the copies).
+            None: 64 where it applies, else 32.
+        spans (DecodeSpans | None): ``plan.spans`` (``variant="pair"``): run the request-spanning schedule
             instead of the plan's work items: ``spans.num_groups`` x ``spans.readers`` programs, each looping over
             its group's items. The kernel merges the pieces of cut requests itself (through ``plan.o_part`` /
             ``plan.lse_part`` and ``spans.flags``) and writes every row of ``out`` / ``lse``: no reduce follows.
-            ``programs`` above is then ``num_groups`` x head blocks x query blocks.
     """
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    if variant not in SEESAW_VARIANTS + ("ws", "seesaw-const"):
-        raise ValueError(f"variant must be 'ws', 'seesaw-const' or one of {SEESAW_VARIANTS}; got {variant!r}")
-    if variant.startswith("seesaw") and not _q_copyable(q):
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
+    seesaw = variant != "ws"
+    if seesaw and not _q_copyable(q):
         raise ValueError(f"the seesaw kernels copy q's rows 16 bytes at a time: q needs a contiguous last dim, token "
                          f"and head strides that are multiples of 16 and a 16-byte-aligned base; got strides "
                          f"{tuple(q.stride())}")  # fmt: skip
-    if trace is not None and not variant.startswith("seesaw-pair"):
-        raise ValueError(f"trace needs a seesaw-pair variant; got {variant!r}")
-    if spans is not None and variant not in SPAN_VARIANTS:
-        raise ValueError(f"spans needs one of {SPAN_VARIANTS}; got {variant!r}")
-    if variant.startswith("seesaw") and (fp8 or block_n != 64 or stages not in (None, 2)):
-        raise ValueError("variant='seesaw' takes a bf16 cache, 64-key tiles and 2 stages; got "
+    if spans is not None and variant != "pair":
+        raise ValueError(f"spans needs variant='pair'; got {variant!r}")
+    if seesaw and (fp8 or block_n != 64 or stages not in (None, 2)):
+        raise ValueError(f"variant={variant!r} takes a bf16 cache, 64-key tiles and 2 stages; got "
                          f"{kv_cache.dtype}, block_n={block_n}, stages={stages}")  # fmt: skip
     if box_rows is None:  # one box per tile where a tile never crosses a page
-        seesaw = variant.startswith("seesaw")
         box_rows = 64 if seesaw and kv_cache.shape[1] % 64 == 0 and plan.tiling.block_n % 64 == 0 else SUB_N
-    if box_rows not in (SUB_N, 64) or (box_rows != SUB_N and not variant.startswith("seesaw")):
-        raise ValueError(f"box_rows must be {SUB_N}, or 64 with a seesaw variant; got {box_rows} ({variant!r})")
+    if box_rows not in (SUB_N, 64) or (box_rows != SUB_N and not seesaw):
+        raise ValueError(f"box_rows must be {SUB_N}, or 64 with a seesaw kernel; got {box_rows} ({variant!r})")
     if box_rows == 64 and kv_cache.shape[1] % 64:
         raise ValueError(f"box_rows=64 needs a page size that is a multiple of 64; got {kv_cache.shape[1]}")
     if box_rows == 64 and plan.tiling.block_n % 64:
@@ -577,39 +528,25 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
             plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
             q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
             H, num_blocks, block_table.shape[1])  # fmt: skip
-    if trace is not None:
-        from openmla.ops.decode_gluon_seesaw import TRACE_NE, TRACE_NP
-
-        rows = grid[0] if spans is None else spans.work_req.shape[0] * n_hb * n_qb  # programs, or items x readers
-        need = rows * 2 * (TRACE_NP.value + 1) * TRACE_NE.value
-        if trace.dtype != torch.int64 or trace.device != q.device or trace.numel() < need:
-            raise ValueError(f"trace must be an int64 tensor on {q.device} with >= {need} elements; got "
-                             f"{trace.dtype} {tuple(trace.shape)} on {trace.device}")  # fmt: skip
-    if variant.startswith("seesaw"):
+    if seesaw:
         half_desc = TensorDescriptor(kv2d, shape, strides, [box_rows, 256], _kv_layout())  # half a latent row a copy
         rope_desc = TensorDescriptor(kv2d, shape, strides, [box_rows, D_R], _kv_layout(fp8, D_R))
-        kw = dict(PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, CAUSAL=causal,
-                  WG_REGS=SEESAW_WG_REGS, N_HB=n_hb, N_QB=n_qb, OPAQUE=variant != "seesaw-const", num_warps=4)
-        pair = variant.startswith("seesaw-pair")
+        kw = {"PAGE": page, "MAX_QLEN": plan.max_query_len, "BLOCK_H": block_h, "Q_PER": q_per, "CAUSAL": causal,
+              "WG_REGS": SEESAW_WG_REGS, "N_HB": n_hb, "N_QB": n_qb, "num_warps": 4}
         if spans is not None:  # the items' requests, key ranges and pieces per request (for the merge)
             args = args[:6] + (spans.work_req, spans.work_lo, spans.num_splits, spans.work_hi) + args[10:]
         # (unused without spans)
         sp = (spans.group_indptr, spans.work_indptr, spans.flags) if spans is not None else (plan.work_indptr,) * 3
-        tma_out = spans is not None and variant in ("seesaw-pair-elt", "seesaw-pair-eltm")
-        out_desc = _out_desc(out, block_h) if tma_out else None
-        part_desc = None  # seesaw-pair-eltm: the cut requests' fp32 partials, copied by TMA for the merge
-        if spans is not None and variant == "seesaw-pair-eltm":
+        out_desc = _out_desc(out, block_h) if spans is not None else None
+        part_desc = None  # the cut requests' fp32 partials, copied by TMA for the merge
+        if spans is not None:
             part_desc = TensorDescriptor(plan.o_part.view(-1, D_V), [plan.o_part.numel() // D_V, D_V], [D_V, 1],
                                          [block_h, 256], gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                                               element_bitwidth=32, rank=2))  # fmt: skip
-        early = {"seesaw-pair-ea": 1, "seesaw-pair-es": 2, "seesaw-pair-el": 3, "seesaw-pair-elt": 3,
-                 "seesaw-pair-eltm": 3}  # fmt: skip
         _mla_decode_gluon_seesaw_kernel[grid](q, half_desc, rope_desc, *args[3:], group_indptr=sp[0],
                                               span_indptr=sp[1], span_flags=sp[2], out_desc=out_desc,
-                                              part_desc=part_desc, MERGE_TMA=part_desc is not None, PAIR=pair,
-                                              SPANS=spans is not None,
-                                              NAMED=variant.endswith("-nb"), R_FIRST=variant.endswith("-r"),
-                                              EARLY=early.get(variant, 0), trace=trace, TRACE=trace is not None,
+                                              part_desc=part_desc, MERGE_TMA=part_desc is not None,
+                                              PAIR=variant == "pair", SPANS=spans is not None,
                                               OUT_TMA=out_desc is not None, **kw)  # fmt: skip
         return
     _mla_decode_gluon_ws_kernel[grid](

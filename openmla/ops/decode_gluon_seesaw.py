@@ -1,9 +1,10 @@
-"""The "seesaw" Gluon decode kernels for bf16 caches on Hopper (``variant="seesaw"`` and ``"seesaw-pair"`` of
+"""The seesaw Gluon decode kernels for bf16 caches on Hopper (``variant="seesaw"`` and ``"pair"`` of
 :func:`openmla.ops.decode_gluon.mla_decode_split_gluon`, which launches them; same grid, arguments and results as
 the warp-specialised kernel there). Two 4-warp partitions, no producer warp: each warpgroup holds half of the
-``[64, 512]`` fp32 output and computes the full scores of alternate 64-key tiles, which it loads by TMA. The
-comments above ``_seesaw_wg`` and ``_pair_mask`` give the two schedules; ``benchmarks/RESULTS.md`` (runs 27-41)
-the measurements behind them."""
+``[64, 512]`` fp32 output and loads its own 64-key tiles by TMA. ``seesaw``: each warpgroup computes the scores of
+alternate tiles (the comment above ``_seesaw_wg``); ``pair``: FlashMLA's seesaw order over pairs of tiles (the
+comment above ``_pair_wg0``), optionally on the request-spanning schedule of :mod:`openmla.ops.plan_spans`.
+``docs/kernels.md`` has the design and the measurements behind it."""
 
 from __future__ import annotations
 
@@ -19,13 +20,7 @@ from openmla.ops._gluon import (
     warpgroup_mma_wait,
 )
 
-# first hardware (named) barrier id of seesaw-pair-nb's handoffs (Triton's warp-specialised partitions use 0-2)
-NAMED_BASE = gl.constexpr(8)
-# the pair kernel's optional cycle trace (``_mark``): first traced pair, traced pairs, events per pair and warpgroup
-TRACE_LO = gl.constexpr(16)
-TRACE_NP = gl.constexpr(16)
-TRACE_NE = gl.constexpr(16)
-# seesaw-pair-el ("lazy" row max, as FlashAttention 4 does): a row's reference max moves only when the row's new
+# the pair kernel's "lazy" row max (as FlashAttention 4 does): a row's reference max moves only when the row's new
 # scores exceed it by more than LAZY_T (log2 units), so P <= 2^LAZY_T (in range for bf16 and the fp32 sums) and
 # most tiles leave every reference max where it was: the rescale multiply of O is skipped per warp (a vote)
 LAZY_T = gl.constexpr(8.0)
@@ -62,20 +57,12 @@ if GLUON_AVAILABLE:
     #      latent columns (only its own P V reads it: refilled at once), Y = the other half + the rope columns (P
     #      lives there; refilled once the other warpgroup's P_t V_t released it). S_{t+2} chains the X chunks
     #      first, so most of the load latency is hidden behind step 1 of the next tile.
-    # The order 1-before-2 and the split refill: 13% faster than the first seesaw schedule at h128 (RESULTS.md run
-    # 27; S before the other tile's P V was 3% slower); issuing S behind the P V without a wait in between: 1.4-2.4%
-    # (run 33). Each copy moves half a latent row of a 32-key box (6 copies a tile, not 18 of [32, 64]: the
-    # compiler puts a partition-wide barrier between copies; 3-5% faster, run 32). Measured and dropped: looking
-    # up the block-table rows of tile t + 2 at the top of the iteration (run 30, no gain); an L2 prefetch
-    # (cp.async.bulk.prefetch.L2) of the own tile one refill ahead (run 31: 19-40% slower); a third, 1-warp
-    # partition doing every lookup and copy (run 32: 1-3% slower than the warpgroups copying, with or without
-    # an L2 prefetch of the next tile); the own P V with P from registers, issued before P is stored for the
-    # other warpgroup (run 36: -1.5% to +0.6%); the scores first and the other tile's P V during the softmax
-    # (run 37, commit b0d2c1c: +1.7% at h128 q2, -1.5% at h32).
+    # Each copy moves half a latent row of a box (the compiler puts a partition-wide barrier between copies that
+    # share a barrier, so few wide copies beat many narrow ones).
     # Every shared-memory buffer is indexed with a compile-time stage (own = WG, other = 1 - WG) plus a runtime
-    # zero (``OPAQUE``): a stage indexed with a runtime value inside these branches gave wrong wgmma operands past
-    # the first k-step on the H200 (Triton 3.6 / ptxas 12.8; RESULTS.md runs 19-22), and purely compile-time
-    # indices let the compiler hoist every operand descriptor out of the loop and spill (~350 B a thread).
+    # zero: a stage indexed with a runtime value inside these branches gave wrong wgmma operands past the first
+    # k-step on the H200 (Triton 3.6 / ptxas 12.8), and purely compile-time indices let the compiler hoist every
+    # operand descriptor out of the loop and spill (~350 B a thread).
 
     @gluon.jit
     def _seesaw_item(block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER: gl.constexpr,
@@ -102,8 +89,7 @@ if GLUON_AVAILABLE:
                         Q_PER: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Start copying Q [64, 576] into 9 swizzled chunks (cp.async, 16 bytes a thread; rows past the query or
         the heads are zero-filled): each warpgroup copies alternate chunks; ``_seesaw_wait_q`` completes it. Issued
-        before the first tiles' block ids are looked up, so that the two latencies overlap (a register round trip
-        per chunk took 7,300-9,400 cycles to Q stored, RESULTS.md run 59)."""
+        before the first tiles' block ids are looked up, so that the two latencies overlap."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         LD_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD_LAYOUT))
@@ -172,8 +158,8 @@ if GLUON_AVAILABLE:
     def _span_finish(acc, b_l, m_run, l_smem, lbar, ph, stage, num_splits, span_indptr, span_flags, out, lse, o_part,
                      lse_part, v_scale, stride_o_t, stride_o_h, H, it, reader, i_h, i_q, i_b, q_start, qlen,
                      MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, READERS: gl.constexpr,
-                     WG: gl.constexpr, trace, tb, TRACE: gl.constexpr, out_desc,
-                     OUT_TMA: gl.constexpr, part_desc, pbar, MERGE_TMA: gl.constexpr):  # fmt: skip
+                     WG: gl.constexpr, out_desc, OUT_TMA: gl.constexpr, part_desc, pbar,
+                     MERGE_TMA: gl.constexpr):  # fmt: skip
         """``_seesaw_finish`` for item ``it`` of the request-spanning schedule (``SPANS``), which merges the pieces of
         a cut request itself (no reduce). ``stage``: this warpgroup's stage ``[64, 512]`` (free: every MMA and copy is
         done once both warpgroups passed ``lbar``).
@@ -188,22 +174,16 @@ if GLUON_AVAILABLE:
         The program runs its group's items last to first, so a request's last piece is its group's last item and the
         other pieces are the first items of lower groups, whose programs (lower program ids, started no later) do
         not wait before them: no circular wait. ``MERGE_TMA`` (a block whose rows all exist): the last piece keeps its
-        accumulator in registers and copies each other piece's partial by TMA into its stage (``_span_merge_tma``).
-        ``TRACE``: item events 5-9 of the trace row ``tb`` (``_mark``): the
-        row sums exchanged, the partial stored / the accumulator in the stage, the flag raised / seen, the partials
-        added, the final rows stored (``benchmarks/experiments/span_trace.py``)."""
+        accumulator in registers and copies each other piece's partial by TMA into its stage (``_span_merge_tma``)."""
         VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         b_l = _sum_row_sums(b_l, l_smem, lbar, ph, WG)
-        _mark(trace, tb, -1, 5, TRACE)
         first = gl.load(span_indptr + i_b)
         last = gl.load(span_indptr + i_b + 1) - 1
         zero = gl.zeros([128], gl.int32, VEC)  # one flag access per thread of the warpgroup
         if it < last:
             _store_result(acc, b_l, m_run, v_scale, num_splits, out, lse, o_part, lse_part, stride_o_t, stride_o_h, H,
                           it, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG * 256, True)  # fmt: skip
-            _mark(trace, tb, -1, 6, TRACE)
             gl.atomic_add(span_flags + ((it * READERS + reader) * 2 + WG) + zero, zero + 1, sem="release", scope="gpu")
-            _mark(trace, tb, -1, 7, TRACE)
         elif first == last:
             buf = stage.slice(WG * 256, 256, dim=1)
             if OUT_TMA:  # (the next item's copies into this half wait for the store: tma.store_wait)
@@ -220,7 +200,7 @@ if GLUON_AVAILABLE:
             if (i_q * Q_PER + Q_PER <= qlen) & (i_h * BLOCK_H + BLOCK_H <= H):  # every row of the block exists
                 acc, b_l, m_run = _span_merge_tma(acc, b_l, m_run, part_desc, pbar, stage, lse_part, span_flags,
                                                   v_scale, H, i_h, i_q, reader, first, last, MAX_QLEN, BLOCK_H, Q_PER,
-                                                  READERS, WG, trace, tb, TRACE)  # fmt: skip
+                                                  READERS, WG)  # fmt: skip
                 buf = stage.slice(WG * 256, 256, dim=1)
                 if OUT_TMA:
                     _store_out_tma(acc, b_l, m_run, v_scale, buf, out_desc, lse, H, i_h, i_q, q_start, BLOCK_H, Q_PER,
@@ -228,21 +208,20 @@ if GLUON_AVAILABLE:
                 else:
                     _store_out_staged(acc, b_l, m_run, v_scale, buf, out, lse, stride_o_t, stride_o_h, H, i_h, i_q,
                                       q_start, qlen, BLOCK_H, Q_PER, WG * 256, WG == 0)  # fmt: skip
-                _mark(trace, tb, -1, 9, TRACE)
             else:
                 _span_last_piece(acc, b_l, m_run, stage, span_flags, out, lse, o_part, lse_part, v_scale,
                                  stride_o_t, stride_o_h, H, reader, i_h, i_q, q_start, qlen, first, last,
-                                 MAX_QLEN, BLOCK_H, Q_PER, READERS, WG, trace, tb, TRACE)  # fmt: skip
+                                 MAX_QLEN, BLOCK_H, Q_PER, READERS, WG)  # fmt: skip
         else:
             _span_last_piece(acc, b_l, m_run, stage, span_flags, out, lse, o_part, lse_part, v_scale, stride_o_t,
                              stride_o_h, H, reader, i_h, i_q, q_start, qlen, first, last, MAX_QLEN, BLOCK_H, Q_PER,
-                             READERS, WG, trace, tb, TRACE)  # fmt: skip
+                             READERS, WG)  # fmt: skip
 
     @gluon.jit
     def _span_last_piece(acc, b_l, m_run, stage, span_flags, out, lse, o_part, lse_part, v_scale, stride_o_t,
                          stride_o_h, H, reader, i_h, i_q, q_start, qlen, first, last, MAX_QLEN: gl.constexpr,
-                         BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, READERS: gl.constexpr, WG: gl.constexpr, trace, tb,
-                         TRACE: gl.constexpr):  # fmt: skip
+                         BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, READERS: gl.constexpr,
+                         WG: gl.constexpr):  # fmt: skip
         """``_span_finish`` for a request's last piece: its accumulator goes to ``stage`` as fp32; for each other
         piece it waits until the flag reads 128 (acquire), resets it and adds the partial, weighted by the LSEs, 64
         columns at a time; then the final rows."""
@@ -254,7 +233,6 @@ if GLUON_AVAILABLE:
         zero = gl.zeros([128], gl.int32, VEC)  # one flag access per thread of the warpgroup
         f_acc = stage._reinterpret(gl.float32, [BLOCK_M, 256], F_SMEM)
         f_acc.store(acc)
-        _mark(trace, tb, -1, 6, TRACE)
         o_m = gl.arange(0, BLOCK_M, layout=ROW_C)
         o_t = i_q * Q_PER + o_m // BLOCK_H
         o_h = i_h * BLOCK_H + o_m % BLOCK_H
@@ -269,7 +247,6 @@ if GLUON_AVAILABLE:
                 n_in = gl.min(gl.atomic_add(p_f, zero, sem="acquire", scope="gpu"), axis=0)
             gl.thread_barrier()  # every thread saw 128 before the flag goes back to 0
             gl.store(p_f, zero)
-            _mark(trace, tb, -1, 7, TRACE)
             row = (j.to(gl.int64) * MAX_QLEN + o_t) * H + o_h
             lse_p = gl.load(lse_part + row, mask=m_r, other=float("-inf"), cache_modifier=".cg") * LOG2E
             m_new = gl.maximum(b_m, lse_p)
@@ -284,7 +261,6 @@ if GLUON_AVAILABLE:
                 p_o = o_part + gl.expand_dims(row * 512 + WG * 256 + c * 64, 1) + o_c
                 o_p = gl.load(p_o, mask=gl.expand_dims(m_r, 1), other=0.0, cache_modifier=".cg")
                 chunk.store(chunk.load(CH) * gl.expand_dims(a_own, 1) + o_p * gl.expand_dims(w_p, 1))
-            _mark(trace, tb, -1, 8, TRACE)
         empty_r = b_den == 0.0
         b_inv = gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_den))
         p_out = out + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_o_t + o_h * stride_o_h + WG * 256, 1)
@@ -295,12 +271,11 @@ if GLUON_AVAILABLE:
             b_lse = gl.where(empty_r, float("-inf"),
                              (b_m + gl.log2(gl.where(empty_r, 1.0, b_den))) * 0.6931471805599453)  # fmt: skip
             gl.store(lse + (q_start + o_t).to(gl.int64) * H + o_h, b_lse, mask=m_r)
-        _mark(trace, tb, -1, 9, TRACE)
 
     @gluon.jit
     def _span_merge_tma(acc, b_l, m_run, part_desc, pbar, stage, lse_part, span_flags, v_scale, H, i_h, i_q, reader,
                         first, last, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
-                        READERS: gl.constexpr, WG: gl.constexpr, trace, tb, TRACE: gl.constexpr):  # fmt: skip
+                        READERS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """``_span_finish``'s merge for a request's last piece whose block rows all exist: for each other piece
         ``j`` of the request, wait for its flag (acquire; then reset it), copy its fp32 partial (this warpgroup's
         ``[64, 256]``, ``part_desc``: ``o_part`` as ``[rows, 512]``) by TMA into this warpgroup's stage (free: the
@@ -315,7 +290,6 @@ if GLUON_AVAILABLE:
         o_ts = i_q * Q_PER + o_ms // BLOCK_H
         o_hs = i_h * BLOCK_H + o_ms % BLOCK_H
         zero = gl.zeros([128], gl.int32, VEC)  # one flag access per thread of the warpgroup
-        _mark(trace, tb, -1, 6, TRACE)  # (no accumulator to put into the stage here)
         for j in range(first, last):
             p_f = span_flags + ((j * READERS + reader) * 2 + WG) + zero
             n_in = gl.min(gl.atomic_add(p_f, zero, sem="acquire", scope="gpu"), axis=0)
@@ -323,7 +297,6 @@ if GLUON_AVAILABLE:
                 n_in = gl.min(gl.atomic_add(p_f, zero, sem="acquire", scope="gpu"), axis=0)
             gl.thread_barrier()  # every thread saw 128 before the flag goes back to 0
             gl.store(p_f, zero)
-            _mark(trace, tb, -1, 7, TRACE)
             # the partial's generic stores (seen through the acquire) before this copy's async-proxy reads
             gl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, 0;", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)  # fmt: skip
@@ -345,7 +318,6 @@ if GLUON_AVAILABLE:
             acc = acc * gl.expand_dims(gl.convert_layout(a_own, ROW_O), 1) + \
                 o_p * gl.expand_dims(gl.convert_layout(w_p, ROW_O), 1)
             gl.thread_barrier()  # every thread read the partial before the next copy (or the final rows) lands there
-            _mark(trace, tb, -1, 8, TRACE)
         return acc, b_l, m_run
 
     @gluon.jit
@@ -412,27 +384,9 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _lazy_max(m_ref, row_max):
-        """seesaw-pair-el's reference row max: ``m_ref`` unless the row max exceeds it by more than ``LAZY_T``
+        """The pair kernel's reference row max: ``m_ref`` unless the row max exceeds it by more than ``LAZY_T``
         (then the row max; a row whose reference is still -inf takes any finite row max)."""
         return gl.where(row_max > m_ref + LAZY_T, row_max, m_ref)
-
-    @gluon.jit
-    def _pair_ref_max(m_ref, row_max, LAZY: gl.constexpr):
-        """The pair kernels' new reference row max: ``_lazy_max`` when ``LAZY``, else the running maximum."""
-        if LAZY:
-            m_new = _lazy_max(m_ref, row_max)
-        else:
-            m_new = gl.maximum(m_ref, row_max)
-        return m_new
-
-    @gluon.jit
-    def _pair_rescale(acc, b_l, m_prev, m_new, ROW_O: gl.constexpr, LAZY: gl.constexpr):
-        """O and the row sums from reference ``m_prev`` to ``m_new``: ``_seesaw_rescale_lazy`` when ``LAZY``."""
-        if LAZY:
-            acc, b_l = _seesaw_rescale_lazy(acc, b_l, m_prev, m_new, ROW_O)
-        else:
-            acc, b_l = _seesaw_rescale(acc, b_l, m_prev, m_new, ROW_O)
-        return acc, b_l
 
     @gluon.jit
     def _seesaw_rescale_lazy(acc, b_l, m_prev, m_new, ROW_O: gl.constexpr):
@@ -475,7 +429,7 @@ if GLUON_AVAILABLE:
         the whole tile on one page). One copy per box through ``lat_desc`` (the lowering gives each of the
         partition's 4 warps one message) and one per box through ``rope_desc``. The compiler puts a
         partition-wide barrier between consecutive copies that share ``bar``: 6 a tile with 32-row boxes, 3 with
-        64; 18 with one copy per ``[32, 64]`` chunk, which ran 3-5% slower (RESULTS.md run 32)."""
+        64 (18 with one copy per ``[32, 64]`` chunk ran 3-5% slower)."""
         BOX: gl.constexpr = lat_desc.block_shape[0]
         n_chunks: gl.constexpr = 5 if ROPE else 4
         mbarrier.expect(bar, n_chunks * 64 * 64 * 2)
@@ -490,8 +444,7 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _seesaw_tile(k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
                      empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
-                     max_blocks, PAGE: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
-                     FIRST: gl.constexpr):  # fmt: skip
+                     max_blocks, PAGE: gl.constexpr, WG: gl.constexpr, FIRST: gl.constexpr):  # fmt: skip
         """Tile ``t = WG + 2 k`` of warpgroup ``WG`` (steps 1-5 of the comment above ``_seesaw_wg``); ``FIRST``:
         t = 0, no other tile before it. Returns the updated ``acc``, ``b_l``, ``m_prev``."""
         BLOCK_N: gl.constexpr = 64
@@ -503,20 +456,15 @@ if GLUON_AVAILABLE:
         ROW_O: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
         t = WG + 2 * k  # this warpgroup's tile; t - 1 is the other's (none for t = 0)
         n0 = kv_lo + t * BLOCK_N
-        if OPAQUE:
-            z = (L >> 31) & k  # a runtime 0 (seq_lens >= 0): descriptors rebuilt per iteration, not hoisted
-        else:
-            z = 0
+        z = (L >> 31) & k  # a runtime 0 (seq_lens >= 0): descriptors rebuilt per iteration, not hoisted
         own_lat = lat_smem.index(OWN + z)
         own_rope = rope_smem.index(OWN + z)
         oth_lat = lat_smem.index(OTH + z)
         oth_rope = rope_smem.index(OTH + z)
         # 1. P V of the other warpgroup's tile t - 1 (its P over its rope columns x this warpgroup's half of
         #    its V, both in the other stage's Y group), issued and left running: the scores MMAs of step 2 queue
-        #    right behind it (no drain of the tensor pipe in between: 1.4-2.4% faster, RESULTS.md run 33); the
-        #    other stage's Y group goes back to its owner once the P V is done, before the Y chunks of step 2
-        #    (run 47: 0-1.5% faster than after the whole of S_t; its owner waited for that release in 21% of the
-        #    stall samples, run 46)
+        #    right behind it (no drain of the tensor pipe in between); the other stage's Y group goes back to its
+        #    owner once the P V is done, before the Y chunks of step 2
         if not FIRST:
             acc, b_l, m_prev = _seesaw_other_pv(acc, b_l, m_prev, oth_lat, oth_rope, m_smem, pready, ready_y,
                                                 (k - 1 + WG) & 1, WG, ROW_S, ROW_O)  # fmt: skip
@@ -578,8 +526,7 @@ if GLUON_AVAILABLE:
                    num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h,
                    stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
                    MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
-                   N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr,
-                   NAMED: gl.constexpr):  # fmt: skip
+                   N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         BLOCK_N: gl.constexpr = 64
         HALF: gl.constexpr = 256  # output columns of this warpgroup
@@ -615,17 +562,17 @@ if GLUON_AVAILABLE:
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
         key0 = gl.expand_dims(gl.arange(0, BLOCK_N, layout=COL_S), 0)
 
-        if WG == 0:  # its first tile has no tile of the other warpgroup before it
+        if WG == 0:  # noqa: SIM102  (its first tile has no tile of the other warpgroup before it)
             if n_own > 0:
                 acc, b_l, m_prev = _seesaw_tile(
                     0, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
                     empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
-                    max_blocks, PAGE, WG, OPAQUE, True)  # fmt: skip
+                    max_blocks, PAGE, WG, True)  # fmt: skip
         for k in range(1 - WG, n_own):
             acc, b_l, m_prev = _seesaw_tile(
                 k, acc, b_l, m_prev, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_x, ready_y,
                 empty_y, pready, p_bt, kv_lo, kv_hi, L, n_own, limit, s_zero, key0, scale_log2, num_blocks,
-                max_blocks, PAGE, WG, OPAQUE, False)  # fmt: skip
+                max_blocks, PAGE, WG, False)  # fmt: skip
 
         t = WG + 2 * n_own - 1  # the other warpgroup's tile after this warpgroup's last one (at most one)
         if (t >= 0) & (t < n_tiles):
@@ -637,81 +584,39 @@ if GLUON_AVAILABLE:
                        lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen,
                        MAX_QLEN, BLOCK_H, Q_PER, WG)  # fmt: skip
 
-    # ---- "seesaw-pair" kernel (FlashMLA's published seesaw order): the tiles go in pairs, a = 2i in stage 0
-    # (scores by warpgroup 0), b = 2i + 1 in stage 1 (scores by warpgroup 1); warpgroup 0 holds output columns
-    # [0, 256) ("L"), warpgroup 1 [256, 512) ("R"). One shared running row max M. Per pair:
-    #   WG0: softmax of S_a with M_{b-1} -> M_a (rescales O_L once), publishes M_a; issues O_L += P_a V_aL with P_a
-    #        in registers; waits for M_b, stores P_a * exp(M_a - M_b) over stage 0's rope columns for WG1;
-    #        rescales O_L to M_b; issues O_L += P_b V_bL (P_b from stage 1's rope columns); issues the scores
-    #        of the next tile a + 2 (its L half first).
-    #   WG1: waits for M_a, softmax of S_b with it -> M_b (one rescale of O_R per pair), publishes M_b and P_b;
-    #        issues O_R += P_a V_aR (stored P) and O_R += P_b V_bR (P_b in registers); issues the scores of b + 2.
-    # Each softmax overlaps the other warpgroup's MMAs (WG1's scores of b + 2 under WG0's softmax, WG0's P_a V_aL
-    # under WG1's). Each stage is refilled in two TMA groups by the last warpgroup to read them, with no "empty"
-    # barrier: the L latent half by WG0 after its P V (stage 1: with the rope columns, where P_b lived), the R
-    # half by WG1 after its P V (stage 0: with the rope columns, where P_a lived). A missing tile b (an odd tile
-    # count) is loaded as zeros (out-of-bounds rows) and masked. Measured (RESULTS.md runs 39-41): with every tile
-    # in L2 it beats the seesaw schedule (583 vs 555 TFLOPS at h128), from HBM it hides less latency (h128 q1 -4%,
-    # h32 -6%, h128 q2 +2%, b1 -10%). Measured and dropped: P_a published at M_a right after WG0's softmax, WG1
-    # adding P_a V_aR during its own softmax (run 41, no gain).
-    # NAMED ("seesaw-pair-nb"; 1-2% slower, run 42): the four handoffs of a pair on hardware named barriers.
-    # R_FIRST ("seesaw-pair-r"; mla_decode's kernel at h128 before seesaw-pair-ea): FlashMLA's sm90 order. WG1
-    # adds P_b V_bR before P_a V_aR, refills stage 1's R half first and starts the scores of b + 2 on it (the L
-    # half, refilled last by WG0 after P_b V_bL, is needed last: run 46's largest wait, 16% of the stall samples,
-    # was WG1 waiting for that L half); WG0 refills stage 0's L half before
-    # it stores P_a. 3-5% faster than seesaw-pair, 3-4% faster than seesaw at h128 b128 (run 48); its TMA waits
-    # are spread over the four refill groups (5-8% of the samples each, run 49). Measured and dropped on top of it:
-    # the block ids of the next two tiles looked up a pair ahead with WG0's L refill before its M_b wait (run 50,
-    # no gain at q1, -1.5% at q2); each refill group in 2 / 4 column slices on their own barriers (run 51, no gain
-    # / slower).
+    # ---- "pair" kernel (FlashMLA's published seesaw order): the tiles go in pairs, a = 2i in stage 0 (scores by
+    # warpgroup 0), b = 2i + 1 in stage 1 (scores by warpgroup 1); warpgroup 0 holds output columns [0, 256) ("L"),
+    # warpgroup 1 [256, 512) ("R"). Each P is published at its own warpgroup's row max as soon as its softmax is
+    # done, so that no P V waits for the other warpgroup's softmax, and every block id is looked up a pair ahead.
+    # Per pair:
+    #   WG0: row max of S_a -> M_a out (before the exponentials); O_L to M_a; P_a = exp(S_a - M_a) over stage 0's
+    #        rope columns -> out; O_L += P_a V_aL (P_a in registers); refills stage 0's L half; M_b in: O_L to M_b;
+    #        P_b in: O_L += P_b V_bL; refills stage 1's L half + rope (P_b's columns); looks up the block ids of
+    #        the next pair's refills; the scores of a + 2.
+    #   WG1: row max of S_b; M_a in -> M_b = max(M_a, row max) out; P_b = exp(S_b - M_b) over stage 1's rope
+    #        columns -> out; O_R to M_a; P_a in: O_R += P_a V_aR; refills stage 0's R half + rope (P_a's columns);
+    #        O_R to M_b; O_R += P_b V_bR (P_b in registers); refills stage 1's R half; looks up the next block ids;
+    #        the scores of b + 2.
+    # Each softmax overlaps the other warpgroup's MMAs. Each stage is refilled in two TMA groups by the last
+    # warpgroup to read them, with no "empty" barrier. A missing tile b (an odd tile count) is loaded as zeros
+    # (out-of-bounds rows) and masked. Each softmax takes its row max on the raw scores and folds the scale into the
+    # exponent (exp2(s * scale - m): one FMA a score), and masks keys only in a tile that needs it
+    # (``_pair_mask_raw``: a uniform branch). The reference row maxes M_a and M_b are lazy (``_lazy_max``: a row's
+    # reference moves only when its scores exceed it by more than LAZY_T), so nearly every factor of the four O
+    # rescales a pair is exactly 1 and ``_seesaw_rescale_lazy`` skips the multiplies per warp.
 
     @gluon.jit
-    def _pair_signal(bar, nb, NAMED: gl.constexpr):
-        """This warpgroup's shared-memory writes so far go to the other warpgroup: one handoff. ``NAMED``: every
-        thread arrives on hardware barrier ``nb`` (``bar.arrive nb, 256``; no wait, and PTX orders each thread's
-        earlier shared-memory accesses before the other warpgroup's ``bar.sync``); else a partition barrier and
-        one arrive on the mbarrier ``bar``."""
-        if NAMED:
-            gl.inline_asm_elementwise("bar.arrive $1, 256;\n\tmov.u32 $0, 0;", "=r,r", [nb], dtype=gl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
-        else:
-            gl.thread_barrier()
-            mbarrier.arrive(bar, count=1)
-
-    @gluon.jit
-    def _pair_await(bar, ph, nb, NAMED: gl.constexpr):
-        """Wait for the other warpgroup's handoff (``_pair_signal``): ``bar.sync nb, 256``, or phase ``ph`` of the
-        mbarrier ``bar``."""
-        if NAMED:
-            gl.inline_asm_elementwise("bar.sync $1, 256;\n\tmov.u32 $0, 0;", "=r,r", [nb], dtype=gl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
-        else:
-            mbarrier.wait(bar, ph)
-
-    @gluon.jit
-    def _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE: gl.constexpr):
-        """Scores of the 64-key tile at ``n0`` in base 2, -inf where a key is not seen: masked as a range
-        ``[lo, hi)`` per row (an invalid 32-key box is the first or the second half of the tile)."""
-        ok0 = _box_ok(p_bt, n0, kv_hi, max_blocks, num_blocks, PAGE)
-        ok1 = _box_ok(p_bt, n0 + 32, kv_hi, max_blocks, num_blocks, PAGE)
-        lo = gl.where(ok0, n0, n0 + 32)
-        hi = gl.minimum(limit, gl.where(ok1, n0 + 64, n0 + 32))
-        key = key0 + n0
-        return gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
-
-    @gluon.jit
-    def _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2):
-        """``_pair_mask`` with the two boxes' validity given (``ok0``, ``ok1``: looked up ahead, no load here)."""
-        lo = gl.where(ok0, n0, n0 + 32)
-        hi = gl.minimum(limit, gl.where(ok1, n0 + 64, n0 + 32))
-        key = key0 + n0
-        return gl.where((key >= lo) & (key < hi), b_s * scale_log2, float("-inf"))
+    def _pair_signal(bar):
+        """This warpgroup's shared-memory writes so far go to the other warpgroup: a partition barrier, then one
+        arrive on the mbarrier ``bar``."""
+        gl.thread_barrier()
+        mbarrier.arrive(bar, count=1)
 
     @gluon.jit
     def _pair_mask_raw(b_s, ok0, ok1, n0, limit, lim_lo, key0):
-        """FUSED: the raw scores with ``-inf`` outside each row's ``[lo, hi)`` (as ``_pair_mask_ok``, unscaled), in a
-        uniform branch taken only for a tile with an invalid box or a key at or past some row's limit
-        (``lim_lo``: the least of them); the scores of the other tiles go through untouched."""
+        """The raw scores with ``-inf`` outside each row's ``[lo, hi)`` (an invalid 32-key box is the first or the
+        second half of the tile), in a uniform branch taken only for a tile with an invalid box or a key at or past
+        some row's limit (``lim_lo``: the least of them); the scores of the other tiles go through untouched."""
         if (ok0 == 0) | (ok1 == 0) | (n0 + 64 > lim_lo):
             lo = gl.where(ok0, n0, n0 + 32)
             hi = gl.minimum(limit, gl.where(ok1, n0 + 64, n0 + 32))
@@ -720,25 +625,16 @@ if GLUON_AVAILABLE:
         return b_s
 
     @gluon.jit
-    def _pair_row_max(b_s, ok0, ok1, n0, limit, lim_lo, key0, scale_log2, FUSED: gl.constexpr):
-        """The masked scores and their row max in log2 units: ``FUSED``, raw scores (``_pair_mask_raw``) and the row
-        max scaled once; else scaled, masked scores (``_pair_mask_ok``)."""
-        if FUSED:
-            b_s = _pair_mask_raw(b_s, ok0, ok1, n0, limit, lim_lo, key0)
-            row_max = gl.max(b_s, axis=1) * scale_log2
-        else:
-            b_s = _pair_mask_ok(b_s, ok0, ok1, n0, limit, key0, scale_log2)
-            row_max = gl.max(b_s, axis=1)
+    def _pair_row_max(b_s, ok0, ok1, n0, limit, lim_lo, key0, scale_log2):
+        """The masked raw scores (``_pair_mask_raw``) and their row max in log2 units (scaled once)."""
+        b_s = _pair_mask_raw(b_s, ok0, ok1, n0, limit, lim_lo, key0)
+        row_max = gl.max(b_s, axis=1) * scale_log2
         return b_s, row_max
 
     @gluon.jit
-    def _pair_exp(b_s, m_use, scale_log2, FUSED: gl.constexpr):
-        """P = exp2(scores - row max) for ``_pair_row_max``'s scores (``FUSED``: the scale in the same FMA)."""
-        if FUSED:
-            b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m_use, 1))
-        else:
-            b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
-        return b_p
+    def _pair_exp(b_s, m_use, scale_log2):
+        """P = exp2(scores * scale - row max) for ``_pair_row_max``'s raw scores (one FMA a score)."""
+        return gl.exp2(b_s * scale_log2 - gl.expand_dims(m_use, 1))
 
     @gluon.jit
     def _pair_rows_ahead(p_bt, n, kv_hi, max_blocks, num_blocks, PAGE: gl.constexpr, LAST: gl.constexpr):
@@ -779,249 +675,27 @@ if GLUON_AVAILABLE:
         _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, STAGE, r0, r1, HALF_IDX, ROPE)
 
     @gluon.jit
-    def _pair_stages(lat_smem, rope_smem, L, i, OPAQUE: gl.constexpr):
+    def _pair_stages(lat_smem, rope_smem, L, i):
         """``(z, lat0, lat1, rope0, rope1)``: the two stages' latent and rope buffers, indexed with a runtime zero
-        ``z`` when ``OPAQUE`` (the descriptors are rebuilt per iteration, not hoisted out of the loop)."""
-        if OPAQUE:
-            z = (L >> 31) & i
-        else:
-            z = 0
+        ``z`` (the descriptors are rebuilt per iteration, not hoisted out of the loop)."""
+        z = (L >> 31) & i
         return z, lat_smem.index(0 + z), lat_smem.index(1 + z), rope_smem.index(0 + z), rope_smem.index(1 + z)
 
     @gluon.jit
-    def _mark(trace, tb, i, EV: gl.constexpr, TRACE: gl.constexpr):
-        """``TRACE``: store the SM's cycle counter (``%clock64``) as event ``EV`` of pair ``i`` into ``trace``
-        (``int64 [programs, 2, TRACE_NP + 1, TRACE_NE]``, row ``tb`` = this program and warpgroup): pairs
-        ``TRACE_LO .. TRACE_LO + TRACE_NP - 1``, and ``i = -1`` for the program's own events (the last row).
-        ``benchmarks/experiments/pair_trace.py`` reads it; without ``TRACE`` nothing is emitted."""
-        if TRACE:
-            t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [tb], dtype=gl.int64, is_pure=False,
-                                          pack=1)  # fmt: skip
-            row = gl.where(i < 0, TRACE_NP, i - TRACE_LO)
-            on = (i < 0) | ((i >= TRACE_LO) & (i < TRACE_LO + TRACE_NP))
-            gl.store(trace + (tb * (TRACE_NP + 1) + row) * TRACE_NE + EV, t, mask=on)
-
-    @gluon.jit
-    def _mark_ns(trace, tb, EV: gl.constexpr, TRACE: gl.constexpr):
-        """``TRACE``: store the GPU's nanosecond timer (``%globaltimer``, one clock for all SMs, unlike
-        ``%clock64``) as event ``EV`` of row ``tb``'s own events (``_mark``'s ``i = -1`` row)."""
-        if TRACE:
-            t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tb], dtype=gl.int64, is_pure=False,
-                                          pack=1)  # fmt: skip
-            gl.store(trace + (tb * (TRACE_NP + 1) + TRACE_NP) * TRACE_NE + EV, t)
-
-    @gluon.jit
-    def _pair_wg0(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
-                  ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                  max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
-                  NAMED: gl.constexpr, R_FIRST: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
-        """Warpgroup 0, pair ``i`` (``b_s`` = the finished scores of tile a). Returns the scores of tile a + 2
-        (finished; unchanged when ``LAST``), O_L, its row sums and the running max M_b. ``R_FIRST``
-        (``"seesaw-pair-r"``, FlashMLA's placement): stage 0's L half is refilled as soon as M_b is known and
-        P_a V_aL is done, before P_a is stored for warpgroup 1."""
-        O_LAYOUT: gl.constexpr = acc.type.layout
-        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        ROW_S: gl.constexpr = m_run.type.layout
-        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-        z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i, OPAQUE)
-        ph = i & 1
-        n0 = kv_lo + i * 128  # tile a; tile b starts at n0 + 64
-        _mark(trace, tb, i, 0, TRACE)
-        # softmax of S_a with M_{b-1}; publish M_a
-        b_s = _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE)
-        m_a = gl.maximum(m_run, gl.max(b_s, axis=1))
-        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_a, ROW_O)
-        m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
-        b_p = gl.exp2(b_s - gl.expand_dims(m_a_use, 1))
-        b_l = b_l + gl.sum(b_p, axis=1)
-        m_smem.index(0).store(m_a)
-        _pair_signal(m_ready.index(0), nb, NAMED)
-        _mark(trace, tb, i, 1, TRACE)
-        if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
-            _zero_tail(lat0, n0, L, 64, 4)
-        # O_L += P_a V_aL, P_a in registers
-        p_op = gl.convert_layout(b_p.to(gl.bfloat16), P_LAYOUT)
-        acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
-        _mark(trace, tb, i, 2, TRACE)
-        # P_a at M_b for warpgroup 1, over stage 0's rope columns (the scores are done with them)
-        _pair_await(m_ready.index(1), ph, nb + 1, NAMED)
-        _mark(trace, tb, i, 3, TRACE)
-        if R_FIRST:
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            _mark(trace, tb, i, 4, TRACE)
-            if not LAST:  # stage 0's L half: warpgroup 0 was its last reader
-                gl.thread_barrier()
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), p_bt, n0 + 128, kv_hi,
-                             max_blocks, num_blocks, 0, 0, False, PAGE)  # fmt: skip
-            _mark(trace, tb, i, 5, TRACE)
-        m_b = m_smem.index(1).load(ROW_S)
-        m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
-        b_sc = gl.where(m_a == float("-inf"), 1.0, gl.exp2(m_a - m_b_use))  # (P_a and O_L are 0 while M_a is -inf)
-        rope0.store((b_p * gl.expand_dims(b_sc, 1)).to(gl.bfloat16))
-        fence_async_shared()
-        _pair_signal(p_ready.index(0), nb + 2, NAMED)
-        _mark(trace, tb, i, 6, TRACE)
-        if not R_FIRST:
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        acc = acc * gl.expand_dims(gl.convert_layout(b_sc, ROW_O), 1)
-        b_l = b_l * b_sc
-        if (not LAST) and (not R_FIRST):  # stage 0's L half: warpgroup 0 was its last reader
-            gl.thread_barrier()
-            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), p_bt, n0 + 128, kv_hi,
-                         max_blocks, num_blocks, 0, 0, False, PAGE)  # fmt: skip
-        # O_L += P_b V_bL
-        _pair_await(p_ready.index(1), ph, nb + 3, NAMED)
-        _mark(trace, tb, i, 7, TRACE)
-        acc = warpgroup_mma(rope1, lat1.slice(0, 256, dim=1), acc, is_async=True)
-        if not LAST:
-            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_l.index(0), ph ^ 1, z, 0, False, True)
-            _mark(trace, tb, i, 8, TRACE)
-            acc = warpgroup_mma_wait(4, deps=(acc,))  # P_b V_bL done (the 4 scores MMAs may run on)
-            _mark(trace, tb, i, 9, TRACE)
-            gl.thread_barrier()  # stage 1's L half and rope columns (P_b): warpgroup 0 was their last reader
-            _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(1), p_bt, n0 + 192, kv_hi,
-                         max_blocks, num_blocks, 1, 0, True, PAGE)  # fmt: skip
-            _mark(trace, tb, i, 10, TRACE)
-            b_s = _pair_qk_half(q_smem, lat0, rope0, b_s, ready_r.index(0), ph ^ 1, z, 1, True, False)
-            _mark(trace, tb, i, 11, TRACE)
-            b_s = warpgroup_mma_wait(0, deps=(b_s,))
-            _mark(trace, tb, i, 12, TRACE)
-        else:
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-        return b_s, acc, b_l, m_b
-
-    @gluon.jit
-    def _pair_wg1(i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
-                  ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2, num_blocks,
-                  max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr, LAST: gl.constexpr,
-                  NAMED: gl.constexpr, R_FIRST: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
-        """Warpgroup 1, pair ``i`` (``b_s`` = the finished scores of tile b). Returns the scores of tile b + 2
-        (finished; unchanged when ``LAST``), O_R, its row sums and the running max M_b. ``R_FIRST``
-        (``"seesaw-pair-r"``, FlashMLA's order for this warpgroup): its own P_b V_bR first (no wait), so stage 1's
-        R half is refilled first, and the scores of tile b + 2 start with that R half."""
-        O_LAYOUT: gl.constexpr = acc.type.layout
-        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        ROW_S: gl.constexpr = m_run.type.layout
-        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-        z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i, OPAQUE)
-        ph = i & 1
-        n0 = kv_lo + i * 128 + 64  # tile b
-        _mark(trace, tb, i, 0, TRACE)
-        b_s = _pair_mask(b_s, p_bt, n0, kv_hi, limit, key0, scale_log2, num_blocks, max_blocks, PAGE)
-        # softmax of S_b with M_a (which already holds this warpgroup's M_{b-1}); publish M_b, then P_b
-        _pair_await(m_ready.index(0), ph, nb, NAMED)
-        _mark(trace, tb, i, 1, TRACE)
-        m_a = m_smem.index(0).load(ROW_S)
-        m_b = gl.maximum(m_a, gl.max(b_s, axis=1))
-        acc, b_l = _seesaw_rescale(acc, b_l, m_run, m_b, ROW_O)
-        m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
-        b_p = gl.exp2(b_s - gl.expand_dims(m_b_use, 1))
-        b_l = b_l + gl.sum(b_p, axis=1)
-        m_smem.index(1).store(m_b)
-        _pair_signal(m_ready.index(1), nb + 1, NAMED)
-        _mark(trace, tb, i, 2, TRACE)
-        if n0 + 64 > L:
-            _zero_tail(lat1, n0, L, 64, 4)
-        p_bf = b_p.to(gl.bfloat16)
-        rope1.store(p_bf)
-        fence_async_shared()
-        _pair_signal(p_ready.index(1), nb + 3, NAMED)
-        _mark(trace, tb, i, 3, TRACE)
-        p_op = gl.convert_layout(p_bf, P_LAYOUT)
-        if R_FIRST:  # O_R += P_b V_bR (P_b in registers, no wait), then O_R += P_a V_aR
-            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
-            _pair_await(p_ready.index(0), ph, nb + 2, NAMED)
-            _mark(trace, tb, i, 4, TRACE)
-            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
-        else:  # O_R += P_a V_aR (stage 0 first: its refill is on warpgroup 0's path), then O_R += P_b V_bR
-            _pair_await(p_ready.index(0), ph, nb + 2, NAMED)
-            acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
-            acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
-        if not LAST:
-            # the first P V done (the second may run on): warpgroup 1 was the last reader of that stage's R half
-            # (stage 0: and of its rope columns, P_a); refill it, then the other stage's once both are done
-            p_op = warpgroup_mma_wait(1, deps=(p_op,))
-            _mark(trace, tb, i, 5, TRACE)
-            gl.thread_barrier()
-            if R_FIRST:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
-                             max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
-                _mark(trace, tb, i, 6, TRACE)
-            else:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
-                             max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            _mark(trace, tb, i, 7, TRACE)
-            gl.thread_barrier()
-            if R_FIRST:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), p_bt, n0 + 64, kv_hi,
-                             max_blocks, num_blocks, 0, 1, True, PAGE)  # fmt: skip
-                _mark(trace, tb, i, 8, TRACE)
-                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, True)
-                _mark(trace, tb, i, 9, TRACE)
-                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, False)
-                _mark(trace, tb, i, 10, TRACE)
-            else:
-                _pair_refill(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(1), p_bt, n0 + 128, kv_hi,
-                             max_blocks, num_blocks, 1, 1, False, PAGE)  # fmt: skip
-                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_l.index(1), ph ^ 1, z, 0, True, True)
-                b_s = _pair_qk_half(q_smem, lat1, rope1, b_s, ready_r.index(1), ph ^ 1, z, 1, False, False)
-            b_s = warpgroup_mma_wait(0, deps=(b_s,))
-            _mark(trace, tb, i, 11, TRACE)
-        else:
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        return b_s, acc, b_l, m_b
-
-    # EARLY ("seesaw-pair-ea"; mla_decode's kernel at h128): each P is published at its own warpgroup's row max as
-    # soon as its softmax is done, so that no P V waits for the other warpgroup's softmax, and every block id is
-    # looked up a pair ahead. The cycle trace of seesaw-pair-r (benchmarks/experiments/pair_trace.py, RESULTS.md run
-    # 54) showed its two last refills of a pair issued 4,100-4,400 cycles into a 6,400-cycle pair and landing
-    # 1,900-2,000 cycles later (1,400 from L2), with both warpgroups' next scores waiting on them; here they go out
-    # 600-800 cycles earlier (run 57). Per pair:
-    #   WG0: row max of S_a -> M_a out (before the exponentials); O_L to M_a; P_a = exp(S_a - M_a) over stage 0's
-    #        rope columns -> out; O_L += P_a V_aL (P_a in registers); refills stage 0's L half; M_b in: O_L to M_b;
-    #        P_b in: O_L += P_b V_bL; refills stage 1's L half + rope (P_b's columns); looks up the block ids of
-    #        the next pair's refills; the scores of a + 2.
-    #   WG1: row max of S_b; M_a in -> M_b = max(M_a, row max) out; P_b = exp(S_b - M_b) over stage 1's rope
-    #        columns -> out; O_R to M_a; P_a in: O_R += P_a V_aR; refills stage 0's R half + rope (P_a's columns);
-    #        O_R to M_b; O_R += P_b V_bR (P_b in registers); refills stage 1's R half; looks up the next block ids;
-    #        the scores of b + 2.
-    # O_R is rescaled twice a pair (to M_a, then to M_b), O_L twice as before. Measured (RESULTS.md runs 55-58):
-    # 1.8-2.5% faster than seesaw-pair-r at h128 b128 q1 and q2; the early P alone (block ids looked up where they
-    # are used) no faster than seesaw-pair-r; P_a rescaled to M_b in warpgroup 1's registers so that both its P V
-    # go out back to back (one O_R rescale) 5% slower.
-    # FUSED ("seesaw-pair-es"; mla_decode's kernel at h128): each softmax takes its row max on the raw scores and
-    # folds the scale into the exponent (exp2(s * scale - m): one FMA a score), and masks keys only in a tile that
-    # needs it (``_pair_mask_raw``: a uniform branch). 3.1% faster than EARLY alone at h128 b128 q1, 3.9% at q2
-    # (RESULTS.md run 60). Measured and dropped on top of EARLY (runs 59, 62): warpgroup 1 keeping O_R at M_a while no
-    # row max ran away (3-6% slower), Q's rope part in registers for the scores (no gain), warpgroup 1's P_a V_aR
-    # issued before P_b's exponentials (0.3-1.1% slower); warpgroup 0 rescaling O_L once a pair, to M_b, with its
-    # own copy of P_a scaled to M_b and both its P V back to back (run 63: 0.6-3.4% slower).
-    # LAZY ("seesaw-pair-el"; mla_decode's kernel at h128): FUSED with the reference row maxes M_a and M_b of
-    # ``_lazy_max`` (a row's reference moves only when its scores exceed it by more than LAZY_T), so nearly every
-    # factor of the four O rescales a pair is exactly 1 and ``_seesaw_rescale_lazy`` skips the multiplies per warp.
-    # RESULTS.md run 64: 4.5% faster than FUSED alone at h128 b128 q1, 2.6% at q2 (the pair period 5,634 -> 5,297
-    # cycles at q1).
-
-    @gluon.jit
-    def _pair_next_scores(q_smem, lat, rope, b_s, bar_l, bar_r, ph, z, ROPE_L: gl.constexpr, trace, tb, i,
-                          TRACE: gl.constexpr):  # fmt: skip
-        """The EARLY pairs' last step: a warpgroup's scores of its next tile, the L half first (with the rope
-        columns when ``ROPE_L``, else with the R half), each once its refill landed (phase ``ph``)."""
+    def _pair_next_scores(q_smem, lat, rope, b_s, bar_l, bar_r, ph, z, ROPE_L: gl.constexpr):
+        """A pair's last step: a warpgroup's scores of its next tile, the L half first (with the rope columns when
+        ``ROPE_L``, else with the R half), each once its refill landed (phase ``ph``)."""
         b_s = _pair_qk_half(q_smem, lat, rope, b_s, bar_l, ph, z, 0, ROPE_L, True)
-        _mark(trace, tb, i, 9, TRACE)
         b_s = _pair_qk_half(q_smem, lat, rope, b_s, bar_r, ph, z, 1, not ROPE_L, False)
-        _mark(trace, tb, i, 10, TRACE)
         b_s = warpgroup_mma_wait(0, deps=(b_s,))
-        _mark(trace, tb, i, 11, TRACE)
         return b_s
 
     @gluon.jit
-    def _pair_tail(i, b_s, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, lat, rope, ready_l, ready_r, rb0, rb1,
-                   o0, o1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, trace, tb, PAGE: gl.constexpr,
-                   LAST: gl.constexpr, WG: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
-        """The EARLY pairs' common end for warpgroup ``WG``, after its last P V: refills stage 1's half that it read
-        last (the L half with the rope columns, where P_b lived, for warpgroup 0; the R half for warpgroup 1; rows
+    def _pair_tail(b_s, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, lat, rope, ready_l, ready_r, rb0, rb1,
+                   o0, o1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, PAGE: gl.constexpr,
+                   LAST: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+        """The pairs' common end for warpgroup ``WG``, after its last P V: refills stage 1's half that it read last
+        (the L half with the rope columns, where P_b lived, for warpgroup 0; the R half for warpgroup 1; rows
         ``rb0`` / ``rb1``), looks up the rows of the next pair's refills (the tiles two pairs after this warpgroup's
         tile at ``n0``, and the one after it) and computes the scores of its next tile from its own stage (``lat`` /
         ``rope``). Returns the scores, the validity of that tile's two boxes (rows ``o0`` / ``o1``, looked up a pair
@@ -1033,126 +707,104 @@ if GLUON_AVAILABLE:
             else:
                 bar = ready_r.index(1)
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, bar, 1, rb0, rb1, WG, WG == 0)
-            _mark(trace, tb, i, 8, TRACE)
         na0, na1, nb0, nb1 = _pair_rows_ahead(p_bt, n0 + (256 - 64 * WG), kv_hi, max_blocks, num_blocks, PAGE, LAST)
         if not LAST:
-            b_s = _pair_next_scores(q_smem, lat, rope, b_s, ready_l.index(WG), ready_r.index(WG), ph ^ 1, z, WG == 1,
-                                    trace, tb, i, TRACE)  # fmt: skip
+            b_s = _pair_next_scores(q_smem, lat, rope, b_s, ready_l.index(WG), ready_r.index(WG), ph ^ 1, z, WG == 1)
         limit_rows = num_blocks * PAGE  # _kv_rows' row for an invalid box
         return b_s, o0 < limit_rows, o1 < limit_rows, na0, na1, nb0, nb1
 
     @gluon.jit
-    def _pair_wg0e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
-                   rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo, key0,
-                   scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, FUSED: gl.constexpr, LAZY: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
-        """Warpgroup 0, pair ``i`` of the EARLY schedule (the comment above). Arguments and results as ``_pair_wg0``,
-        plus the looked-up state carried from pair to pair: ``ok0`` / ``ok1`` (the validity of tile a's two 32-key
-        boxes, for the mask) and ``ra*`` / ``rb*`` (the TMA rows of tiles a + 2 and b + 2, this pair's refills);
-        returned for the next pair."""
+    def _pair_wg0(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
+                  rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo, key0,
+                  scale_log2, num_blocks, max_blocks, PAGE: gl.constexpr, LAST: gl.constexpr):  # fmt: skip
+        """Warpgroup 0, pair ``i`` (the comment above; ``b_s`` = the finished scores of tile a). Returns the scores
+        of tile a + 2 (finished; unchanged when ``LAST``), O_L, its row sums, the reference max M_b, and the
+        looked-up state carried from pair to pair: ``ok0`` / ``ok1`` (the validity of tile a's two 32-key boxes, for
+        the mask) and ``ra*`` / ``rb*`` (the TMA rows of tiles a + 2 and b + 2, this pair's refills)."""
         O_LAYOUT: gl.constexpr = acc.type.layout
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         ROW_S: gl.constexpr = m_run.type.layout
         P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-        z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i, OPAQUE)
+        z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i)
         ph = i & 1
         n0 = kv_lo + i * 128  # tile a; tile b starts at n0 + 64
-        _mark(trace, tb, i, 0, TRACE)
         # no global load before the row max: the block ids were looked up during the previous pair's wait for its
         # scores (the compiler moves a loaded block id into a uniform register right after its load, so a load
-        # here would stall the softmax; run 56 measured 970 cycles from the scores to M_a with it)
-        b_s, row_max = _pair_row_max(b_s, ok0, ok1, n0, limit, lim_lo, key0, scale_log2, FUSED)
-        _mark(trace, tb, i, 12, TRACE)
-        m_a = _pair_ref_max(m_run, row_max, LAZY)
+        # here would stall the softmax)
+        b_s, row_max = _pair_row_max(b_s, ok0, ok1, n0, limit, lim_lo, key0, scale_log2)
+        m_a = _lazy_max(m_run, row_max)
         m_smem.index(0).store(m_a)
-        _mark(trace, tb, i, 13, TRACE)
-        _pair_signal(m_ready.index(0), 0, False)
-        _mark(trace, tb, i, 1, TRACE)
-        acc, b_l = _pair_rescale(acc, b_l, m_run, m_a, ROW_O, LAZY)
+        _pair_signal(m_ready.index(0))
+        acc, b_l = _seesaw_rescale_lazy(acc, b_l, m_run, m_a, ROW_O)
         m_a_use = gl.where(m_a == float("-inf"), 0.0, m_a)
-        b_p = _pair_exp(b_s, m_a_use, scale_log2, FUSED)
+        b_p = _pair_exp(b_s, m_a_use, scale_log2)
         b_l = b_l + gl.sum(b_p, axis=1)
         p_bf = b_p.to(gl.bfloat16)
         if n0 + 64 > L:  # rows past the sequence: zeros before any P V reads them (S masked them)
             _zero_tail(lat0, n0, L, 64, 4)
         rope0.store(p_bf)
         fence_async_shared()
-        _pair_signal(p_ready.index(0), 0, False)
-        _mark(trace, tb, i, 2, TRACE)
+        _pair_signal(p_ready.index(0))
         p_op = gl.convert_layout(p_bf, P_LAYOUT)
         acc = warpgroup_mma(p_op, lat0.slice(0, 256, dim=1), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        _mark(trace, tb, i, 3, TRACE)
         if not LAST:  # stage 0's L half: warpgroup 0 was its last reader
             gl.thread_barrier()
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_l.index(0), 0, ra0, ra1, 0, False)
-        _mark(trace, tb, i, 4, TRACE)
         mbarrier.wait(m_ready.index(1), ph)
         m_b = m_smem.index(1).load(ROW_S)
-        _mark(trace, tb, i, 5, TRACE)
-        acc, b_l = _pair_rescale(acc, b_l, m_a, m_b, ROW_O, LAZY)
+        acc, b_l = _seesaw_rescale_lazy(acc, b_l, m_a, m_b, ROW_O)
         mbarrier.wait(p_ready.index(1), ph)
-        _mark(trace, tb, i, 6, TRACE)
         acc = warpgroup_mma(rope1, lat1.slice(0, 256, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        _mark(trace, tb, i, 7, TRACE)
         b_s, ok0, ok1, na0, na1, nb0, nb1 = _pair_tail(
-            i, b_s, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, lat0, rope0, ready_l, ready_r, rb0, rb1, ra0,
-            ra1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, trace, tb, PAGE, LAST, 0, TRACE)  # fmt: skip
+            b_s, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, lat0, rope0, ready_l, ready_r, rb0, rb1, ra0,
+            ra1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, PAGE, LAST, 0)  # fmt: skip
         return b_s, acc, b_l, m_b, ok0, ok1, na0, na1, nb0, nb1
 
     @gluon.jit
-    def _pair_wg1e(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
-                   rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo, key0,
-                   scale_log2, num_blocks, max_blocks, trace, tb, PAGE: gl.constexpr, OPAQUE: gl.constexpr,
-                   LAST: gl.constexpr, FUSED: gl.constexpr, LAZY: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
-        """Warpgroup 1, pair ``i`` of the EARLY schedule (the comment above ``_pair_wg0e``); arguments and results
-        as ``_pair_wg0e`` (``ok0`` / ``ok1``: tile b's boxes)."""
+    def _pair_wg1(i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
+                  rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_lo, kv_hi, L, limit, lim_lo, key0,
+                  scale_log2, num_blocks, max_blocks, PAGE: gl.constexpr, LAST: gl.constexpr):  # fmt: skip
+        """Warpgroup 1, pair ``i`` (the comment above ``_pair_wg0``); arguments and results as ``_pair_wg0``
+        (``ok0`` / ``ok1``: tile b's boxes)."""
         O_LAYOUT: gl.constexpr = acc.type.layout
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         ROW_S: gl.constexpr = m_run.type.layout
         P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-        z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i, OPAQUE)
+        z, lat0, lat1, rope0, rope1 = _pair_stages(lat_smem, rope_smem, L, i)
         ph = i & 1
         n0 = kv_lo + i * 128 + 64  # tile b
-        _mark(trace, tb, i, 0, TRACE)
-        b_s, row_max = _pair_row_max(b_s, ok0, ok1, n0, limit, lim_lo, key0, scale_log2, FUSED)
+        b_s, row_max = _pair_row_max(b_s, ok0, ok1, n0, limit, lim_lo, key0, scale_log2)
         mbarrier.wait(m_ready.index(0), ph)
         m_a = m_smem.index(0).load(ROW_S)
-        _mark(trace, tb, i, 1, TRACE)
-        m_b = _pair_ref_max(m_a, row_max, LAZY)
+        m_b = _lazy_max(m_a, row_max)
         m_smem.index(1).store(m_b)
-        _pair_signal(m_ready.index(1), 0, False)
-        _mark(trace, tb, i, 2, TRACE)
+        _pair_signal(m_ready.index(1))
         m_b_use = gl.where(m_b == float("-inf"), 0.0, m_b)
-        b_p = _pair_exp(b_s, m_b_use, scale_log2, FUSED)
+        b_p = _pair_exp(b_s, m_b_use, scale_log2)
         l_b = gl.sum(b_p, axis=1)
         p_bf = b_p.to(gl.bfloat16)
         if n0 + 64 > L:
             _zero_tail(lat1, n0, L, 64, 4)
         rope1.store(p_bf)
         fence_async_shared()
-        _pair_signal(p_ready.index(1), 0, False)
-        _mark(trace, tb, i, 3, TRACE)
-        acc, b_l = _pair_rescale(acc, b_l, m_run, m_a, ROW_O, LAZY)
+        _pair_signal(p_ready.index(1))
+        acc, b_l = _seesaw_rescale_lazy(acc, b_l, m_run, m_a, ROW_O)
         mbarrier.wait(p_ready.index(0), ph)
-        _mark(trace, tb, i, 4, TRACE)
         acc = warpgroup_mma(rope0, lat0.slice(256, 256, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        _mark(trace, tb, i, 5, TRACE)
         if not LAST:  # stage 0's R half and rope columns (P_a): warpgroup 1 was their last reader
             gl.thread_barrier()
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_r.index(0), 0, ra0, ra1, 1, True)
-        _mark(trace, tb, i, 6, TRACE)
-        acc, b_l = _pair_rescale(acc, b_l, m_a, m_b, ROW_O, LAZY)
+        acc, b_l = _seesaw_rescale_lazy(acc, b_l, m_a, m_b, ROW_O)
         b_l = b_l + l_b
         p_op = gl.convert_layout(p_bf, P_LAYOUT)
         acc = warpgroup_mma(p_op, lat1.slice(256, 256, dim=1), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        _mark(trace, tb, i, 7, TRACE)
         b_s, ok0, ok1, na0, na1, nb0, nb1 = _pair_tail(
-            i, b_s, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, lat1, rope1, ready_l, ready_r, rb0, rb1, rb0,
-            rb1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, trace, tb, PAGE, LAST, 1, TRACE)  # fmt: skip
+            b_s, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, lat1, rope1, ready_l, ready_r, rb0, rb1, rb0,
+            rb1, p_bt, n0, kv_hi, max_blocks, num_blocks, z, ph, PAGE, LAST, 1)  # fmt: skip
         return b_s, acc, b_l, m_b, ok0, ok1, na0, na1, nb0, nb1
 
     @gluon.jit
@@ -1161,11 +813,8 @@ if GLUON_AVAILABLE:
                  split_len, group_indptr, span_indptr, span_flags, out, lse, o_part, lse_part, scale_log2, v_scale,
                  stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks,
                  PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
-                 CAUSAL: gl.constexpr,
-                 N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
-                 R_FIRST: gl.constexpr, EARLY: gl.constexpr, SPANS: gl.constexpr, trace,
-                 TRACE: gl.constexpr, out_desc, OUT_TMA: gl.constexpr, part_desc, pbar,
-                 MERGE_TMA: gl.constexpr):  # fmt: skip
+                 CAUSAL: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, SPANS: gl.constexpr,
+                 out_desc, OUT_TMA: gl.constexpr, part_desc, pbar, MERGE_TMA: gl.constexpr):  # fmt: skip
         """One warpgroup of the pair kernel: its program's work item, or (``SPANS``) every item of its group, last to
         first (``work_split`` / ``split_len`` then hold each item's first key / key end, ``group_indptr`` the
         groups' items, ``span_indptr`` the requests' items, ``span_flags`` the pieces' flags:
@@ -1202,8 +851,8 @@ if GLUON_AVAILABLE:
                         m_ready, p_ready, qbar, lbar, block_table, num_splits, span_indptr, span_flags, out, lse,
                         o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
                         stride_o_h, H, num_blocks, max_blocks, it, reader, i_h, i_q, i_b, q_start, qlen, L, kv_lo,
-                        kv_hi, g0, seg & 1, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY,
-                        True, N_HB * N_QB, trace, TRACE, out_desc, OUT_TMA, part_desc, pbar, MERGE_TMA)  # fmt: skip
+                        kv_hi, g0, seg & 1, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, True, N_HB * N_QB, out_desc,
+                        OUT_TMA, part_desc, pbar, MERGE_TMA)  # fmt: skip
                     seg += 1
             if OUT_TMA:  # the last item's final rows leave shared memory before the program ends
                 tma.store_wait(0)
@@ -1214,8 +863,8 @@ if GLUON_AVAILABLE:
                        m_ready, p_ready, qbar, lbar, block_table, num_splits, span_indptr, span_flags, out, lse,
                        o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
                        stride_o_h, H, num_blocks, max_blocks, i_w, 0, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi,
-                       0, 0, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, OPAQUE, NAMED, R_FIRST, EARLY, False, 1,
-                       trace, TRACE, out_desc, False, part_desc, pbar, False)  # fmt: skip
+                       0, 0, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, WG, False, 1, out_desc, False, part_desc, pbar,
+                       False)  # fmt: skip
 
     @gluon.jit
     def _pair_item(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
@@ -1223,10 +872,8 @@ if GLUON_AVAILABLE:
                    scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
                    max_blocks, i_w, reader, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi, g0, sph,
                    PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
-                   CAUSAL: gl.constexpr, WG: gl.constexpr, OPAQUE: gl.constexpr, NAMED: gl.constexpr,
-                   R_FIRST: gl.constexpr, EARLY: gl.constexpr, SPANS: gl.constexpr, READERS: gl.constexpr, trace,
-                   TRACE: gl.constexpr, out_desc, OUT_TMA: gl.constexpr, part_desc, pbar,
-                   MERGE_TMA: gl.constexpr):  # fmt: skip
+                   CAUSAL: gl.constexpr, WG: gl.constexpr, SPANS: gl.constexpr, READERS: gl.constexpr, out_desc,
+                   OUT_TMA: gl.constexpr, part_desc, pbar, MERGE_TMA: gl.constexpr):  # fmt: skip
         """One work item (keys ``[kv_lo, kv_hi)`` of request ``i_b``, partial slot ``i_w``) for warpgroup ``WG``;
         ``g0``: the pairs this program did before (the stage barriers' phase), ``sph``: the Q / row-sum barriers'
         phase. Returns ``g0`` plus this item's pairs. The pairs are numbered on from ``g0`` (their phase is the
@@ -1243,15 +890,6 @@ if GLUON_AVAILABLE:
 
         n_pairs = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), 128)
         p_bt = block_table + i_b * stride_bt_b
-        if SPANS:  # the trace row of this item, program and warpgroup (each item's own events)
-            tb = (i_w * READERS + reader) * 2 + WG
-        else:  # the trace row of this program and warpgroup
-            tb = gl.program_id(0) * 2 + WG
-        _mark(trace, tb, -1, 0, TRACE)
-        _mark_ns(trace, tb, TRACE_NE - 2, TRACE)
-        # NAMED: hardware barriers NAMED_BASE .. + 3 carry the 4 handoffs of a pair (m_ready 0 / 1, p_ready 0 / 1;
-        # Triton's partitions use 0-2); a runtime value (seq_lens >= 0), as the asm takes it in a register
-        nb = (L >> 31) + NAMED_BASE
         _seesaw_issue_q(q, q_smem, i_h, i_q, q_start, qlen, stride_q_t, stride_q_h, H, BLOCK_H, Q_PER, WG)
         if n_pairs > 0:  # tiles 0 and 1: warpgroup 0 loads the L groups, warpgroup 1 the R groups
             if WG == 0:
@@ -1274,7 +912,6 @@ if GLUON_AVAILABLE:
                              max_blocks, num_blocks, 1, WG, WG == 0, PAGE)  # fmt: skip
 
         _seesaw_wait_q(qbar, sph)
-        _mark(trace, tb, -1, 1, TRACE)
         limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
         m_run = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
         b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
@@ -1283,7 +920,7 @@ if GLUON_AVAILABLE:
         key0 = gl.expand_dims(gl.arange(0, 64, layout=COL_S), 0)
 
         if n_pairs > 0:  # the scores of this warpgroup's first tile (stage WG)
-            z = (L >> 31) if OPAQUE else 0
+            z = L >> 31
             lat = lat_smem.index(WG + z)
             rope = rope_smem.index(WG + z)
             if OUT_TMA and WG == 0:  # stage 0's R half + rope came first (warpgroup 1's), its L half last
@@ -1293,112 +930,73 @@ if GLUON_AVAILABLE:
                 b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_l.index(WG), g0 & 1, z, 0, WG == 1, True)
                 b_s = _pair_qk_half(q_smem, lat, rope, b_s, ready_r.index(WG), g0 & 1, z, 1, WG == 0, False)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
-        _mark(trace, tb, -1, 2, TRACE)
-        if EARLY:
-            # the validity of this warpgroup's first tile's two boxes (for its mask) and the rows of the first pair's
-            # refills (tiles 2 and 3); the pairs look up the later ones a pair ahead
-            n_first = kv_lo + WG * 64
-            ok0 = _box_ok(p_bt, n_first, kv_hi, max_blocks, num_blocks, PAGE)
-            ok1 = _box_ok(p_bt, n_first + 32, kv_hi, max_blocks, num_blocks, PAGE)
-            ra0, ra1, rb0, rb1 = _pair_rows_ahead(p_bt, kv_lo + 128, kv_hi, max_blocks, num_blocks, PAGE, False)
-            lim_lo = gl.min(gl.min(limit, axis=1), axis=0)  # FUSED: tiles wholly below it need no mask
-            kv_base = kv_lo - g0 * 128  # pair i's tile a starts at kv_base + 128 i
-            for i in range(g0, g0 + n_pairs - 1):
-                if WG == 0:
-                    b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
-                        i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
-                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi, L, limit, lim_lo,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2,
-                        EARLY == 3, TRACE)  # fmt: skip
-                else:
-                    b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
-                        i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
-                        rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi, L, limit, lim_lo,
-                        key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, EARLY >= 2,
-                        EARLY == 3, TRACE)  # fmt: skip
-            if n_pairs > 0:
-                if WG == 0:
-                    b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0e(
-                        g0 + n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc,
-                        q_smem, lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi,
-                        L, limit, lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True,
-                        EARLY >= 2, EARLY == 3, TRACE)  # fmt: skip
-                else:
-                    b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1e(
-                        g0 + n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc,
-                        q_smem, lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi,
-                        L, limit, lim_lo, key0, scale_log2, num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True,
-                        EARLY >= 2, EARLY == 3, TRACE)  # fmt: skip
-        else:
-            for i in range(0, n_pairs - 1):
-                if WG == 0:
-                    b_s, acc, b_l, m_run = _pair_wg0(
-                        i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
-                        ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                        num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, NAMED, R_FIRST, TRACE)  # fmt: skip
-                else:
-                    b_s, acc, b_l, m_run = _pair_wg1(
-                        i, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, ready_l,
-                        ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                        num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, False, NAMED, R_FIRST, TRACE)  # fmt: skip
-            if n_pairs > 0:
-                if WG == 0:
-                    b_s, acc, b_l, m_run = _pair_wg0(
-                        n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
-                        ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                        num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, NAMED, R_FIRST, TRACE)  # fmt: skip
-                else:
-                    b_s, acc, b_l, m_run = _pair_wg1(
-                        n_pairs - 1, b_s, acc, b_l, m_run, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem,
-                        ready_l, ready_r, m_ready, p_ready, nb, p_bt, kv_lo, kv_hi, L, limit, key0, scale_log2,
-                        num_blocks, max_blocks, trace, tb, PAGE, OPAQUE, True, NAMED, R_FIRST, TRACE)  # fmt: skip
-        _mark(trace, tb, -1, 3, TRACE)
+        # the validity of this warpgroup's first tile's two boxes (for its mask) and the rows of the first pair's
+        # refills (tiles 2 and 3); the pairs look up the later ones a pair ahead
+        n_first = kv_lo + WG * 64
+        ok0 = _box_ok(p_bt, n_first, kv_hi, max_blocks, num_blocks, PAGE)
+        ok1 = _box_ok(p_bt, n_first + 32, kv_hi, max_blocks, num_blocks, PAGE)
+        ra0, ra1, rb0, rb1 = _pair_rows_ahead(p_bt, kv_lo + 128, kv_hi, max_blocks, num_blocks, PAGE, False)
+        lim_lo = gl.min(gl.min(limit, axis=1), axis=0)  # tiles wholly below it need no mask
+        kv_base = kv_lo - g0 * 128  # pair i's tile a starts at kv_base + 128 i
+        for i in range(g0, g0 + n_pairs - 1):
+            if WG == 0:
+                b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0(
+                    i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
+                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi, L, limit, lim_lo,
+                    key0, scale_log2, num_blocks, max_blocks, PAGE, False)  # fmt: skip
+            else:
+                b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1(
+                    i, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc, q_smem, lat_smem,
+                    rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi, L, limit, lim_lo,
+                    key0, scale_log2, num_blocks, max_blocks, PAGE, False)  # fmt: skip
+        if n_pairs > 0:
+            if WG == 0:
+                b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg0(
+                    g0 + n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc,
+                    q_smem, lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi,
+                    L, limit, lim_lo, key0, scale_log2, num_blocks, max_blocks, PAGE, True)  # fmt: skip
+            else:
+                b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1 = _pair_wg1(
+                    g0 + n_pairs - 1, b_s, acc, b_l, m_run, ok0, ok1, ra0, ra1, rb0, rb1, lat_desc, rope_desc,
+                    q_smem, lat_smem, rope_smem, m_smem, ready_l, ready_r, m_ready, p_ready, p_bt, kv_base, kv_hi,
+                    L, limit, lim_lo, key0, scale_log2, num_blocks, max_blocks, PAGE, True)  # fmt: skip
 
         # staging buffer: a latent half that only this warpgroup refills at the start of the next item (stage 0's L
         # half / stage 1's R half), so the other warpgroup's copies for that item cannot overwrite it
         if SPANS:
             _span_finish(acc, b_l, m_run, l_smem, lbar, sph, lat_smem.index(WG), num_splits, span_indptr, span_flags,
                          out, lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, reader, i_h, i_q, i_b,
-                         q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, READERS, WG, trace, tb, TRACE, out_desc,
-                         OUT_TMA, part_desc, pbar.index(WG), MERGE_TMA)  # fmt: skip
+                         q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, READERS, WG, out_desc, OUT_TMA, part_desc,
+                         pbar.index(WG), MERGE_TMA)  # fmt: skip
         else:
             _seesaw_finish(acc, b_l, m_run, l_smem, lbar, sph, lat_smem.index(WG).slice(WG * 256, 256, dim=1),
                            num_splits, out, lse, o_part, lse_part, v_scale, stride_o_t, stride_o_h, H, i_w, i_h, i_q,
                            i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)  # fmt: skip
-        _mark(trace, tb, -1, 4, TRACE)
-        _mark_ns(trace, tb, TRACE_NE - 1, TRACE)
         return g0 + n_pairs
 
     @gluon.jit
     def _mla_decode_gluon_seesaw_kernel(
         q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
         split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-        stride_o_t, stride_o_h, H, num_blocks, max_blocks, trace, group_indptr, span_indptr, span_flags, out_desc,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks, group_indptr, span_indptr, span_flags, out_desc,
         part_desc, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
-        PAIR: gl.constexpr, NAMED: gl.constexpr, OPAQUE: gl.constexpr, R_FIRST: gl.constexpr,
-        EARLY: gl.constexpr, SPANS: gl.constexpr, TRACE: gl.constexpr, OUT_TMA: gl.constexpr,
-        MERGE_TMA: gl.constexpr, num_warps: gl.constexpr,
+        PAIR: gl.constexpr, SPANS: gl.constexpr, OUT_TMA: gl.constexpr, MERGE_TMA: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
         """The seesaw kernels (bf16 cache, 64-key tiles, 2 stages); same grid and results as the ws kernel.
-        ``PAIR=False``: ``variant="seesaw"`` (the comment above ``_seesaw_wg``); ``PAIR=True``: ``"seesaw-pair"``
-        (the comment above ``_pair_mask``), with ``NAMED`` (``"seesaw-pair-nb"``) its warpgroups' handoffs on
-        hardware named barriers instead of mbarriers. ``lat_desc`` / ``rope_desc``: ``[32, 256]`` / ``[32, 64]``
-        boxes over the cache's 2-D view. ``OPAQUE=False``: compile-time stage indices (``"seesaw-const"``,
-        spills). ``TRACE`` (pair kernel only): record cycle stamps into ``trace`` (``_mark``; else ``trace`` is
-        unused and may be None). ``SPANS`` (EARLY pair kernels): the request-spanning schedule of
-        ``openmla.ops.plan_spans``: program ``pid`` runs the items ``group_indptr[g]:group_indptr[g+1]`` of group
-        ``g = pid // (N_HB * N_QB)``, with ``work_split`` / ``split_len`` holding each item's first key and key end,
-        ``span_indptr`` each request's items and ``span_flags`` the pieces' flags (``_span_finish``; else these
-        three are unused)."""
+        ``PAIR=False``: ``variant="seesaw"`` (the comment above ``_seesaw_wg``); ``PAIR=True``: ``"pair"`` (the
+        comment above ``_pair_wg0``). ``lat_desc`` / ``rope_desc``: ``[BOX, 256]`` / ``[BOX, 64]`` boxes over the
+        cache's 2-D view. ``SPANS`` (pair kernel): the request-spanning schedule of ``openmla.ops.plan_spans``:
+        program ``pid`` runs the items ``group_indptr[g]:group_indptr[g+1]`` of group ``g = pid // (N_HB * N_QB)``,
+        with ``work_split`` / ``split_len`` holding each item's first key and key end, ``span_indptr`` each
+        request's items and ``span_flags`` the pieces' flags (``_span_finish``; else these three are unused).
+        ``OUT_TMA`` / ``MERGE_TMA`` (``SPANS``): final rows by TMA through ``out_desc``, cut requests merged from
+        partials copied by TMA through ``part_desc``."""
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         gl.static_assert(BLOCK_M == 64, "64 rows per program (one wgmma M per warpgroup)")
         gl.static_assert(num_warps == 4, "warpgroup 0 is the default partition")
-        gl.static_assert(PAIR or not NAMED, "named-barrier handoffs: the pair schedule only")
-        gl.static_assert(PAIR or not TRACE, "the cycle trace: the pair schedule only")
-        gl.static_assert(PAIR or not EARLY, "EARLY: a pair schedule")
-        gl.static_assert(not (EARLY and (NAMED or R_FIRST)), "EARLY has its own order and mbarrier handoffs")
-        gl.static_assert((not SPANS) or (EARLY >= 1), "SPANS: an EARLY pair schedule")
+        gl.static_assert(PAIR or not SPANS, "SPANS: the pair schedule")
         gl.static_assert(SPANS or not OUT_TMA, "OUT_TMA: the request-spanning schedule's final rows")
         gl.static_assert(SPANS or not MERGE_TMA, "MERGE_TMA: the request-spanning schedule's merges")
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1428,7 +1026,7 @@ if GLUON_AVAILABLE:
         #           owner stored P and M of the stage's tile);
         #   pair:   bar_a = ready_l (stage st's L half landed; stage 1: + the rope), bar_b = ready_r (the R half;
         #           stage 0: + the rope), bar_c = m_ready (warpgroup st stored its row max), bar_d = p_ready
-        #           (warpgroup st stored its P); the last two unused with NAMED
+        #           (warpgroup st stored its P)
         bar_a = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         bar_b = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         bar_c = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -1457,15 +1055,13 @@ if GLUON_AVAILABLE:
                             work_req, work_split, num_splits, split_len, group_indptr, span_indptr, span_flags,
                             out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
                             stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL,
-                            N_HB, N_QB, 0, OPAQUE, NAMED, R_FIRST, EARLY, SPANS, trace, TRACE, out_desc, OUT_TMA,
-                            part_desc, pbar, MERGE_TMA)),
+                            N_HB, N_QB, 0, SPANS, out_desc, OUT_TMA, part_desc, pbar, MERGE_TMA)),
                 (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                             work_req, work_split, num_splits, split_len, group_indptr, span_indptr, span_flags,
                             out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
                             stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL,
-                            N_HB, N_QB, 1, OPAQUE, NAMED, R_FIRST, EARLY, SPANS, trace, TRACE, out_desc, OUT_TMA,
-                            part_desc, pbar, MERGE_TMA)),
+                            N_HB, N_QB, 1, SPANS, out_desc, OUT_TMA, part_desc, pbar, MERGE_TMA)),
             ], [4], [WG_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
@@ -1473,12 +1069,12 @@ if GLUON_AVAILABLE:
                               bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                               work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                               v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0, OPAQUE, NAMED)),
+                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0)),
                 (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                               bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                               work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                               v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1, OPAQUE, NAMED)),
+                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1)),
             ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):

@@ -15,7 +15,6 @@ and is computed once per step and reused by every layer.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,16 +27,14 @@ from openmla.ops.plan_spans import DecodeSpans, plan_spans
 
 __all__ = ["DecodePlan", "plan_decode"]
 
-# tokens: below this a split's fixed cost (q load, partial write) dominates
-# (64-row tiles: 512; measured on the H200, h128 b1 s32k: 72 us at 512 vs 92 us at 256, RESULTS.md run 5)
-_MIN_SPLIT_ENV = os.environ.get("OPENMLA_DECODE_MIN_SPLIT")
+# tokens: below this a split's fixed cost (q load, partial write) dominates; 64-row tiles take longer splits
+# (h128 b1 s32k on the H200: 72 us at 512 against 92 us at 256)
+_MIN_SPLIT = 256
+_MIN_SPLIT_64_ROWS = 512
 _MAX_SPLIT_TILES = 128  # a split spans at most this many KV tiles (its page numbers stay in registers)
 # a work item's fixed cost (q load, partial write and its share of the reduce), in KV tokens
-_ITEM_COST = int(os.environ.get("OPENMLA_DECODE_ITEM_COST", "256"))
+_ITEM_COST = 256
 _MAX_CANDIDATES = 128  # split counts tried for the longest request
-# the request-spanning schedule for the Hopper pair kernel (plan_spans.py): "auto" (where mla_decode runs that
-# kernel), "1" (wherever the tiling has 64 rows and a bf16 cache: tests) or "0"
-_SPANS_ENV = "OPENMLA_DECODE_SPANS"
 
 
 @triton.jit
@@ -124,7 +121,7 @@ class DecodeTiling:
 
     @property
     def programs_per_sm(self) -> int:
-        """Programs that share an SM (an estimate that matches the sm90 compile reports in RESULTS.md):
+        """Programs that share an SM (an estimate that matches the sm90 compile reports):
         up to 255 registers per thread leave room for two 4-warp programs or one 8-warp program, and
         the KV ring (num_stages - 1 tiles of 576 bf16 columns) plus q must fit 227 KB of shared memory."""
         by_regs = 2 if self.num_warps <= 4 else 1
@@ -150,23 +147,17 @@ def choose_tiling(num_heads: int, max_query_len: int, kv_cache_dtype: str = "aut
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     block_h = min(triton_next_pow2(num_heads), block_m)
     q_per = block_m // block_h
-    tma = os.environ.get("OPENMLA_DECODE_TMA", "0") == "1"  # full tiles through TMA descriptors (sm90+)
     if INTERPRET:
-        return DecodeTiling(block_h, q_per, 16, 4, 1, tma)
-    override = os.environ.get("OPENMLA_DECODE_TILING")  # "block_n,num_warps,num_stages", for tuning
-    if override:
-        n, w, st = (int(x) for x in override.split(","))
-        return DecodeTiling(block_h, q_per, n, w, st, tma)
-    # measured on the H200 (benchmarks/RESULTS.md, runs 7-9): 64-token tiles, 3 stages, one 4-warp
-    # program per SM for 16 and 32 rows (h16 b128 s8k: 94.8% of read bandwidth, no reduce needed);
-    # 64-token tiles, one 8-warp program per SM for 64 rows (the Gluon tier takes those on sm90)
+        return DecodeTiling(block_h, q_per, 16, 4, 1)
+    # measured on the H200: 64-token tiles, 3 stages, 4 warps for 16 and 32 rows (h16 b128 s8k: 94.8% of the
+    # read bandwidth, no reduce needed); 64-token tiles, one 8-warp program per SM for 64 rows
     if block_m == 64:
-        return DecodeTiling(block_h, q_per, 64, 8, 2, tma)
-    if kv_cache_dtype == "fp8" and hopper:  # the Gluon kernel's slots (h16 b128 s8k: 426 vs 469 us, run 16)
+        return DecodeTiling(block_h, q_per, 64, 8, 2)
+    if kv_cache_dtype == "fp8" and hopper:  # the Gluon kernel's slots (h16 b128 s8k: 426 vs 469 us)
         return DecodeTiling(block_h, q_per, 64, 8, 2, True)
     if kv_cache_dtype == "fp8":  # widening e4m3 in registers: 32-token tiles through TMA, two programs per SM
         return DecodeTiling(block_h, q_per, 32, 4, 2, True)
-    return DecodeTiling(block_h, q_per, 64, 4, 3, tma)
+    return DecodeTiling(block_h, q_per, 64, 4, 3)
 
 
 def triton_next_pow2(n: int) -> int:
@@ -243,14 +234,13 @@ def _gluon_tier(device: torch.device) -> bool:
 
 
 def _spans_wanted(tiling: DecodeTiling, kv_cache_dtype: str, readers: int, batch: int, num_sms: int,
-                  device: torch.device) -> bool:  # fmt: skip
-    """Whether ``plan_decode`` adds the request-spanning schedule (``OPENMLA_DECODE_SPANS``, read per call)."""
-    mode = os.environ.get(_SPANS_ENV, "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{_SPANS_ENV} must be 'auto', '0' or '1'; got {mode!r}")
-    if mode == "0" or tiling.block_m != 64 or kv_cache_dtype != "auto" or readers > num_sms:
+                  device: torch.device, force: bool | None = None) -> bool:  # fmt: skip
+    """Whether ``plan_decode`` adds the request-spanning schedule: where ``mla_decode`` runs the pair kernel
+    (sm90, 64-row tiles of a bf16 cache read by 2+ programs each, a batch that fills the SMs with them).
+    ``force`` (tests): True adds it for every 64-row tiling of a bf16 cache, False never."""
+    if force is False or tiling.block_m != 64 or kv_cache_dtype != "auto" or readers > num_sms:
         return False
-    return mode == "1" or (_gluon_tier(device) and readers >= 2 and batch * readers >= num_sms)
+    return force is True or (_gluon_tier(device) and readers >= 2 and batch * readers >= num_sms)
 
 
 def _default_num_sms(device: torch.device) -> int:
@@ -271,6 +261,7 @@ def plan_decode(
     kv_cache_dtype: str = "auto",
     out: DecodePlan | None = None,
     validate: bool = True,
+    _spans: bool | None = None,
 ) -> DecodePlan:
     r"""Plan the split-KV decode of a (ragged) batch.
 
@@ -291,6 +282,8 @@ def plan_decode(
             never waits for the device.
         out (DecodePlan | None): a plan built earlier for the same batch size, heads and
             ``max_query_len``: its buffers are rewritten in place (stable addresses for CUDA graphs).
+        _spans (bool | None): tests only: True adds the request-spanning schedule for every 64-row tiling of a
+            bf16 cache, False never; None (default) where ``mla_decode`` runs the pair kernel.
 
     Returns:
         DecodePlan: the schedule (see its attributes).
@@ -326,7 +319,7 @@ def plan_decode(
     tiling = choose_tiling(num_heads, max_query_len, kv_cache_dtype, hopper=_gluon_tier(dev))
     programs_per_split = triton_cdiv(num_heads, tiling.block_h) * triton_cdiv(max_query_len, tiling.q_per)
     slots = max(1, (tiling.programs_per_sm * num_sms) // programs_per_split)
-    min_split = int(_MIN_SPLIT_ENV) if _MIN_SPLIT_ENV else (512 if tiling.block_m == 64 else 256)
+    min_split = _MIN_SPLIT_64_ROWS if tiling.block_m == 64 else _MIN_SPLIT
     # splits are at most tiling.max_split long, so a batch of long requests may need more than slots
     capacity = B + max(slots, B * triton_cdiv(max_seq_len, tiling.max_split))
 
@@ -355,7 +348,7 @@ def plan_decode(
             num_merge=torch.zeros(1, dtype=torch.int32, device=dev),
         )  # fmt: skip
     spans = None
-    if _spans_wanted(tiling, kv_cache_dtype, programs_per_split, B, num_sms, dev):
+    if _spans_wanted(tiling, kv_cache_dtype, programs_per_split, B, num_sms, dev, _spans):
         groups = num_sms // programs_per_split
         reuse = out.spans if out is not None and out.spans is not None and out.spans.num_groups == groups else None
         spans = plan_spans(seq_lens, query_start_loc, groups, programs_per_split, capacity, out=reuse)

@@ -25,23 +25,21 @@ themselves).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["DecodeSpans", "plan_spans", "plan_spans_ref", "SPAN_UNIT", "SPAN_FIXED", "SPAN_CUT"]
+__all__ = ["SPAN_CUT", "SPAN_FIXED", "SPAN_UNIT", "DecodeSpans", "plan_spans", "plan_spans_ref"]
 
 SPAN_UNIT = 128  # keys per unit: one pair of 64-key tiles
 # a request's fixed cost in units: about 12k cycles (Q and the first tiles before the first scores, the epilogue)
-# against 5.3k a pair at h128 (RESULTS.md run 64's cycle trace)
+# against 5.3k a pair at h128
 SPAN_FIXED = 2
 # a cut's cost in units beyond the extra piece's fixed part (its partial stored and read back, the wait, the merge):
-# measured 4-6 at h128 (RESULTS.md run 73: cut against snap at b128 s8k q1 / q2 and s4k q1); OPENMLA_DECODE_SPAN_CUT
-# overrides it
-SPAN_CUT = int(os.environ.get("OPENMLA_DECODE_SPAN_CUT", "6"))
+# measured 4-6 at h128 (cut against snap, docs/kernels.md)
+SPAN_CUT = 6
 _MODES = {"auto": 0, "cut": 1, "snap": 2}
 
 
@@ -158,7 +156,7 @@ class DecodeSpans:
 
 
 def plan_spans(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_groups: int, readers: int, capacity: int,
-               out: DecodeSpans | None = None, mode: str | None = None,
+               out: DecodeSpans | None = None, mode: str = "auto",
                cut_cost: int | None = None) -> DecodeSpans:  # fmt: skip
     r"""Build the request-spanning schedule (module docstring) on the device, in one launch.
 
@@ -169,17 +167,15 @@ def plan_spans(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_groups
         capacity (int): item slots, at least ``B + num_groups`` (each group boundary adds at most one item).
         out (DecodeSpans | None): buffers of an earlier schedule with the same ``num_groups`` and capacity,
             rewritten in place.
-        mode (str | None): "auto" (the cheaper of "cut" and "snap", module docstring), "cut" or "snap"; None reads
-            ``OPENMLA_DECODE_SPAN_MODE`` (default "auto").
+        mode (str): "auto" (the cheaper of "cut" and "snap", module docstring), "cut" or "snap".
         cut_cost (int | None): a cut's cost in units (default ``SPAN_CUT``).
     """
     B = seq_lens.shape[0]
     dev = seq_lens.device
     if num_groups < 1 or readers < 1:
         raise ValueError(f"num_groups and readers must be >= 1; got {num_groups}, {readers}")
-    mode = os.environ.get("OPENMLA_DECODE_SPAN_MODE", "auto") if mode is None else mode
     if mode not in _MODES:
-        raise ValueError(f"mode (OPENMLA_DECODE_SPAN_MODE) must be one of {tuple(_MODES)}; got {mode!r}")
+        raise ValueError(f"mode must be one of {tuple(_MODES)}; got {mode!r}")
     if capacity < B + num_groups:
         raise ValueError(f"capacity ({capacity}) must be at least batch ({B}) + num_groups ({num_groups})")
     if out is not None:

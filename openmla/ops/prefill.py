@@ -22,26 +22,9 @@ Softmax: the row max is taken on the raw scores and the scale is applied inside 
 (``exp2(s * scale - m)``, one FMA per score) when ``sm_scale > 0`` (descales are assumed positive);
 otherwise, and on the masked (diagonal / boundary) tiles, the scores are scaled first.
 
-Full key tiles (visible to every row of the query block, hence inside the request) can be read through
-TMA descriptors of k and v viewed as ``[Tk, H_KV * d]`` (``KV_TMA``; heads packed, 16-byte aligned, no
-head-dim padding, else pointer loads): no per-element address registers and mbarrier-tracked copies.
-With ``PIPE_QK`` on top, the loop over full tiles is software-pipelined: the next tile's ``q @ k^T``
-is issued before this tile's softmax, and its D1 wgmma (2/3 of the score work) stays in flight while
-the softmax runs (Triton leaves the last dot of a chain asynchronous when its result is only consumed
-in the next iteration). The masked tiles always use pointer loads.
-
 Tiles: on a GPU, a short autotune list (``_configs``, keyed on the head dims, GQA group, causality and
-dtypes); under the interpreter fixed 16 x 16 tiles and no autotuning.
-
-Environment variables (read at import; ``AUTOTUNE``, ``KV_TMA``, ``PIPE_QK`` may also be set on the module at
-run time):
-    ``OPENMLA_PREFILL_AUTOTUNE``: "0" disables autotuning on the GPU: one fixed tile per head-dim class
-        (BLOCK_M 128, BLOCK_N 64, 8 warps, 2 stages for d_qk + d_v up to 1 KiB per row, else 64 / 32 / 4 / 2).
-    ``OPENMLA_PREFILL_TILING``: "block_m,block_n,num_warps,num_stages" forces one tile (for tuning).
-    ``OPENMLA_PREFILL_KV_TMA``: "1" reads full key tiles through TMA descriptors (``KV_TMA``; off by default
-        until measured, see benchmarks/sweep_prefill.py).
-    ``OPENMLA_PREFILL_PIPE_QK``: "1" (with KV_TMA) software-pipelines q @ k^T one tile ahead (``PIPE_QK``).
-    ``OPENMLA_PREFILL_BACKEND``: "auto" (default), "triton" or "gluon": ``flash_attn_varlen``'s ``backend``.
+dtypes; with ``AUTOTUNE`` False, one fixed tile per head-dim class, ``_fixed_tiling``); under the interpreter
+fixed 16 x 16 tiles and no autotuning.
 
 On sm90, bf16 inputs with d_qk 192 / d_v 128 go to the Hopper Gluon kernel (``openmla.ops.prefill_gluon``:
 warp-specialised TMA producer, ping-pong consumer warpgroups), which is faster than this kernel and than
@@ -52,7 +35,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 import triton
@@ -104,20 +86,6 @@ def _softmax_pv(
     acc = acc * alpha[:, None]
     acc = tl.dot(b_p.to(PV_DTYPE), b_v.to(PV_DTYPE), acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
-
-
-@triton.jit
-def _qk_tma(b_q1, b_q2, desc_k1, desc_k2, row, col, D1: tl.constexpr, HAS_D2: tl.constexpr,
-            QK_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """Raw scores of one full key tile read through the TMA descriptors (rows ``row:row+BLOCK_N``).
-    The small D2 dot goes first and the D1 dot (2/3 of the work) last: the last dot of the chain is the
-    one Triton leaves in flight when its result is only consumed in the next iteration (PIPE_QK)."""
-    if HAS_D2:
-        b_s = tl.dot(b_q2, tl.trans(desc_k2.load([row, col + D1]).to(QK_DTYPE)), input_precision=DOT_PRECISION)
-        b_s = tl.dot(b_q1, tl.trans(desc_k1.load([row, col]).to(QK_DTYPE)), b_s, input_precision=DOT_PRECISION)
-    else:
-        b_s = tl.dot(b_q1, tl.trans(desc_k1.load([row, col]).to(QK_DTYPE)), input_precision=DOT_PRECISION)
-    return b_s
 
 
 @triton.jit
@@ -197,9 +165,6 @@ def _flash_attn_varlen_fwd_kernel(
     k,  # [Tk, H_KV, D_QK]
     v,  # [Tk, H_KV, D_V]
     o,  # [Tq, H_Q, D_V]
-    desc_k1,  # KV_TMA: TMA descriptor of k as [Tk, H_KV * D_QK], block [BLOCK_N, BLOCK_D1] (else unused)
-    desc_k2,  # KV_TMA: the same rows, block [BLOCK_N, BLOCK_D2] (unused unless HAS_D2)
-    desc_v,  # KV_TMA: v as [Tk, H_KV * D_V], block [BLOCK_N, BLOCK_DV]
     lse,  # [Tq, H_Q] fp32 (STORE_LSE)
     cu_seqlens_q,  # [B + 1]
     cu_seqlens_k,  # [B + 1]
@@ -234,8 +199,6 @@ def _flash_attn_varlen_fwd_kernel(
     SCALE_POS: tl.constexpr,  # sm_scale > 0 (descales are > 0): the scale can be applied after the row max
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    KV_TMA: tl.constexpr = False,  # full key tiles through TMA descriptors (see _kv_descriptors)
-    PIPE_QK: tl.constexpr = False,  # issue the next full tile's q @ k^T before this tile's softmax
 ):
     i_m, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if CAUSAL:
@@ -284,43 +247,12 @@ def _flash_attn_varlen_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    if KV_TMA:
-        # full tiles lie inside the request (start_n + BLOCK_N <= len_k): plain 2-D boxes, no masks
-        row0 = bos_k.to(tl.int32)
-        col_k = i_hk * (D1 + D2)
-        col_v = i_hk * D_V
-        if PIPE_QK:
-            # software pipeline: the scores of tile j+1 are computed (its last wgmma stays in flight)
-            # while tile j goes through the softmax and p @ v
-            if n_full > 0:
-                b_s = _qk_tma(b_q1, b_q2, desc_k1, desc_k2, row0, col_k, D1, HAS_D2, QK_DTYPE, DOT_PRECISION)
-                for start_n in range(0, n_full - BLOCK_N, BLOCK_N):
-                    b_nxt = _qk_tma(b_q1, b_q2, desc_k1, desc_k2, row0 + start_n + BLOCK_N, col_k, D1, HAS_D2,
-                                    QK_DTYPE, DOT_PRECISION)  # fmt: skip
-                    b_v = desc_v.load([row0 + start_n, col_v])
-                    acc, l_i, m_i = _softmax_pv(
-                        acc, l_i, m_i, b_s, b_v, qk_scale, False, SCALE_POS, False, PV_DTYPE, DOT_PRECISION
-                    )
-                    b_s = b_nxt
-                b_v = desc_v.load([row0 + n_full - BLOCK_N, col_v])
-                acc, l_i, m_i = _softmax_pv(
-                    acc, l_i, m_i, b_s, b_v, qk_scale, False, SCALE_POS, False, PV_DTYPE, DOT_PRECISION
-                )
-        else:
-            for start_n in range(0, n_full, BLOCK_N):
-                b_s = _qk_tma(b_q1, b_q2, desc_k1, desc_k2, row0 + start_n, col_k, D1, HAS_D2, QK_DTYPE,
-                              DOT_PRECISION)  # fmt: skip
-                b_v = desc_v.load([row0 + start_n, col_v])
-                acc, l_i, m_i = _softmax_pv(
-                    acc, l_i, m_i, b_s, b_v, qk_scale, False, SCALE_POS, False, PV_DTYPE, DOT_PRECISION
-                )
-    else:
-        for start_n in range(0, n_full, BLOCK_N):
-            acc, l_i, m_i = _attn_fwd_tile(
-                acc, l_i, m_i, b_q1, b_q2, p_k, p_v, start_n, len_k, o_diag, qk_scale, stride_kt, stride_vt,
-                D1, BLOCK_D1, D2, BLOCK_D2, D_V, BLOCK_DV, HAS_D2, False, CAUSAL, QK_DTYPE, PV_DTYPE,
-                DOT_PRECISION, BLOCK_N, SCALE_POS,
-            )  # fmt: skip
+    for start_n in range(0, n_full, BLOCK_N):
+        acc, l_i, m_i = _attn_fwd_tile(
+            acc, l_i, m_i, b_q1, b_q2, p_k, p_v, start_n, len_k, o_diag, qk_scale, stride_kt, stride_vt,
+            D1, BLOCK_D1, D2, BLOCK_D2, D_V, BLOCK_DV, HAS_D2, False, CAUSAL, QK_DTYPE, PV_DTYPE,
+            DOT_PRECISION, BLOCK_N, SCALE_POS,
+        )  # fmt: skip
     for start_n in range(n_full, n_end, BLOCK_N):
         acc, l_i, m_i = _attn_fwd_tile(
             acc, l_i, m_i, b_q1, b_q2, p_k, p_v, start_n, len_k, o_diag, qk_scale, stride_kt, stride_vt,
@@ -341,44 +273,11 @@ def _flash_attn_varlen_fwd_kernel(
         tl.store(lse + (bos_q + o_m) * stride_lt + i_h * stride_lh, b_lse, mask=m_m)
 
 
-def _kv_descriptors(k, v, D1, BLOCK_D1, D2, BLOCK_D2, d_v, BLOCK_DV, block_n):
-    """TMA descriptors of k and v as 2-D ``[Tk, H_KV * d]`` row-major views (heads side by side in a token
-    row), or None when the layout does not allow it: heads not packed (``stride(1) != d``), unpadded
-    blocks needed (``BLOCK_D* == D*``), 16-byte aligned base and token stride, no empty tensor. Only full
-    key tiles go through them, and those lie inside their request, so the global bounds suffice."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    Tk, H_KV, d_qk = k.shape
-    es = k.element_size()
-    if Tk == 0 or BLOCK_D1 != D1 or (D2 and BLOCK_D2 != D2) or BLOCK_DV != d_v:
-        return None
-    for t, d in ((k, d_qk), (v, d_v)):
-        if (t.stride(2) != 1 or t.stride(1) != d or (t.stride(0) * es) % 16 or t.data_ptr() % 16
-                or t.stride(0) < H_KV * d):  # fmt: skip
-            return None
-    if min(D1, D2 or D1, d_v) * es < 16:
-        return None
-    dk1 = TensorDescriptor(k, [Tk, H_KV * d_qk], [k.stride(0), 1], [block_n, BLOCK_D1])
-    dk2 = TensorDescriptor(k, [Tk, H_KV * d_qk], [k.stride(0), 1], [block_n, BLOCK_D2]) if D2 else dk1
-    dv = TensorDescriptor(v, [Tk, H_KV * d_v], [v.stride(0), 1], [block_n, BLOCK_DV])
-    return dk1, dk2, dv
-
-
-def _set_desc_block_n(nargs):
-    """Autotune pre-hook: the descriptors' box height follows the config's BLOCK_N."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    for name in ("desc_k1", "desc_k2", "desc_v"):
-        d = nargs[name]
-        if isinstance(d, TensorDescriptor):
-            d.block_shape = [nargs["BLOCK_N"], d.block_shape[1]]
-
-
 def _configs() -> list[triton.Config]:
     """H200-oriented tiles; BLOCK_M 128 keeps the wgmma M dim full (64 per warpgroup)."""
     tiles = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st, pre_hook=_set_desc_block_n)
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
         for bm, bn, w, st in tiles
     ]
 
@@ -388,16 +287,11 @@ if INTERPRET:
 else:
     _flash_attn_varlen_fwd_tuned = triton.autotune(
         configs=_configs(),
-        key=["GROUP", "D1", "D2", "D_V", "CAUSAL", "QK_DTYPE", "KV_TMA", "PIPE_QK"],
+        key=["GROUP", "D1", "D2", "D_V", "CAUSAL", "QK_DTYPE"],
     )(_flash_attn_varlen_fwd_kernel)
 
-#: autotune the tiles on a GPU (else ``_fixed_tiling``); see the module docstring
-AUTOTUNE: bool = os.environ.get("OPENMLA_PREFILL_AUTOTUNE", "1") != "0"
-_TILING = os.environ.get("OPENMLA_PREFILL_TILING")
-#: read full key tiles through TMA descriptors where the layout allows (``_kv_descriptors``)
-KV_TMA: bool = os.environ.get("OPENMLA_PREFILL_KV_TMA", "0") != "0"
-#: with KV_TMA: software-pipeline q @ k^T one full tile ahead of the softmax
-PIPE_QK: bool = os.environ.get("OPENMLA_PREFILL_PIPE_QK", "0") != "0"
+#: autotune the tiles on a GPU (else ``_fixed_tiling``; tests set it False for one compile per shape)
+AUTOTUNE: bool = True
 
 # tiles under the interpreter (and the BLOCK_M used to size the grid there)
 _INTERPRET_BLOCK_M = 16
@@ -407,9 +301,6 @@ _INTERPRET_BLOCK_N = 16
 def _fixed_tiling(row_bytes: int) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` without autotuning; ``row_bytes`` is one key row plus
     one value row in the padded tile (what each pipeline stage holds per key)."""
-    if _TILING:
-        bm, bn, warps, stages = (int(x) for x in _TILING.split(","))
-        return bm, bn, warps, stages
     if row_bytes <= 1024:  # 192 + 128 in bf16: K/V stages and q fit the H200's 227 KB of shared memory
         return 128, 64, 8, 2
     return 64, 32, 4, 2
@@ -458,15 +349,12 @@ def _flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, max_se
     q_ds, k_ds, v_ds = descales if has_descale else (cu_seqlens_q, cu_seqlens_q, cu_seqlens_q)
     if INTERPRET:
         bm, bn, warps, stages = _INTERPRET_BLOCK_M, _INTERPRET_BLOCK_N, None, None
-    elif AUTOTUNE and not _TILING:
-        bm, bn, warps, stages = None, 64, None, None  # the autotune pre-hook sets the descriptors' BLOCK_N
+    elif AUTOTUNE:
+        bm, bn, warps, stages = None, None, None, None
     else:
         bm, bn, warps, stages = _fixed_tiling((BLOCK_D1 + (BLOCK_D2 if D2 else 0) + BLOCK_DV) * q.element_size())
-    descs = _kv_descriptors(k, v, D1, BLOCK_D1, D2, BLOCK_D2, d_v, BLOCK_DV, bn) if KV_TMA else None
-    kv_tma = descs is not None
-    desc_k1, desc_k2, desc_v = descs if kv_tma else (k, k, v)
     args = (
-        q, k, v, o, desc_k1, desc_k2, desc_v, lse_arg, cu_seqlens_q, cu_seqlens_k, q_ds, k_ds, v_ds, float(sm_scale),
+        q, k, v, o, lse_arg, cu_seqlens_q, cu_seqlens_k, q_ds, k_ds, v_ds, float(sm_scale),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), lse.stride(0) if store_lse else 0, lse.stride(1) if store_lse else 0,
     )  # fmt: skip
@@ -474,7 +362,6 @@ def _flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, max_se
         GROUP=H // H_KV, D1=D1, BLOCK_D1=BLOCK_D1, D2=D2, BLOCK_D2=BLOCK_D2, HAS_D2=D2 > 0, D_V=d_v, BLOCK_DV=BLOCK_DV,
         CAUSAL=bool(causal), STORE_LSE=store_lse, HAS_DESCALE=has_descale, QK_DTYPE=QK_DTYPE, PV_DTYPE=PV_DTYPE,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SCALE_POS=float(sm_scale) > 0,
-        KV_TMA=kv_tma, PIPE_QK=kv_tma and PIPE_QK,
     )  # fmt: skip
     if INTERPRET:
         grid = (triton.cdiv(max_seqlen_q, bm), H, B)
@@ -619,8 +506,8 @@ def flash_attn_varlen(
 
 
 def _use_gluon(backend, q, k, v, descales, out) -> bool:
-    """Whether ``flash_attn_varlen`` runs the Hopper Gluon kernel (see its ``backend`` argument). Measured on
-    the H200 (benchmarks/RESULTS.md run 16): H128 2 x 8k causal 605 TFLOPS (the Triton kernel 418, cuDNN 570)."""
+    """Whether ``flash_attn_varlen`` runs the Hopper Gluon kernel (see its ``backend`` argument): on the H200 at
+    H128 2 x 8k causal 605 TFLOPS (the Triton kernel 418, cuDNN 570)."""
     backend = kernel_backend(backend, "OPENMLA_PREFILL_BACKEND")
     if backend == "triton":
         return False

@@ -49,7 +49,8 @@ Design (one program per 128-query-row block of one request and one query head; F
 * Schedule: the grid is ``(row blocks x HEAD_BLOCK, H / HEAD_BLOCK, B)``: by default one head's row
   blocks after the other, the last (heaviest, when causal) first. The programs in flight then read the
   K / V of one or two heads, which stay in L2; with every head's heaviest block first (``HEAD_BLOCK =
-  H``, the first version) each program streamed its head's K / V from HBM. The number of key tiles of a program is that of its 128-row block for both
+  H``, the first version) each program streamed its head's K / V from HBM. The number of key tiles of a program is
+  that of its 128-row block for both
   warpgroups (so their turns match); warpgroup 0 may run a fully masked tile (p = 0) on the diagonal.
 
 Shared memory (BLOCK_N 128, 2 stages): Q 49,152 + 2 x (K 49,152 + V 32,768) = 212,992 B + barriers
@@ -64,14 +65,13 @@ importing this module still works.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 
-__all__ = ["GLUON_AVAILABLE", "gluon_prefill_supported", "flash_attn_varlen_gluon"]
+__all__ = ["GLUON_AVAILABLE", "flash_attn_varlen_gluon", "gluon_prefill_supported"]
 
-from openmla.ops._gluon import (  # noqa: F401  (GLUON_AVAILABLE is part of this module's API)
+from openmla.ops._gluon import (
     GLUON_AVAILABLE,
     TensorDescriptor,
     fence_async_shared,
@@ -90,13 +90,12 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm90
 #: registers of the 1-warp producer partition and of the consumer warpgroups (setmaxnreg)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-#: default tile: keys per tile and ring depth (env "block_n,stages" overrides, for tuning)
-_TILING = os.environ.get("OPENMLA_PREFILL_GLUON_TILING")
-BLOCK_N_DEFAULT, STAGES_DEFAULT = (int(x) for x in (_TILING or "128,2").split(","))
+#: default tile: keys per tile and ring depth
+BLOCK_N_DEFAULT, STAGES_DEFAULT = 128, 2
 #: take turns issuing the wgmmas of the two consumer warpgroups (see the module docstring)
-PINGPONG: bool = os.environ.get("OPENMLA_PREFILL_GLUON_PINGPONG", "1") != "0"
+PINGPONG: bool = True
 # launch order (see flash_attn_varlen_gluon's head_block): 1 keeps the programs in flight on few heads
-HEAD_BLOCK: int = int(os.environ.get("OPENMLA_PREFILL_GLUON_HEAD_BLOCK", "1"))
+HEAD_BLOCK: int = 1
 
 
 def _smem_bytes(block_n: int, stages: int) -> int:
@@ -106,8 +105,9 @@ def _smem_bytes(block_n: int, stages: int) -> int:
 if GLUON_AVAILABLE:
 
     @gluon.jit
-    def _producer(q_desc, k1_desc, k2_desc, v_desc, q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                  row_q, col_q, row_k, col_k, col_v, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    def _producer(q_desc, k1_desc, k2_desc, v_desc, q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty,
+                  v_ready, v_empty, row_q, col_q, row_k, col_k, col_v, n_tiles, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):  # fmt: skip
         """1 warp: Q once, then the K and V tiles of the ring (each waits for its stage to be released)."""
         mbarrier.expect(q_ready, 6 * 64 * 64 * 2)
         for w in gl.static_range(2):
@@ -266,7 +266,7 @@ if GLUON_AVAILABLE:
             _turn_wait(turn, n_tiles, WG, PINGPONG)
             o_tok = warpgroup_mma(p_op, v_smem.index(lst), acc, is_async=True)
             _turn_pass(turn, WG, PINGPONG)
-            acc, p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            acc, _p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
             mbarrier.arrive(v_empty.index(lst), count=1)
 
         # ---- epilogue: normalise, store the rows of this request (out 0 / lse -inf where l = 0)
@@ -366,8 +366,8 @@ if GLUON_AVAILABLE:
             (_consumer, (q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o, lse,
                          stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h, n_tiles,
                          qk_scale, 1, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE)),
-            (_producer, (q_desc, k1_desc, k2_desc, v_desc, q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-                         v_empty, bos_q + start_m, i_h * stride_qh, bos_k, i_hk * stride_kh, i_hk * stride_vh,
+            (_producer, (q_desc, k1_desc, k2_desc, v_desc, q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty,
+                         v_ready, v_empty, bos_q + start_m, i_h * stride_qh, bos_k, i_hk * stride_kh, i_hk * stride_vh,
                          n_tiles, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
@@ -459,7 +459,8 @@ def flash_attn_varlen_gluon(
         causal (bool): bottom-right aligned causal mask.
         out: optional `[Tq, h_q, 128]` bf16 buffer (any strides, last dim contiguous).
         lse: optional `[Tq, h_q]` fp32 buffer.
-        block_n, stages, pingpong: tuning knobs (keys per tile 64 / 128, ring depth, warpgroup turns).
+        block_n, stages, pingpong: tuning variants for tests (keys per tile 64 / 128, ring depth, warpgroup
+            turns); None: the module constants.
         head_block: launch order: the row blocks of this many heads (reduced to a divisor of h_q) are
             interleaved, heaviest first when causal; 1 = one head's row blocks after the other (the
             programs in flight share that head's K / V in L2), h_q = every head's heaviest block first.
@@ -487,7 +488,8 @@ def flash_attn_varlen_gluon(
     if out is None:
         out = torch.empty(Tq, H, D_V, dtype=torch.bfloat16, device=q.device)
     elif out.shape != (Tq, H, D_V) or out.dtype != torch.bfloat16 or out.stride(2) != 1:
-        raise ValueError(f"out must be [Tq, H, 128] bf16 with a contiguous last dim; got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(f"out must be [Tq, H, 128] bf16 with a contiguous last dim; got {tuple(out.shape)} "
+                         f"{out.dtype}")  # fmt: skip
     if lse is None:
         lse = torch.empty(Tq, H, dtype=torch.float32, device=q.device)
     elif lse.shape != (Tq, H) or lse.dtype != torch.float32:
@@ -495,7 +497,8 @@ def flash_attn_varlen_gluon(
     if B <= 0 or Tq == 0 or max_seqlen_q == 0 or H == 0:
         return out, lse
     block_n = BLOCK_N_DEFAULT if block_n is None else block_n
-    stages = (STAGES_DEFAULT if block_n == BLOCK_N_DEFAULT else (3 if block_n == 64 else 2)) if stages is None else stages
+    if stages is None:
+        stages = STAGES_DEFAULT if block_n == BLOCK_N_DEFAULT else (3 if block_n == 64 else 2)
     if block_n not in (64, 128):
         raise ValueError(f"block_n must be 64 or 128; got {block_n}")
     if int(stages) != stages or stages < 1:  # stages 0: `j % STAGES` in the kernel
@@ -522,7 +525,7 @@ def flash_attn_varlen_gluon(
         q_desc, k1_desc, k2_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k, float(sm_scale) * 1.4426950408889634,
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         GROUP=H // H_KV, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), SCALE_POS=float(sm_scale) > 0,
-        PINGPONG=bool(pingpong), HEAD_BLOCK=head_block, STORE_LSE=True, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
-        num_warps=4,
+        PINGPONG=bool(pingpong), HEAD_BLOCK=head_block, STORE_LSE=True, PRODUCER_REGS=PRODUCER_REGS,
+        CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
     )  # fmt: skip
     return out, lse

@@ -9,6 +9,7 @@ calls :func:`resource_report` on the result.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -24,7 +25,8 @@ def resource_report(kernel) -> dict:
     ``num_warps``, and PTX counts: ``wgmma`` (``wgmma.mma_async``), ``tma`` (``cp.async.bulk.tensor``),
     ``setmaxnreg`` (the register counts warp-specialised partitions move to), ``cta_barrier``
     (``bar.sync 0`` / ``barrier.sync 0``), ``partition_barriers`` (``bar.sync id, threads``: barriers of a
-    warp-specialised partition).
+    warp-specialised partition), and from the SASS: ``sass`` (instructions) and ``sass_hash`` (a digest of their
+    text, to tell whether two builds compiled to the same code).
     """
     import triton
 
@@ -34,6 +36,8 @@ def resource_report(kernel) -> dict:
         f.flush()
         usage = subprocess.run([tool, "--dump-resource-usage", f.name], check=True, capture_output=True,
                                text=True).stdout  # fmt: skip
+        sass = subprocess.run([tool, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+    code = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*;)", sass)
     line = next(row for row in usage.splitlines() if "REG:" in row)
     fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
     ptx = kernel.asm["ptx"]
@@ -49,35 +53,9 @@ def resource_report(kernel) -> dict:
         "setmaxnreg": sorted(set(re.findall(r"setmaxnreg[.](?:inc|dec)[.]sync[.]aligned[.]u32\s+(\d+)", ptx))),
         "cta_barrier": len(re.findall(r"\bbar[.]sync\s+0;|\bbarrier[.]sync\s+0;", ptx)),
         "partition_barriers": len(re.findall(r"\bbar[.]sync\s+\d+,\s*\d+;", ptx)),
+        "sass": len(code),
+        "sass_hash": hashlib.sha1("\n".join(code).encode()).hexdigest()[:12],
     }
-
-
-def alloc_offsets(ttgir: str) -> dict[str, int]:
-    """``{allocation name: byte offset}`` of every ``ttg.local_alloc`` of a kernel's TTGIR (``kernel.asm["ttgir"]``)
-    as Triton's shared-memory allocation pass for sm90 places them (the first passes of the NVIDIA backend's
-    ``make_llir``); the names are the kernel's variable names. Inline PTX that names shared memory by offset from
-    ``global_smem`` reads its offsets here (``benchmarks/experiments``)."""
-    from triton._C.libtriton import ir, nvidia, passes
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    CUDABackend(GPUTarget("cuda", 90, 32)).load_dialects(ctx)
-    with tempfile.NamedTemporaryFile("w", suffix=".ttgir") as f:
-        f.write(ttgir)
-        f.flush()
-        mod = ir.parse_mlir_module(f.name, ctx)
-    mod.context = ctx
-    pm = ir.pass_manager(ctx)
-    passes.ttgpuir.add_combine_tensor_select_and_if(pm)
-    passes.ttgpuir.add_allocate_warp_groups(pm)
-    passes.convert.add_scf_to_cf(pm)
-    passes.gluon.add_inliner(pm)
-    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, 90, 86)
-    pm.run(mod, "alloc_offsets")
-    pattern = r"%([A-Za-z_][A-Za-z0-9_]*) = ttg\.local_alloc \{allocation\.offset = (\d+) : i32\}"
-    return {m.group(1): int(m.group(2)) for m in re.finditer(pattern, str(mod))}
 
 
 def run_report_script(script: str, variants: list) -> list[dict]:
