@@ -395,3 +395,83 @@ def test_sparse_mla_compiles_for_sm90():
             assert r["wgmma"] > 0, r
         if fmt == 1:
             assert r["stack"] == 0 and r["local"] == 0, r
+
+
+@pytest.mark.parametrize("seed", range(pick(6, 24)))
+def test_sparse_mla_random_configs(seed, device):
+    """Random mixes of heads, widths, block sizes, dtypes, lengths, sinks, an extra source (dense or ragged) and
+    splits against the reference."""
+    g = torch.Generator().manual_seed(100 + seed)
+
+    def r(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    kv_dtype = CACHE_DTYPES[r(0, 1)]
+    T, H = r(1, pick(4, 40)), r(1, pick(20, 128))
+    bs = [1, 3, 16, 64][r(0, 3)]
+    blocks = max(1, r(64, 256) // bs)
+    cache = _cache(device, blocks, bs, kv_dtype)
+    idx, lens = _indices(T, r(1, pick(70, 2048)), blocks * bs, device, with_len=bool(r(0, 1)), gen=g)
+    kw = {"topk_length": lens}
+    if r(0, 1):
+        ebs = [1, 2, 64][r(0, 2)]
+        eblocks = max(1, r(8, 128) // ebs)
+        kw["extra_kv_cache"] = _cache(device, eblocks, ebs, kv_dtype)
+        eidx, elens = _indices(T, r(1, pick(30, 512)), eblocks * ebs, device, gen=g)
+        if r(0, 1):
+            kw["extra_indices"] = openmla.build_ragged_indices_from_dense(eidx, elens)
+        else:
+            kw["extra_indices"], kw["extra_topk_length"] = eidx, elens
+    if r(0, 1):
+        kw["attn_sink"] = (torch.randn(H, generator=g) * 2).to(device)
+    if r(0, 1):
+        kw["_num_splits_override"] = r(2, 6)
+    q = torch.randn(T, H, 576, generator=g).to(device).bfloat16()
+    _check(q, cache, idx, kv_dtype, **kw)
+
+
+@pytest.mark.gpu
+def test_sparse_ops_in_a_cuda_graph(device):
+    """Index conversion, lengths, the ragged form and sparse_mla (split and not) captured in one CUDA graph and
+    replayed on new inputs: no host sync inside, results equal to eager calls."""
+    T, H, K, R, W, bs = 8, 64, 256, 2, 16, 64
+    cache = _cache(device, R * W, bs, "fp8_ds_mla")
+    table = torch.randperm(R * W, device=device).view(R, W).int()
+    req = torch.tensor([0] * 4 + [1] * 4, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 4, 8], dtype=torch.int32, device=device)
+    seq = torch.tensor([600, 900], dtype=torch.int32, device=device)
+    tok = torch.randint(0, 600, (T, K), dtype=torch.int32, device=device)
+    q = torch.randn(T, H, 576, device=device).bfloat16()
+    sink = torch.randn(H, device=device)
+    slots = torch.empty(T, K, dtype=torch.int32, device=device)
+    lens = torch.empty(T, dtype=torch.int32, device=device)
+    indptr = torch.empty(T + 1, dtype=torch.int32, device=device)
+    flat = torch.empty(T * K, dtype=torch.int32, device=device)
+    outs = [torch.empty(T, H, 512, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    lses = [torch.empty(T, H, device=device) for _ in range(2)]
+
+    def step():
+        openmla.convert_req_index_to_global_index(req, table, tok, bs, out=slots)
+        openmla.sparse_seq_lens(qsl, seq, K, out=lens)
+        openmla.build_ragged_indices_from_dense(slots, lens, out_indptr=indptr, out_flat=flat)
+        openmla.sparse_mla(q, cache, slots, SCALE, kv_cache_dtype="fp8_ds_mla", topk_length=lens, attn_sink=sink,
+                           out=outs[0], lse=lses[0])  # fmt: skip
+        openmla.sparse_mla(q, cache, (indptr, flat), SCALE, kv_cache_dtype="fp8_ds_mla", attn_sink=sink,
+                           out=outs[1], lse=lses[1], _num_splits_override=3)  # fmt: skip
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    tok.copy_(torch.randint(0, 600, (T, K), dtype=torch.int32, device=device))
+    q.copy_(torch.randn(T, H, 576, device=device).bfloat16())
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_slots = openmla.convert_req_index_to_global_index(req, table, tok, bs)
+    assert torch.equal(slots, ref_slots)
+    ref_out, ref_lse = sparse_mla_ref(q, cache, ref_slots, SCALE, kv_cache_dtype="fp8_ds_mla", attn_sink=sink,
+                                      topk_length=lens)  # fmt: skip
+    for o, lse in zip(outs, lses):
+        assert_close("out", ref_out, o, *TOLERANCES[torch.bfloat16])
+        assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
