@@ -246,6 +246,9 @@ def test_topk_impls_agree_and_out_buffer(device):
     got = openmla.indexer_topk(*args, topk, cache_dtype="fp8", out=out, validate=False, topk_impl="triton")
     assert got.data_ptr() == out.data_ptr()
     assert torch.equal(out, openmla.indexer_topk(*args, topk, cache_dtype="fp8", topk_impl="torch"))
+    wide = args[3].shape[1] * 5 + 77  # columns past every request: never filled, never scanned (triton)
+    for impl in ("triton", "torch"):
+        assert torch.equal(out, openmla.indexer_topk(*args, topk, cache_dtype="fp8", max_seq_len=wide, topk_impl=impl))
     S = args[3].shape[1] * 5 + 3  # a wider output than the block table spans: the extra columns are -inf
     buf = torch.empty(T, 2 * S, device=device)[:, :S]  # strided rows
     res = openmla.indexer_logits(*args, cache_dtype="fp8", max_seq_len=S, out=buf)

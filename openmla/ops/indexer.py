@@ -281,6 +281,7 @@ def _indexer_logits_fwd_kernel(
     FP8: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr,
     MAX_PAGES: tl.constexpr,
+    FILL: tl.constexpr,  # write -inf past the visible keys too (False: the top-k reads only row_len columns)
     COMPUTE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -366,10 +367,11 @@ def _indexer_logits_fwd_kernel(
                 b_l = b_l * b_sk[:, None]  # the key's scale is positive: it commutes with the relu
             b_l = tl.where(m_n[:, None] & (o_n[:, None] <= pos[None, :]), b_l, float("-inf"))
             tl.store(p_out[None, :] + o_n[:, None], b_l, mask=m_t[None, :] & (o_n < n_hi)[:, None])
-        b_inf = tl.full([BLOCK_N, Q_PER], float("-inf"), dtype=tl.float32)
-        for n0 in range(n_mid, n_hi, BLOCK_N):
-            o_n = n0 + o_n0
-            tl.store(p_out[None, :] + o_n[:, None], b_inf, mask=m_t[None, :] & (o_n < n_hi)[:, None])
+        if FILL:
+            b_inf = tl.full([BLOCK_N, Q_PER], float("-inf"), dtype=tl.float32)
+            for n0 in range(n_mid, n_hi, BLOCK_N):
+                o_n = n0 + o_n0
+                tl.store(p_out[None, :] + o_n[:, None], b_inf, mask=m_t[None, :] & (o_n < n_hi)[:, None])
 
 
 def _compute(q_dtype, cache_dtype_t):
@@ -426,7 +428,7 @@ def _validate_batch(T, B, S, k_cache, block_table, seq_lens, query_start_loc):
 
 
 def _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype, S,
-                        max_query_len, out, row_len):  # fmt: skip
+                        max_query_len, out, row_len, fill=True):  # fmt: skip
     T, H, D = q.shape
     B = block_table.shape[0]
     block_n, split, warps, stages = _tiling()
@@ -445,8 +447,8 @@ def _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         out.stride(0), T, B, H, k_cache.shape[0], block_table.shape[1], S, k_cache.shape[1], split,
         D=D, BLOCK_D=max(32, triton.next_power_of_2(D)), BLOCK_H=BLOCK_H, Q_PER=q_per, BLOCK_N=block_n,
-        FP8=cache_dtype == "fp8", PAGE_ALIGNED=aligned, MAX_PAGES=triton.next_power_of_2(pages), COMPUTE=compute,
-        DOT_PRECISION=precision, num_warps=warps, num_stages=stages,
+        FP8=cache_dtype == "fp8", PAGE_ALIGNED=aligned, MAX_PAGES=triton.next_power_of_2(pages), FILL=fill,
+        COMPUTE=compute, DOT_PRECISION=precision, num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
@@ -696,6 +698,7 @@ def indexer_topk(
         return out.fill_(-1)
     logits = torch.empty(T, S, dtype=torch.float32, device=q.device)
     row_len = torch.empty(T, dtype=torch.int32, device=q.device)
+    # the top-k scans each row's first row_len columns only: the kernel skips the -inf fill past them
     _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype, S, max_query_len,
-                        logits, row_len)  # fmt: skip
+                        logits, row_len, fill=impl == "torch")  # fmt: skip
     return _topk_fwd(logits, row_len, topk, out, impl)
