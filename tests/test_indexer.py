@@ -358,3 +358,25 @@ def test_cuda_graph_topk(device):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+def test_transformers_scores_with_folded_weights(device):
+    """transformers' deepseek_v32 indexer (SPEC §13.1): relu(q . k * D^-0.5) weighted by weights_proj(x) * H^-0.5,
+    summed over heads, causal. Folding both scales into ``weights`` gives the same scores and the same top-k."""
+    lens, qlens = [13, 7], [13, 3]  # a whole prompt, and a chunk after context
+    H, D = 4, 32
+    q, _, cache, bt, sl, qsl = _batch(lens, qlens, H, D, 4, "auto", torch.float32, torch.float32, device)
+    w_proj = torch.randn(q.shape[0], H, device=device)
+    keys = dequantize_indexer_k_cache_ref(cache).reshape(-1, D)
+    hf = torch.full((q.shape[0], bt.shape[1] * 4), float("-inf"), device=device)
+    for b, (L, n) in enumerate(zip(lens, qlens)):
+        pos = torch.arange(L, device=device)
+        k = keys[bt[b, pos // 4].long() * 4 + pos % 4]
+        rows = slice(int(qsl[b]), int(qsl[b + 1]))
+        s = torch.relu(torch.einsum("thd,pd->thp", q[rows], k) * D**-0.5)
+        s = torch.einsum("th,thp->tp", w_proj[rows] * H**-0.5, s)
+        causal = pos[None, :] <= (L - n + torch.arange(n, device=device))[:, None]
+        hf[rows, :L] = s.masked_fill(~causal, float("-inf"))
+    ours = openmla.indexer_logits(q, w_proj * (D**-0.5 * H**-0.5), cache, bt, sl, qsl)
+    _check_scores("vs transformers", hf, ours, torch.float32)
+    _check_topk(openmla.indexer_topk(q, w_proj * (D**-0.5 * H**-0.5), cache, bt, sl, qsl, 5), hf, 5)
