@@ -12,9 +12,11 @@ from openmla.bench.timing import Timer, Timing
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Cosine similarity of two outputs (1.0 = same direction), computed in fp64."""
+    """Cosine similarity of two outputs (1.0 = same direction), computed in fp64; 0.0 when either holds NaN or inf
+    (so that the run's warning names the point)."""
     a, b = a.double().flatten(), b.double().flatten()
-    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
+    c = float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
+    return c if math.isfinite(c) else 0.0
 
 
 class BenchContext:

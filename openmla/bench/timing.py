@@ -55,6 +55,14 @@ class Timing:
         return quantile(self.samples_us, 0.8)
 
 
+def _sync() -> None:
+    """Wait for the device after a failure; a sticky CUDA error surfaces at the next call instead of here."""
+    try:
+        torch.cuda.synchronize()
+    except Exception:
+        pass
+
+
 class Timer:
     """Times callables on ``device``: ``rep`` ms per timed batch, ``rounds`` alternating rounds."""
 
@@ -76,7 +84,7 @@ class Timer:
                 ms = triton.testing.do_bench_cudagraph(fn, rep=self.rep, return_mode="all")
                 return [t * 1e3 for t in ms], "cuda-graph"
             except Exception as exc:  # capture can fail for code that syncs; fall back and say so in the row
-                torch.cuda.synchronize()
+                _sync()
                 print(f"# cuda graph capture failed ({type(exc).__name__}: {exc}); timing with do_bench", flush=True)
         ms = triton.testing.do_bench(fn, warmup=max(5, self.rep // 4), rep=self.rep, return_mode="all")
         return [t * 1e3 for t in ms], "do_bench"
@@ -96,7 +104,7 @@ class Timer:
                 except Exception as exc:
                     t.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                     if self.device.type == "cuda":
-                        torch.cuda.synchronize()
+                        _sync()
                     continue
                 use_graph[k] = timer == "cuda-graph"  # a failed capture is not retried every round
                 t.samples_us += samples
