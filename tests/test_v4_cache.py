@@ -40,6 +40,18 @@ def test_layout_geometry(device):
     fm = cache.view(torch.float8_e4m3fn).unsqueeze(2)  # FlashMLA's k_cache
     assert fm.shape == (3, 16, 1, 584) and fm.stride(0) == cache.stride(0)
     assert allocate_v4_cache(2, 4, kv_cache_dtype="auto", device=device).shape == (2, 4, 512)
+    # the FlashMLA-typed view is accepted as the same cache
+    kv_c, k_pe = _rows(5, device)
+    slots = torch.tensor([0, 17, 18, 47, -1], device=device)
+    concat_and_cache_v4(kv_c, k_pe, fm, slots)
+    want = concat_and_cache_v4_ref(kv_c, k_pe, torch.zeros_like(cache), slots)
+    other = allocate_v4_cache(3, 16, device=device)
+    concat_and_cache_v4(kv_c, k_pe, other, slots)
+    assert torch.equal(v4_block_bytes(cache).cpu(), v4_block_bytes(other).cpu())
+    assert torch.equal(v4_block_bytes(cache).cpu(), want.cpu())
+    one = torch.tensor([[1]], device=device)
+    got = gather_cache_v4(fm, one, torch.tensor([3], device=device), out_dtype=torch.float32)
+    assert torch.equal(got[1:].cpu(), dequantize_v4_cache_ref(cache)[17:19].cpu())
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 64])
@@ -199,3 +211,30 @@ def test_e8m0():
             scale_to_e8m0(bad)
     with pytest.raises(ValueError, match="255"):
         scale_to_e8m0(torch.tensor([255], dtype=torch.uint8))
+
+
+@pytest.mark.gpu
+def test_flashmla_reads_fp8_v4(device):
+    """FlashMLA's MODEL1 sparse decode reads a cache written by concat_and_cache_v4 (byte-for-byte layout check).
+
+    Needs the peer extension (shared/peers/README.md: copy it to .peers and put .peers on PYTHONPATH)."""
+    flash_mla = pytest.importorskip("flash_mla")
+    bs, nb, b, h, topk = 64, 9, 2, 64, 128
+    cache = allocate_v4_cache(nb, bs, device=device, fill=0xFF)  # unused pages hold NaN bytes
+    T = (nb - 1) * bs
+    kv_c, k_pe = _rows(T, device)
+    concat_and_cache_v4(kv_c, k_pe, cache, torch.arange(T, device=device) + bs)  # block 0 stays NaN
+    idx = torch.stack([torch.randperm(T, device=device)[:topk] + bs for _ in range(b)])
+    idx[0, -5:] = -1
+    q = torch.randn(b, 1, h, 512, device=device, dtype=torch.bfloat16)
+    scale = 512**-0.5
+    meta = flash_mla.get_mla_metadata()[0]
+    out, _ = flash_mla.flash_mla_with_kvcache(q, cache.view(torch.float8_e4m3fn).unsqueeze(2), None, None, 512, meta,
+                                              softmax_scale=scale, is_fp8_kvcache=True,
+                                              indices=idx.int().view(b, 1, topk))  # fmt: skip
+    flat = dequantize_v4_cache_ref(cache)
+    for r in range(b):
+        sel = idx[r][idx[r] >= 0].long()
+        k = flat[sel]  # [n, 512]
+        p = torch.softmax(q[r, 0].float() @ k.T * scale, dim=-1)
+        assert_close(f"flashmla row {r}", p @ k, out[r, 0], 1.6e-2, 1.6e-2, 1e-5)
