@@ -9,14 +9,9 @@ dominates under the interpreter). Every rank builds the same global batch from a
 
 from __future__ import annotations
 
-import os
-import sys
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dcp_harness import run_ranks
 
 from openmla.ops.cache import concat_and_cache_mla
 from openmla.parallel import dcp_mla_decode, dcp_mla_prefill_with_context, dcp_slot_mapping
@@ -141,41 +136,18 @@ def _errors(rank, W, dev):
         raise AssertionError("an int q was accepted")
 
 
-def _worker(rank, W, init, backend, err_file):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(backend, init_method=init, rank=rank, world_size=W)
-        dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        if backend == "nccl":
-            torch.cuda.set_device(dev)
-        # every case at one interleave per W (1, 2, block size for W = 2, 3, 4); the verify cases and one
-        # prefill at the other two (the single-process tests cover the sharding of the whole W x I grid)
-        main = {2: 1, 3: 2, 4: BS}.get(W, 1)
-        for I in (1, 2, BS):  # noqa: E741
-            if I == main:
-                _decode_cases(rank, W, I, dev, range(len(DECODE_CASES)))
-                _prefill_case(rank, W, I, dev, [7, 3, 0], [1, 2, 2], chunk_size=64, seed=9)
-            else:
-                _decode_cases(rank, W, I, dev, [2, 3])
-            _prefill_case(rank, W, I, dev, [0, 5, 9], [2, 3, 1], chunk_size=4, seed=I)
-        _errors(rank, W, dev)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{err_file}.{rank}", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
-def run_ranks(fn, W, tmp_path, backend="gloo"):
-    """Spawn ``W`` processes running ``fn(rank, W, init, backend, err_file)``; raise with a rank's traceback."""
-    init = f"file://{tmp_path}/dist_store"
-    err = str(tmp_path / "err")
-    try:
-        mp.spawn(fn, args=(W, init, backend, err), nprocs=W, join=True)
-    except Exception as exc:
-        msgs = [open(f"{err}.{r}").read() for r in range(W) if os.path.exists(f"{err}.{r}")]
-        raise AssertionError("\n".join(msgs) or str(exc)) from None
+def _worker(rank, W, dev):
+    # every case at one interleave per W (1, 2, block size for W = 2, 3, 4); the verify cases and one
+    # prefill at the other two (the single-process tests cover the sharding of the whole W x I grid)
+    main = {2: 1, 3: 2, 4: BS}.get(W, 1)
+    for I in (1, 2, BS):
+        if I == main:
+            _decode_cases(rank, W, I, dev, range(len(DECODE_CASES)))
+            _prefill_case(rank, W, I, dev, [7, 3, 0], [1, 2, 2], chunk_size=64, seed=9)
+        else:
+            _decode_cases(rank, W, I, dev, [2, 3])
+        _prefill_case(rank, W, I, dev, [0, 5, 9], [2, 3, 1], chunk_size=4, seed=I)
+    _errors(rank, W, dev)
 
 
 @pytest.mark.skipif(on_gpu(), reason="multi-process gloo on CPU; the GPU run is test_dcp_nccl_one_gpu")
@@ -187,10 +159,3 @@ def test_dcp_gloo(W, tmp_path):
 @pytest.mark.gpu
 def test_dcp_nccl_one_gpu(tmp_path):
     run_ranks(_worker, 1, tmp_path, backend="nccl")
-
-
-if __name__ == "__main__":  # python tests/test_parallel_dcp.py W [backend]
-    import pathlib
-    import tempfile
-
-    run_ranks(_worker, int(sys.argv[1]), pathlib.Path(tempfile.mkdtemp()), *sys.argv[2:3])
