@@ -74,7 +74,8 @@ def test_engine_tokens_dcp2(reference, tmp_path):
 
 def _cli_tokens(capfd, extra):
     argv = ["generate", "--prompt-ids", "7,3,9,27,101,4,8,15,16", "--prompt-ids", "40,41,42,40,41,42,40",
-            "--max-new-tokens", "4", "--speculate", "2", "--block-size", "4", "--json", *extra]  # fmt: skip
+            "--max-new-tokens", "4", "--speculate", "2", "--block-size", "4", "--dtype", "float32", "--json",
+            *extra]  # fmt: skip
     assert main(argv) == 0
     return json.loads(capfd.readouterr().out.strip().splitlines()[-1])
 

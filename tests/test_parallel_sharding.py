@@ -186,6 +186,22 @@ def test_masked_kernel_low_precision(dtype):
         assert_close(f"r{r} lse", rl, lse, *TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("route", ["segmented", "masked"])
+def test_routes_fp8_cache(route):
+    """An fp8 cache (per-tensor scale) through both verify routes of one rank."""
+    W, I, scale = 2, BS, 0.25
+    q, cache, bt, seq_t, qsl = _global_batch([6, 11], [3, 2], 2, torch.float32, seed=5)
+    cache = (cache / scale).to(torch.float8_e4m3fn)
+    q = q.to(torch.bfloat16)
+    lc, lbt = dcp_shard_cache_ref(cache, bt, seq_t, BS, W, 1, I)
+    o, lse, _ = dcp_local_decode(q, lc, lbt, seq_t, qsl, 0.2, world_size=W, rank=1, interleave=I, route=route,
+                                 kv_cache_dtype="fp8", kv_scale=scale)  # fmt: skip
+    ro, rl = dcp_local_decode_ref(q, lc, lbt, seq_t, qsl, 0.2, world_size=W, rank=1, interleave=I,
+                                  kv_cache_dtype="fp8", kv_scale=scale)  # fmt: skip
+    assert_close("out", ro, o, *TOLERANCES[torch.float8_e4m3fn])
+    assert_close("lse", rl, lse, *TOLERANCES[torch.float8_e4m3fn])
+
+
 def test_masked_kernel_errors():
     q, cache, bt, seq_t, qsl = _global_batch([3, 5], [1, 2], 2, torch.float32)
     kw = dict(world_size=2, rank=0)

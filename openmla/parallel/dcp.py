@@ -14,7 +14,7 @@ import torch
 
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
 from openmla.ops.decode import mla_decode
-from openmla.parallel.comm import _all_gather, all_gather_heads, group_info, merge_heads, merge_replicated
+from openmla.parallel.comm import MERGES, _all_gather, all_gather_heads, group_info, merge_heads, merge_replicated
 from openmla.parallel.sharding import check_dcp_args, dcp_local_seq_lens, dcp_local_verify_row_lens
 from openmla.parallel.verify import dcp_masked_decode, select_dcp_decode_route
 
@@ -138,6 +138,8 @@ def dcp_mla_decode(
     """
     W, rank, backend = group_info(group)
     check_dcp_args(W, rank, interleave)
+    if merge not in MERGES:  # checked before any collective, so every rank fails at the same point
+        raise ValueError(f"merge must be one of {MERGES}; got {merge!r}")
     check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=3)
     T, H, d_qk = q.shape
     check_index("block_table", block_table, ndim=2, device=q.device)
