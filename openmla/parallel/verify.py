@@ -34,7 +34,7 @@ DCP_ROUTES = ("plain", "segmented", "masked")
 _LOG2E = 1.4426950408889634
 # "auto" takes the masked kernel from this query length on: the segmented route reads a request's KV once
 # per row, the masked one once per request. Not measured yet (the multi-GPU run is its own issue).
-_MASKED_MIN_QLEN = int(os.environ.get("OPENMLA_DCP_MASKED_MIN_QLEN", "3"))
+MASKED_MIN_QLEN = 3
 
 
 def select_dcp_decode_route(causal: bool, max_query_len: int, route: str | None = None) -> str:
@@ -49,8 +49,8 @@ def select_dcp_decode_route(causal: bool, max_query_len: int, route: str | None 
             batch is an error (it would let rows see future keys).
 
     Returns:
-        str: "plain" for non-causal blocks and qlen <= 1; else "masked" from
-        ``OPENMLA_DCP_MASKED_MIN_QLEN`` (3) rows per request on, "segmented" below.
+        str: "plain" for non-causal blocks and qlen <= 1; else "masked" from ``MASKED_MIN_QLEN`` (3) rows
+        per request on, "segmented" below.
 
     Raises:
         ValueError: an unknown route, or "plain" for a causal multi-row batch.
@@ -65,7 +65,7 @@ def select_dcp_decode_route(causal: bool, max_query_len: int, route: str | None 
         return route
     if not needs_window:
         return "plain"
-    return "masked" if max_query_len >= _MASKED_MIN_QLEN else "segmented"
+    return "masked" if max_query_len >= MASKED_MIN_QLEN else "segmented"
 
 
 @triton.jit
