@@ -122,7 +122,7 @@ def test_sparse_mla(heads, topk, block_size, kv_cache_dtype, device):
         assert bool((out[1:3] == 0).all()) and bool(torch.isneginf(lse[1:3]).all())
 
 
-@pytest.mark.parametrize("heads", pick([64, 128], [96, 128]))
+@pytest.mark.parametrize("heads", pick([128], [96, 128]))
 def test_sparse_mla_many_heads(heads, device):
     T, K = pick(2, 64), pick(20, 2048)
     cache = _cache(device, 64, 64, "fp8_ds_mla")
@@ -132,7 +132,7 @@ def test_sparse_mla_many_heads(heads, device):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", CACHE_DTYPES)
-@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("splits", pick([3], [2, 5]))
 def test_sparse_mla_splits(splits, kv_cache_dtype, device):
     """The split path (partials + LSE merge) with sinks and the extra source; splits past a short row are empty."""
     T, H, K = pick(3, 8), pick(6, 64), pick(70, 2048)
@@ -397,7 +397,7 @@ def test_sparse_mla_compiles_for_sm90():
             assert r["stack"] == 0 and r["local"] == 0, r
 
 
-@pytest.mark.parametrize("seed", range(pick(6, 24)))
+@pytest.mark.parametrize("seed", range(pick(4, 16)))
 def test_sparse_mla_random_configs(seed, device):
     """Random mixes of heads, widths, block sizes, dtypes, lengths, sinks, an extra source (dense or ragged) and
     splits against the reference."""

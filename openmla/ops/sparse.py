@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from openmla.device import INTERPRET, compute_dtype
+from openmla.ops._bf16 import to_bf16
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_tensor, describe
 
 __all__ = ["SPARSE_KV_CACHE_DTYPES", "apply_attn_sink", "sparse_mla"]
@@ -46,7 +47,8 @@ _GPU_TILING = {
 }
 _MAX_BLOCK_H = 64  # heads per program at most (H = 128 runs two head blocks over the same rows)
 _INTERPRET_BLOCK_N = 16
-_INTERPRET_FP8 = tl.constexpr(INTERPRET)  # NaN e4m3 bytes need an explicit test under the interpreter
+# the interpreter: NaN e4m3 bytes need an explicit test, fp32 -> bf16 an explicit round to nearest even
+_INTERPRET_FIX = tl.constexpr(INTERPRET)
 # split planner: with fewer than _SPLIT_WAVE x SMs programs (tokens x head blocks), cut each token's key list
 # into splits of at least _MIN_SPLIT_KEYS keys, at most _MAX_SPLITS of them
 _SPLIT_WAVE = 1
@@ -100,7 +102,7 @@ def _dequant_group(p_kv, p_s, m_n, o_c, G: tl.constexpr, COMPUTE: tl.constexpr):
     b_s = tl.load(p_s + G, mask=m_n, other=0.0)
     b_v = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_s[:, None]
     b_nan = b_v != b_v  # noqa: PLR0124 (NaN test)
-    if _INTERPRET_FP8:  # the interpreter widens the e4m3 NaN bytes (0x7F, 0xFF) to +-480; the GPU to NaN
+    if _INTERPRET_FIX:  # the interpreter widens the e4m3 NaN bytes (0x7F, 0xFF) to +-480; the GPU to NaN
         b_nan = b_nan | ((b_q & 0x7F) == 0x7F)
     return tl.where(b_nan, 0.0, b_v).to(COMPUTE)
 
@@ -159,13 +161,23 @@ def _source_rows(p_idx, o_i, m_i, kv, kv_f32, kv_b16, stride_kv_b, stride_kv_p, 
 
 
 @triton.jit
+def _to_out(x, dtype: tl.constexpr):
+    """fp32 -> the output dtype, bf16 rounded to nearest even on both backends."""
+    if dtype == tl.bfloat16:
+        y = to_bf16(x, _INTERPRET_FIX)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
 def _store_chunks(p_row, o0, o1, o2, o3, m_h, o_c, DC: tl.constexpr):
     """Four [M, DC] column chunks to rows p_row [M] (in the destination's dtype)."""
-    dtype = p_row.dtype.element_ty
-    tl.store(p_row[:, None] + o_c[None, :], o0.to(dtype), mask=m_h[:, None])
-    tl.store(p_row[:, None] + DC + o_c[None, :], o1.to(dtype), mask=m_h[:, None])
-    tl.store(p_row[:, None] + 2 * DC + o_c[None, :], o2.to(dtype), mask=m_h[:, None])
-    tl.store(p_row[:, None] + 3 * DC + o_c[None, :], o3.to(dtype), mask=m_h[:, None])
+    dtype: tl.constexpr = p_row.dtype.element_ty
+    tl.store(p_row[:, None] + o_c[None, :], _to_out(o0, dtype), mask=m_h[:, None])
+    tl.store(p_row[:, None] + DC + o_c[None, :], _to_out(o1, dtype), mask=m_h[:, None])
+    tl.store(p_row[:, None] + 2 * DC + o_c[None, :], _to_out(o2, dtype), mask=m_h[:, None])
+    tl.store(p_row[:, None] + 3 * DC + o_c[None, :], _to_out(o3, dtype), mask=m_h[:, None])
 
 
 @triton.jit
@@ -342,7 +354,7 @@ def _sparse_mla_merge_fwd_kernel(
             acc += w[:, None] * b_o
         acc = acc * b_r[:, None]
         p_out = out + i_t * stride_o_t + o_h[:, None] * stride_o_h + d0 + o_d[None, :]
-        tl.store(p_out, acc.to(out.dtype.element_ty), mask=m_h[:, None])
+        tl.store(p_out, _to_out(acc, out.dtype.element_ty), mask=m_h[:, None])
 
 
 @triton.jit
@@ -372,7 +384,7 @@ def _apply_attn_sink_fwd_kernel(
     b_f = _sink_factor(b_lse, tl.load(sink + o_h, mask=m_h, other=float("-inf")))
     b_x = tl.load(x + i_t * stride_x_t + o_h[:, None] * stride_x_h + o_d[None, :], mask=m, other=0.0)
     b_y = tl.where(b_f[:, None] == 0.0, 0.0, b_x.to(tl.float32) * b_f[:, None])  # a row with weight 0 is 0
-    tl.store(y + i_t * stride_y_t + o_h[:, None] * stride_y_h + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m)
+    tl.store(y + i_t * stride_y_t + o_h[:, None] * stride_y_h + o_d[None, :], _to_out(b_y, y.dtype.element_ty), mask=m)
 
 
 def _check_sink(attn_sink, H: int, dev) -> None:
