@@ -176,17 +176,20 @@ SHAPES = {
 
 
 LOGIT_SHAPES = [("mixed", 1), ("mixed", 5), ("mixed", pick(16, 64)), ("decode", pick(16, 64)), ("tiled", pick(16, 64)),
-                ("tiled", pick(48, 192))]  # fmt: skip
+                ("tiled", pick(48, 192)), ("tma", pick(16, 64))]  # fmt: skip
 # "tiled": the mixed batch under a tiling with several key splits a request and tiles inside one page each (the
-# block numbers of a split loaded up front); block size 48 / 192: splits that start inside a page
+# block numbers of a split loaded up front); block size 48 / 192: splits that start inside a page; "tma": the same
+# with key tiles loaded through TMA descriptors
 TILED = pick("16,32,4,3", "64,256,4,3")
 
 
 @pytest.mark.parametrize("cache_dtype,cdtype,qdtype", pick(SCORE_CASES[:1] + SCORE_CASES[2:], SCORE_CASES), ids=_ids)
 @pytest.mark.parametrize("shape,block_size", LOGIT_SHAPES)
 def test_indexer_logits(cache_dtype, cdtype, qdtype, shape, block_size, device, monkeypatch):
-    if shape == "tiled":
+    if shape in ("tiled", "tma"):
         monkeypatch.setenv("OPENMLA_INDEXER_TILING", TILED)
+    if shape == "tma":  # key tiles by TMA descriptors (the interpreter runs them; sm90+ on the GPU)
+        monkeypatch.setenv("OPENMLA_INDEXER_TMA", "1")
     lens, qlens, pad = SHAPES["decode" if shape == "decode" else "mixed"]
     H, D = pick(3, 64), pick(20 if cache_dtype == "auto" else 32, 128)  # D 20: a masked column tail
     args = _batch(lens, qlens, H, D, block_size, cache_dtype, cdtype, qdtype, device, pad_rows=pad)

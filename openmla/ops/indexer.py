@@ -23,6 +23,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from openmla.device import INTERPRET
 from openmla.ops._fp8 import to_e4m3
@@ -253,6 +254,7 @@ def _indexer_logits_fwd_kernel(
     weights,  # [T, H] fp32
     k_cache,  # auto: [num_blocks, block_size, D]; fp8: uint8 block-split
     k_scale,  # fp8: the same memory as fp32 (per-token scales)
+    k_desc,  # USE_TMA: a descriptor over the keys as [num_blocks, block_size, D], box [1, BLOCK_N, D]
     block_table,  # [B, max_blocks]
     seq_lens,  # [B]
     query_start_loc,  # [B + 1]
@@ -281,6 +283,7 @@ def _indexer_logits_fwd_kernel(
     FP8: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr,
     MAX_PAGES: tl.constexpr,
+    USE_TMA: tl.constexpr,  # key tiles by TMA (PAGE_ALIGNED and D == BLOCK_D only)
     FILL: tl.constexpr,  # write -inf past the visible keys too (False: the top-k reads only row_len columns)
     COMPUTE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -349,7 +352,16 @@ def _indexer_logits_fwd_kernel(
                 blk = tl.load(p_bt + i_pg, mask=m_n, other=-1).to(tl.int64)
                 m_n = m_n & (blk >= 0) & (blk < num_blocks)  # an unchecked bad block scores -inf, never read
                 base = tl.where(m_n, blk * stride_c_b, 0)
-            if FP8:
+            if USE_TMA:
+                # a whole page-internal tile; an invalid block number points past the cache, where TMA reads zeros.
+                # Rows past the visible keys may hold anything (even NaN): their scores are masked below.
+                i_row = tl.where(ok, blk, num_blocks).to(tl.int32)
+                b_k = tl.reshape(k_desc.load([i_row, (n0 % block_size).to(tl.int32), 0]), (BLOCK_N, BLOCK_D))
+                if FP8:
+                    b_k = b_k.to(tl.float8e4nv, bitcast=True)
+                    b_sk = tl.load(k_scale + (base + block_size * D) // 4 + off, mask=m_n, other=0.0)
+                b_k = b_k.to(COMPUTE)
+            elif FP8:
                 p_k = k_cache + base[:, None] + (off * D)[:, None] + o_d[None, :]
                 b_k = tl.load(p_k, mask=m_n[:, None] & m_d[None, :], other=0)
                 b_k = b_k.to(tl.float8e4nv, bitcast=True).to(COMPUTE)
@@ -427,6 +439,28 @@ def _validate_batch(T, B, S, k_cache, block_table, seq_lens, query_start_loc):
     check_block_table(block_table, seq_lens, None, k_cache.shape[1], k_cache.shape[0])
 
 
+def _tma_wanted(k_cache) -> bool:
+    """OPENMLA_INDEXER_TMA=1 asks for TMA key tiles (sm90+; the interpreter runs them too). Off by default until
+    measured against the pointer loads on the H200."""
+    if os.environ.get("OPENMLA_INDEXER_TMA", "0") != "1":
+        return False
+    return k_cache.device.type != "cuda" or torch.cuda.get_device_capability(k_cache.device) >= (9, 0)
+
+
+def _key_descriptor(k_cache, cache_dtype, D, block_n):
+    """A TMA descriptor over the keys as [num_blocks, block_size, D] (the fp8 block-split bytes or the auto rows),
+    box [1, block_n, D]; None where TMA cannot address them (strides and the base 16-byte aligned, D a power of
+    two of 32 to 256 elements)."""
+    es = k_cache.element_size()
+    row = D if cache_dtype == "fp8" else k_cache.stride(1)
+    if D & (D - 1) or D < 32 or D > 256 or block_n > 256:  # the box is the whole key (BLOCK_D == D)
+        return None
+    if (k_cache.stride(0) * es) % 16 or (row * es) % 16 or k_cache.data_ptr() % 16:
+        return None
+    NB, BS = k_cache.shape[:2]
+    return TensorDescriptor(k_cache, [NB, BS, D], [k_cache.stride(0), row, 1], [1, block_n, D])
+
+
 def _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype, S,
                         max_query_len, out, row_len, fill=True):  # fmt: skip
     T, H, D = q.shape
@@ -441,14 +475,17 @@ def _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_
     block_size = k_cache.shape[1]
     aligned = block_size % block_n == 0
     pages = split // block_size if split % block_size == 0 else triton.cdiv(split, block_size) + 1
+    k_desc = _key_descriptor(k_cache, cache_dtype, D, block_n) if aligned and _tma_wanted(k_cache) else None
     grid = (B + 1, triton.cdiv(S, split), n_q)
     _indexer_logits_fwd_kernel[grid](
-        q, weights, k_cache, _scale_view(k_cache, cache_dtype), block_table, seq_lens, query_start_loc, out, row_len,
+        q, weights, k_cache, _scale_view(k_cache, cache_dtype), k_desc, block_table, seq_lens, query_start_loc, out,
+        row_len,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         out.stride(0), T, B, H, k_cache.shape[0], block_table.shape[1], S, k_cache.shape[1], split,
         D=D, BLOCK_D=max(32, triton.next_power_of_2(D)), BLOCK_H=BLOCK_H, Q_PER=q_per, BLOCK_N=block_n,
-        FP8=cache_dtype == "fp8", PAGE_ALIGNED=aligned, MAX_PAGES=triton.next_power_of_2(pages), FILL=fill,
-        COMPUTE=compute, DOT_PRECISION=precision, num_warps=warps, num_stages=stages,
+        FP8=cache_dtype == "fp8", PAGE_ALIGNED=aligned, MAX_PAGES=triton.next_power_of_2(pages),
+        USE_TMA=k_desc is not None, FILL=fill, COMPUTE=compute, DOT_PRECISION=precision, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
 
 
