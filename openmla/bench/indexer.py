@@ -6,7 +6,8 @@ of s keys whose last t are queries, ``max_query_len=t``). Defaults: h64 d128 k20
 blocks, scattered over a shuffled block table) and an e4m3 q (vLLM's contract: q's per-head scale folded into the
 weights); ``qbf16`` scores a bf16 q against the fp8 cache, ``bf16`` keeps a bf16 cache (and q).
 An optional ``tile<block_n>x<split>x<warps>x<stages>`` times a scores tiling (``OPENMLA_INDEXER_TILING``), and
-``ttile<block>x<warps>`` a top-k tiling (``OPENMLA_INDEXER_TOPK_TILING``); tuning only.
+``ttile<block>x<warps>`` a top-k tiling (``OPENMLA_INDEXER_TOPK_TILING``), ``tma`` key tiles by TMA
+(``OPENMLA_INDEXER_TMA=1``); tuning only.
 
 Each point gives four rows: ``indexer_logits`` (the scores pass; bytes = keys read once per request + q + weights
 + the fp32 logits written, so ``frac_bw`` is the fraction of the read bandwidth measured in the same run; FLOPs =
@@ -30,9 +31,9 @@ OP = "indexer_logits"
 BLOCK = 64
 
 PRESETS = {
-    "default": ["decode b128 s32768", "decode b128 s32768 qbf16", "decode b128 s32768 q2", "decode b64 s8192",
-                "decode b1 s32768", "prefill t4096 s32768", "prefill t4096 s32768 qbf16"],
-    "quick": ["decode b128 s32768", "decode b128 s32768 q2", "prefill t4096 s32768"],
+    "default": ["decode b128 s32768", "decode b128 s32768 tma", "decode b128 s32768 qbf16", "decode b128 s32768 q2",
+                "decode b64 s8192", "decode b1 s32768", "prefill t4096 s32768", "prefill t4096 s32768 qbf16"],
+    "quick": ["decode b128 s32768", "decode b128 s32768 tma", "decode b128 s32768 q2", "prefill t4096 s32768"],
     "tiny": ["decode b2 s40 h4 d32 k8", "decode b2 s33 q2 h3 d32 k8 qbf16", "prefill t5 s30 h2 d32 k8 bf16"],
 }  # fmt: skip
 
@@ -51,12 +52,14 @@ class IndexerShape:
     qdtype: str = "fp8"
     tile: tuple = ()
     ttile: tuple = ()
+    tma: bool = False
 
     def __str__(self) -> str:
         extra = (
             (" qbf16" if self.qdtype == "bf16" and self.cache == "fp8" else "")
             + (" tile" + "x".join(map(str, self.tile)) if self.tile else "")
             + (" ttile" + "x".join(map(str, self.ttile)) if self.ttile else "")
+            + (" tma" if self.tma else "")
         )
         head = f"decode b{self.b} s{self.s} q{self.q}" if self.mode == "decode" else f"prefill t{self.t} s{self.s}"
         return f"{head} h{self.h} d{self.d} k{self.k} {self.cache}{extra}"
@@ -79,6 +82,8 @@ def parse(spec: str) -> IndexerShape:
         for tok in toks[1:]:
             if tok in ("fp8", "bf16"):
                 f["cache"] = tok
+            elif tok == "tma":
+                f["tma"] = True
             elif tok == "qbf16":
                 f["qdtype"] = "bf16"
             elif tok.startswith("ttile"):
@@ -137,6 +142,8 @@ def run(shape: IndexerShape, ctx: BenchContext) -> list[dict]:
     dev = ctx.device
     env = {"OPENMLA_INDEXER_TILING": shape.tile, "OPENMLA_INDEXER_TOPK_TILING": shape.ttile}
     env = {k: ",".join(map(str, v)) for k, v in env.items() if v}
+    if shape.tma:
+        env["OPENMLA_INDEXER_TMA"] = "1"
     os.environ.update(env)
     try:
         return _run(shape, ctx, dev)
