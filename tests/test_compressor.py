@@ -270,3 +270,16 @@ def test_compress_decode_cuda_graph(device):
     for b in range(B):
         n = (n0[b] + 8) // ratio
         assert_close(f"graph entries {b}", s.ref(b)[:n], s.entries(b)[:n], 1e-3, 2**-4, 1e-3)
+
+
+def test_leading_rows_outside_requests(device):
+    """Rows before query_start_loc[0] belong to no request: nothing is pooled from or written for them."""
+    ratio, d = 4, 128
+    s = _Setup([12], ratio, d, True, "auto", device)
+    s.step([(0, 5)])
+    junk = torch.randn(3, 2 * d, device=device) * 100
+    compress_kv(torch.cat([junk, s.kv[0][5:]]), torch.cat([junk, s.score[0][5:]]), s.state, s.slots[:1],
+                torch.tensor([3, 6], device=device), torch.tensor([8], device=device), s.weight, s.table, s.cache,
+                s.block_table, ratio=ratio, kv_cache_dtype="auto")  # fmt: skip
+    s.step([(8, 12)])  # entry 2 pools positions 4..11: position 4 comes from the state
+    assert_close("offset batch", s.ref(0), s.entries(0), 2e-5, 2e-5, 1e-9)

@@ -105,7 +105,7 @@ def _compress_kv_fwd_kernel(
     q0 = tl.load(query_start_loc + i_b)
     start_pos = tl.load(seq_lens + i_b) - (tl.load(query_start_loc + i_b + 1) - q0)
     pos = start_pos + (i_t - q0)
-    if (pos < 0) | ((pos + 1) % RATIO != 0):
+    if (i_t < q0) | (pos < 0) | ((pos + 1) % RATIO != 0):  # rows before query_start_loc[0] belong to no request
         return
     i_b = i_b.to(tl.int64)
     i_e = (pos + 1) // RATIO - 1  # the entry this token completes
@@ -196,7 +196,7 @@ def _compressor_state_fwd_kernel(
     q1 = tl.load(query_start_loc + i_b + 1)
     pos = tl.load(seq_lens + i_b) - (q1 - q0) + (i_t - q0)
     slot = tl.load(state_slots + i_b).to(tl.int64)
-    if (pos < 0) | (i_t < q1 - RING) | (slot < 0) | (slot >= num_state_slots):
+    if (i_t < q0) | (pos < 0) | (i_t < q1 - RING) | (slot < 0) | (slot >= num_state_slots):
         return
     o_c = tl.arange(0, CD)
     p_st = state + slot * stride_st_s + (pos % RING).to(tl.int64) * stride_st_r + o_c
