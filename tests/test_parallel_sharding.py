@@ -110,6 +110,10 @@ def test_sharding_argument_errors():
     assert select_dcp_decode_route(True, 4) == "masked"
 
 
+def _to(device, *ts):
+    return [t.to(device) for t in ts]
+
+
 def _global_batch(seq, qlens, H, dtype, seed=0):
     """A random global paged cache (shuffled blocks) and q for the given lengths."""
     g = torch.Generator().manual_seed(seed)
@@ -139,7 +143,7 @@ CASES = [
 
 @pytest.mark.parametrize("W,I", [(2, 1), (3, 2), (4, BS)], ids=lambda x: str(x))
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_local_routes_merge_to_single_rank(W, I, case):
+def test_local_routes_merge_to_single_rank(W, I, case, device):
     seq, qlens, causal = CASES[case]
     q, cache, bt, seq_t, qsl = _global_batch(seq, qlens, 3, torch.float32, seed=case)
     sm = 0.11
@@ -150,8 +154,8 @@ def test_local_routes_merge_to_single_rank(W, I, case):
         outs, lses = [], []
         for r in range(W):
             lc, lbt = dcp_shard_cache_ref(cache, bt, seq_t, BS, W, r, I)
-            o, lse, used = dcp_local_decode(q, lc, lbt, seq_t, qsl, sm, world_size=W, rank=r, interleave=I,
-                                            causal=causal, route=route)  # fmt: skip
+            o, lse, used = dcp_local_decode(*_to(device, q, lc, lbt, seq_t, qsl), sm, world_size=W, rank=r,
+                                            interleave=I, causal=causal, route=route)  # fmt: skip
             assert used == route
             ro, rl = dcp_local_decode_ref(q, lc, lbt, seq_t, qsl, sm, world_size=W, rank=r, interleave=I, causal=causal)
             tol = TOLERANCES[torch.float32]
@@ -165,7 +169,7 @@ def test_local_routes_merge_to_single_rank(W, I, case):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_masked_kernel_low_precision(dtype):
+def test_masked_kernel_low_precision(dtype, device):
     W, I = 3, 2
     q, cache, bt, seq_t, qsl = _global_batch([3, 14, 19], [2, 4, 3], 4, torch.float32, seed=7)
     kv_scale = 0.5 if dtype == torch.float8_e4m3fn else None
@@ -177,7 +181,7 @@ def test_masked_kernel_low_precision(dtype):
     q = q.to(qd)
     for r in range(W):
         lc, lbt = dcp_shard_cache_ref(cache, bt, seq_t, BS, W, r, I)
-        o, lse = dcp_masked_decode(q, lc, lbt, seq_t, qsl, 0.2, world_size=W, rank=r, interleave=I,
+        o, lse = dcp_masked_decode(*_to(device, q, lc, lbt, seq_t, qsl), 0.2, world_size=W, rank=r, interleave=I,
                                    kv_cache_dtype=kvd, kv_scale=kv_scale)  # fmt: skip
         ro, rl = dcp_local_decode_ref(q, lc, lbt, seq_t, qsl, 0.2, world_size=W, rank=r, interleave=I,
                                       kv_cache_dtype=kvd, kv_scale=kv_scale)  # fmt: skip
@@ -187,23 +191,23 @@ def test_masked_kernel_low_precision(dtype):
 
 
 @pytest.mark.parametrize("route", ["segmented", "masked"])
-def test_routes_fp8_cache(route):
+def test_routes_fp8_cache(route, device):
     """An fp8 cache (per-tensor scale) through both verify routes of one rank."""
     W, I, scale = 2, BS, 0.25
     q, cache, bt, seq_t, qsl = _global_batch([6, 11], [3, 2], 2, torch.float32, seed=5)
     cache = (cache / scale).to(torch.float8_e4m3fn)
     q = q.to(torch.bfloat16)
     lc, lbt = dcp_shard_cache_ref(cache, bt, seq_t, BS, W, 1, I)
-    o, lse, _ = dcp_local_decode(q, lc, lbt, seq_t, qsl, 0.2, world_size=W, rank=1, interleave=I, route=route,
-                                 kv_cache_dtype="fp8", kv_scale=scale)  # fmt: skip
+    o, lse, _ = dcp_local_decode(*_to(device, q, lc, lbt, seq_t, qsl), 0.2, world_size=W, rank=1, interleave=I,
+                                 route=route, kv_cache_dtype="fp8", kv_scale=scale)  # fmt: skip
     ro, rl = dcp_local_decode_ref(q, lc, lbt, seq_t, qsl, 0.2, world_size=W, rank=1, interleave=I,
                                   kv_cache_dtype="fp8", kv_scale=scale)  # fmt: skip
     assert_close("out", ro, o, *TOLERANCES[torch.float8_e4m3fn])
     assert_close("lse", rl, lse, *TOLERANCES[torch.float8_e4m3fn])
 
 
-def test_masked_kernel_errors():
-    q, cache, bt, seq_t, qsl = _global_batch([3, 5], [1, 2], 2, torch.float32)
+def test_masked_kernel_errors(device):
+    q, cache, bt, seq_t, qsl = _to(device, *_global_batch([3, 5], [1, 2], 2, torch.float32))
     kw = dict(world_size=2, rank=0)
     with pytest.raises(TypeError, match="kv_cache"):
         dcp_masked_decode(q, cache.half(), bt, seq_t, qsl, 0.1, **kw)
@@ -219,7 +223,7 @@ def test_masked_kernel_errors():
         dcp_masked_decode(q, cache, bt, seq_t, qsl, 0.1, kv_scale=1.0, **kw)
 
 
-def test_new_tokens_written_to_owner_only():
+def test_new_tokens_written_to_owner_only(device):
     """concat_and_cache_mla through dcp_slot_mapping fills exactly the owner's local rows."""
     W, I = 3, 2
     ctx, qlens = [5, 0, 11], [3, 2, 1]
@@ -233,6 +237,7 @@ def test_new_tokens_written_to_owner_only():
         full, table = dcp_shard_cache_ref(cache, bt, seq_t, BS, W, r, I)
         part, table2 = dcp_shard_cache_ref(cache, bt, torch.tensor(ctx), BS, W, r, I, reserve_lens=seq_t)
         assert torch.equal(table, table2)
-        slots = dcp_slot_mapping(pos, req, table2, BS, W, r, I)
-        concat_and_cache_mla(rows[:, :512].contiguous(), rows[:, 512:].contiguous(), part, slots)
-        torch.testing.assert_close(part, full, rtol=0, atol=0, equal_nan=True)
+        part = part.to(device)
+        slots = dcp_slot_mapping(*_to(device, pos, req, table2), BS, W, r, I)
+        concat_and_cache_mla(*_to(device, rows[:, :512].contiguous(), rows[:, 512:].contiguous()), part, slots)
+        torch.testing.assert_close(part.cpu(), full, rtol=0, atol=0, equal_nan=True)
