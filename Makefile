@@ -29,8 +29,7 @@ test: $(VENV)/.installed
 
 # ruff (installed by the test extra): lint the whole tree, formatting of $(FORMATTED).
 lint: $(VENV)/.installed
-	$(PY) -m ruff check .
-	$(PY) -m ruff format --check $(FORMATTED)
+	@rc=0; $(PY) -m ruff check . || rc=1; $(PY) -m ruff format --check $(FORMATTED) || rc=1; exit $$rc
 
 # `openmla bench` with the bench extra (progress bar, plots); ARGS="--quick --label x" passes options.
 bench: $(VENV)/.installed
