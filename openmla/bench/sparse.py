@@ -39,6 +39,13 @@ PRESETS = {
     "quick": ["decode h128 b128 q1 k2048", "decode h64 b64 q1 k2048", "decode h16 b128 q1 k2048",
               "decode h128 b1 q1 k2048", "prefill h128 t4096 k2048"],
     "tiny": ["decode h2 b2 q1 k40", "decode h3 b1 q2 k20 bf16", "prefill h2 t3 k30 s64"],  # CPU (interpreter)
+    # tuning: the tile variants (BLOCK_N x warps x stages) that compile for sm90 without spills, and split counts
+    "sweep": [f"decode h{h} b{b} q1 k2048 tile{t}" for h, b in ((128, 128), (64, 64))
+              for t in ("32x8x2", "16x8x2", "32x8x3", "64x8x2")]
+             + [f"decode h16 b128 q1 k2048 tile{t}" for t in ("32x4x2", "16x4x3", "16x4x2")]
+             + [f"decode h32 b128 q1 k2048 tile{t}" for t in ("32x8x2", "64x8x2")]
+             + [f"prefill h128 t4096 k2048 tile{t}" for t in ("64x8x2", "32x8x2", "32x8x3", "64x8x3")]
+             + [f"decode h{h} b1 q1 k2048 split{n}" for h in (16, 128) for n in (1, 4, 8, 16, 32)],
 }  # fmt: skip
 
 
@@ -163,13 +170,22 @@ def run(shape: SparseShape, ctx: BenchContext) -> list[dict]:
                     raise ValueError(f"FlashMLA's sparse decode takes {PEER_HEADS} heads and an fp8 cache")
                 qp = torch.zeros(shape.b, shape.q, hp, D_QK, device=dev, dtype=torch.bfloat16)
                 qp[:, :, :h] = q.view(shape.b, shape.q, h, D_QK)
-                kc, ip, meta = cache.unsqueeze(2), idx.view(shape.b, shape.q, k), fm.get_mla_metadata()[0]
+                ip, failed = idx.view(shape.b, shape.q, k), None
+                # the same 656-byte rows as FlashMLA's own tests hold them (float8_e4m3fn), else as uint8 (vLLM)
+                for kc in (cache.view(torch.float8_e4m3fn).unsqueeze(2), cache.unsqueeze(2)):
+                    meta = fm.get_mla_metadata()[0]
 
-                def peer():
-                    return fm.flash_mla_with_kvcache(qp, kc, None, None, D_V, meta, softmax_scale=SCALE,
-                                                     causal=False, is_fp8_kvcache=True, indices=ip)  # fmt: skip
+                    def peer(kc=kc, meta=meta):
+                        return fm.flash_mla_with_kvcache(qp, kc, None, None, D_V, meta, softmax_scale=SCALE,
+                                                         causal=False, is_fp8_kvcache=True, indices=ip)  # fmt: skip
 
-                got = peer()[0][:, :, :h].reshape(rows, h, D_V)
+                    try:
+                        got = peer()[0][:, :, :h].reshape(rows, h, D_V)
+                        break
+                    except Exception as exc:  # noqa: BLE001 - try the other dtype, report the last failure
+                        failed = exc
+                else:
+                    raise failed
             else:
                 kv3, i3 = rows_bf16.unsqueeze(1), idx.unsqueeze(1)
 
