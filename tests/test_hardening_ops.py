@@ -185,7 +185,8 @@ def test_plan_check_compares_cache_dtype(device):
 
 @pytest.mark.parametrize("kw,match", [(dict(d_v=0), "d_v must be a positive int"),
                                       (dict(d_v=-5), "d_v must be a positive int"),
-                                      (dict(num_sms=0), "num_sms must be a positive int")])  # fmt: skip
+                                      (dict(num_sms=0), "num_sms must be a positive int")],
+                         ids=["d_v0", "d_v-5", "num_sms0"])  # fmt: skip
 def test_plan_decode_checks_sizes(kw, match, device):
     sl = torch.tensor([5], dtype=torch.int32, device=device)
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
