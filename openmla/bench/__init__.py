@@ -8,18 +8,22 @@ Every run first measures its yardsticks: the read bandwidth (``torch.sum`` over 
 best) and the bf16 matmul peak (square ``torch.matmul`` of 4096-16384, the best); each row states its GB/s and
 TFLOPS as fractions of them, so that figures of one run compare with each other and not across boards.
 
-Op families (the registry below, one module each) plug in through three names::
+Op families (the registry below, one module each) plug in through four names::
 
+    OP: str                         # the op's name in the table header and in error rows
     PRESETS: dict[str, list[str]]   # preset -> shape specs; "default", "quick" (GPU) and "tiny" (CPU) at least
-    def parse(spec: str) -> Shape   # a spec string -> a shape object (ValueError if bad); str(shape) labels rows
+    def parse(spec: str) -> Shape   # a spec string -> a shape object (ValueError if bad); str(shape) labels rows,
+                                    # its ``dtype`` attribute (if any) error rows
     def run(shape, ctx: BenchContext) -> list[dict]   # time one point, return ctx.rows(...) (one row a provider)
 
 Inside ``run`` a family builds its inputs on ``ctx.device``, calls openmla once outside the timed region (errors
 surface here), adds peers found through ``ctx.peer("module")`` (None when missing or ``--no-peers``: the column
 stays empty), times ``ctx.time({"openmla": fn, "peer": fn2}, graph=...)`` (alternating rounds; CUDA-graph replay
 for launch-bound ops, ``do_bench`` otherwise) and returns ``ctx.rows(op, str(shape), timings, flops=..., nbytes=...,
-dtype=..., peer="peer", check=cosine)``. An exception from ``run`` becomes an error row; the sweep goes on. To add a
-family, write ``openmla/bench/<name>.py`` and add it to ``FAMILIES``.
+dtype=..., peer="peer", check=cosine)`` (``ratio`` = peer p50 / openmla p50; several ``ctx.rows`` lists may be
+joined when a point has several parts). An exception from ``run`` becomes an error row; the sweep goes on. Without
+``--family`` every registered family runs that imports and has the preset. To add a family, write
+``openmla/bench/<name>.py`` and add it to ``FAMILIES``; ``tests/test_bench.py`` runs its ``tiny`` preset end to end.
 """
 
 from __future__ import annotations
