@@ -85,7 +85,7 @@ def _keys(kv_cache, kv_cache_dtype, indices, topk_length, T):
     sel = torch.where(valid, rows, 0)
     keys = dequantize_rows_ref(flat[sel.reshape(-1)], kv_cache_dtype).reshape(T, rows.shape[1], -1)
     if kv_cache_dtype != "auto":  # a NaN from dequantising a selected fp8 row counts as 0 (the V4 seed's rule)
-        keys = keys.nan_to_num(nan=0.0)
+        keys = torch.where(torch.isnan(keys), 0.0, keys)
     keys = torch.where(valid[..., None], keys, 0.0)  # never-selected rows never matter
     return keys, valid
 
