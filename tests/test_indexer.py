@@ -383,3 +383,49 @@ def test_transformers_scores_with_folded_weights(device):
     ours = openmla.indexer_logits(q, w_proj * (D**-0.5 * H**-0.5), cache, bt, sl, qsl)
     _check_scores("vs transformers", hf, ours, torch.float32)
     _check_topk(openmla.indexer_topk(q, w_proj * (D**-0.5 * H**-0.5), cache, bt, sl, qsl, 5), hf, 5)
+
+
+_SM90_SCRIPT = r"""
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import openmla.ops.indexer as I
+from openmla.utils.sm90_report import resource_report
+
+block_n, split, warps, stages = I._tiling()
+logits = dict(D=128, BLOCK_D=128, BLOCK_H=64, Q_PER=1, BLOCK_N=block_n, FP8=True, PAGE_ALIGNED=True, MAX_PAGES=16,
+              USE_TMA=False, FILL=False, COMPUTE=tl.float8e4nv, DOT_PRECISION=None, k_desc=None)
+ptrs = dict(q="*fp8e4nv", weights="*fp32", k_cache="*u8", k_scale="*fp32", out="*fp32", logits="*fp32", thr="*fp32")
+report = []
+for name in json.loads(sys.argv[1]):
+    if name == "logits":
+        kern, const, opts = I._indexer_logits_fwd_kernel, logits, dict(num_warps=warps, num_stages=stages)
+    else:
+        kern, const = I._indexer_topk_fwd_kernel, dict(BLOCK=I._TOPK_BLOCK, HAS_LEN=True, RADIX=True)
+        opts = dict(num_warps=I._TOPK_WARPS)
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "*i32" if n in ("block_table", "seq_lens",
+           "query_start_loc", "row_len") else "i32") for n in kern.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
+             if n not in const and (n.startswith("stride") or sig[n].startswith("*"))}
+    c = triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=opts)
+    report.append(dict(variant=name, **resource_report(c)))
+print("REPORT" + json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU runs compile the kernels for real")
+def test_indexer_kernels_compile_for_sm90():
+    """Offline sm90 compile (no GPU) of the decode configurations: the fp8 scores kernel runs e4m3 wgmma without
+    spilling, and the radix top-k (one 16-warp program a row) fits the register file without spilling."""
+    pytest.importorskip("triton.backends.nvidia")
+    from openmla.utils.sm90_report import run_report_script
+
+    for r in run_report_script(_SM90_SCRIPT, ["logits", "topk"]):
+        assert r["stack"] == 0 and r["local"] == 0 and r["regs"] <= 255, r
+        if r["variant"] == "logits":
+            assert r["wgmma"] > 0, r
+        else:
+            assert r["regs"] * 32 * r["num_warps"] <= 65536, r
