@@ -137,6 +137,16 @@ def run(args) -> int:
             row[unit] = val
             rows.append(row)
 
+    out_dir = report.ensure_dir(args.out)
+    stem = os.path.join(out_dir, report.file_stem(args.label))
+    meta = dict(env, device=str(device), started=started, finished=None, bw_gbs=bw, bw_sweep=bw_sweep,
+                peak_tflops=peak, peak_sweep=peak_sweep, rounds=rounds, rep_ms=args.rep, peers=not args.no_peers,
+                argv=sys.argv[1:])  # fmt: skip
+
+    def save() -> None:  # after every point: a run cut short (a time limit) keeps what it measured
+        report.write_csv(stem + ".csv", rows)
+        report.write_json(stem + ".json", meta, rows)
+
     progress = report.Progress(sum(len(v) for v in plan.values()))
     ctx = BenchContext(device, Timer(device, args.rep, rounds), peers=not args.no_peers, quick=args.quick, bw_gbs=bw,
                        peak_tflops=peak, env=env, note=progress.line)  # fmt: skip
@@ -157,6 +167,7 @@ def run(args) -> int:
                     got = [ctx.error_row(mod.OP, str(shape), dtype, f"{type(exc).__name__}: {exc}".splitlines()[0])]
                 failed += sum(1 for r in got if r["provider"] == "openmla" and r["error"])
                 rows += got
+                save()
                 for line in report.table_lines(got):
                     progress.line(line)
                 progress.advance()
@@ -166,13 +177,8 @@ def run(args) -> int:
     finally:
         progress.close()
 
-    out_dir = report.ensure_dir(args.out)
-    stem = os.path.join(out_dir, report.file_stem(args.label))
-    meta = dict(env, device=str(device), started=started, finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                bw_gbs=bw, bw_sweep=bw_sweep, peak_tflops=peak, peak_sweep=peak_sweep, rounds=rounds, rep_ms=args.rep,
-                peers=not args.no_peers, argv=sys.argv[1:])  # fmt: skip
-    report.write_csv(stem + ".csv", rows)
-    report.write_json(stem + ".json", meta, rows)
+    meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    save()
     written = [stem + ".csv", stem + ".json"]
     if not args.no_plot:
         title = f"openmla bench | {env['gpu']} | git {env['git']}" + (f" | {args.label}" if args.label else "")
