@@ -273,6 +273,9 @@ def test_strided_inputs(device):
     bt2 = torch.empty(bt.shape[0], bt.shape[1] + 2, dtype=bt.dtype, device=device)[:, 1:-1]
     bt2.copy_(bt)
     _check_scores("logits (strided)", ref, openmla.indexer_logits(q2, w2, c2, bt2, sl, qsl), torch.float32)
+    # int64 index tensors
+    out = openmla.indexer_logits(q, w, cache, bt.long(), sl.long(), qsl.long())
+    _check_scores("logits (int64 indices)", ref, out, torch.float32)
 
 
 def test_causal_prefix_rule(device):
@@ -361,6 +364,14 @@ def test_cuda_graph_topk(device):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+    logits = torch.empty(args[0].shape[0], args[3].shape[1] * 64, device=device)
+    want_l = openmla.indexer_logits(*args, cache_dtype="fp8")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        openmla.indexer_logits(*args, cache_dtype="fp8", out=logits, validate=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(logits, want_l)
 
 
 def test_transformers_scores_with_folded_weights(device):
