@@ -49,9 +49,9 @@ Design (one program per 128-query-row block of one request and one query head; F
 * Schedule: the grid is ``(row blocks x HEAD_BLOCK, H / HEAD_BLOCK, B)``: by default one head's row
   blocks after the other, the last (heaviest, when causal) first. The programs in flight then read the
   K / V of one or two heads, which stay in L2; with every head's heaviest block first (``HEAD_BLOCK =
-  H``, the first version) each program streamed its head's K / V from HBM. The number of key tiles of a program is
-  that of its 128-row block for both
-  warpgroups (so their turns match); warpgroup 0 may run a fully masked tile (p = 0) on the diagonal.
+  H``) each program streamed its head's K / V from HBM. The number of key tiles of a program is
+  that of its 128-row block for both warpgroups (so their turns match); warpgroup 0 may run a fully
+  masked tile (p = 0) on the diagonal.
 
 Shared memory (BLOCK_N 128, 2 stages): Q 49,152 + 2 x (K 49,152 + V 32,768) = 212,992 B + barriers
 (limit 232,448). BLOCK_N 64 with 3-4 stages also fits.

@@ -25,8 +25,9 @@ def resource_report(kernel) -> dict:
     ``num_warps``, and PTX counts: ``wgmma`` (``wgmma.mma_async``), ``tma`` (``cp.async.bulk.tensor``),
     ``setmaxnreg`` (the register counts warp-specialised partitions move to), ``cta_barrier``
     (``bar.sync 0`` / ``barrier.sync 0``), ``partition_barriers`` (``bar.sync id, threads``: barriers of a
-    warp-specialised partition), and from the SASS: ``sass`` (instructions) and ``sass_hash`` (a digest of their
-    text, to tell whether two builds compiled to the same code).
+    warp-specialised partition), and from the SASS: ``sass`` (instructions), ``sass_hash`` (a digest of their
+    text, to tell whether two builds compiled to the same code) and ``sass_hash_noparams`` (the same with the
+    kernel-parameter offsets masked).
     """
     import triton
 
@@ -55,6 +56,9 @@ def resource_report(kernel) -> dict:
         "partition_barriers": len(re.findall(r"\bbar[.]sync\s+\d+,\s*\d+;", ptx)),
         "sass": len(code),
         "sass_hash": hashlib.sha1("\n".join(code).encode()).hexdigest()[:12],
+        # the same with kernel-parameter offsets (``c[0x0][...]``) masked: unchanged when only the parameter list moved
+        "sass_hash_noparams": hashlib.sha1(re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[0x0][_]", "\n".join(code)).encode())
+        .hexdigest()[:12],
     }
 
 
