@@ -283,3 +283,34 @@ def test_leading_rows_outside_requests(device):
                 s.block_table, ratio=ratio, kv_cache_dtype="auto")  # fmt: skip
     s.step([(8, 12)])  # entry 2 pools positions 4..11: position 4 comes from the state
     assert_close("offset batch", s.ref(0), s.entries(0), 2e-5, 2e-5, 1e-9)
+
+
+def test_entry_rows_into_fp8_indexer_cache(device):
+    """The indexer's compressed keys (d = 128): entry rows + slots from compress_kv, stored by
+    concat_and_cache_indexer_k in the fp8 indexer layout (SPEC §2.5)."""
+    from openmla.ops.indexer import alloc_indexer_k_cache, concat_and_cache_indexer_k
+    from openmla.reference.indexer import dequantize_indexer_k_cache_ref
+
+    ratio, d, lens = 4, 128, [13, 9]
+    s = _Setup(lens, ratio, d, True, "auto", device)
+    T = sum(lens) + 2  # two padding rows
+    kv = torch.cat(s.kv + [torch.zeros(2, 2 * d, device=device)])
+    sc = torch.cat(s.score + [torch.zeros(2, 2 * d, device=device)])
+    rows = torch.full((T, d), float("nan"), device=device)
+    slots = torch.full((T,), 77, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 13, 22], dtype=torch.int32, device=device)
+    seq = torch.tensor(lens, dtype=torch.int32, device=device)
+    compress_kv(kv, sc, s.state, s.slots, qsl, seq, s.weight, s.table, None, s.block_table, ratio=ratio,
+                block_size=s.bs_c, entry_rows=rows, entry_slots=slots)  # fmt: skip
+    emit = torch.tensor([(p + 1) % ratio == 0 for n in lens for p in range(n)] + [False, False], device=device)
+    assert bool((slots[~emit] == -1).all()) and bool(rows[~emit].isnan().all())
+    cache = alloc_indexer_k_cache(s.cache.shape[0], s.bs_c, d, cache_dtype="fp8", device=device)
+    concat_and_cache_indexer_k(rows.nan_to_num(0.0), cache, slots, cache_dtype="fp8", scale_fmt="ue8m0")
+    flat = dequantize_indexer_k_cache_ref(cache, "fp8").reshape(-1, d)
+    for b in range(2):
+        i = torch.arange(lens[b] // ratio, device=device)
+        got = flat[s.block_table[b, i // s.bs_c].long() * s.bs_c + i % s.bs_c]
+        assert_close(f"indexer keys {b}", s.ref(b), got, 1e-3, 2**-4, 1e-3)
+    with pytest.raises(ValueError, match="block_size"):
+        compress_kv(kv, sc, s.state, s.slots, qsl, seq, s.weight, s.table, None, s.block_table, ratio=ratio,
+                    entry_rows=rows)  # fmt: skip

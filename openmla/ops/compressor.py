@@ -70,8 +70,10 @@ def _compress_kv_fwd_kernel(
     block_table,  # [B, W]
     norm_weight,  # [D]
     cos_sin_cache,  # [P, 64]
-    cache,  # fp8_v4 uint8 or auto [num_blocks, block_size, D]
+    cache,  # MODE 1: fp8_v4 uint8; MODE 0: auto [num_blocks, block_size, D]; MODE 2: none
     cache_b16,  # fp8_v4: bf16 view
+    entry_rows,  # [T, D] (HAS_ROWS): the entry a token emits, at its row
+    entry_slots,  # [T] int32 (HAS_SLOTS): the compressed slot a token wrote, else -1
     stride_kv_t,
     stride_sc_t,
     stride_st_s,
@@ -82,6 +84,7 @@ def _compress_kv_fwd_kernel(
     stride_cache_b,
     stride_cache_o,
     stride_cs,
+    stride_er_t,
     num_state_slots,
     num_blocks,
     block_size,
@@ -95,10 +98,14 @@ def _compress_kv_fwd_kernel(
     RATIO: tl.constexpr,
     BLOCK_R: tl.constexpr,
     MODE: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
 ):
     # One program per token; only a token that closes a window (pos + 1 = multiple of RATIO) works.
     i_t = tl.program_id(0)
+    if HAS_SLOTS:
+        tl.store(entry_slots + i_t, -1)  # overwritten below by a token that emits an entry
     i_b = _find_request(query_start_loc, i_t, B, BLOCK_B)
     if i_b >= B:
         return
@@ -157,11 +164,18 @@ def _compress_kv_fwd_kernel(
     valid = (blk >= 0) & (blk < num_blocks)
     blk = tl.where(valid, blk, 0)
     off = i_e % block_size
+    if HAS_SLOTS:
+        tl.store(entry_slots + i_t, tl.where(valid, blk * block_size + off, -1).to(tl.int32))
+    if HAS_ROWS:
+        b_o = b_c
+        if entry_rows.dtype.element_ty == tl.bfloat16:
+            b_o = to_bf16(b_o, EXACT_ROUND)
+        tl.store(entry_rows + i_t.to(tl.int64) * stride_er_t + o_d, b_o.to(entry_rows.dtype.element_ty))
     if MODE == 1:  # D == 512: rows 0..6 of the [8, 64] view are the nope groups, row 7 the rope dims
         b_n = tl.reshape(b_c, (8, 64))
         b_r = tl.sum(tl.where(tl.arange(0, 8)[:, None] == 7, b_n, 0.0), axis=0)
         store_v4_row(cache, cache_b16, blk * stride_cache_b, off, block_size, b_n, b_r, valid, EXACT_ROUND)
-    else:
+    elif MODE == 0:
         if cache.dtype.element_ty == tl.bfloat16:
             b_c = to_bf16(b_c, EXACT_ROUND)
         p_c = cache + blk * stride_cache_b + off * stride_cache_o + o_d
@@ -214,12 +228,15 @@ def compress_kv(
     seq_lens: torch.Tensor,
     norm_weight: torch.Tensor,
     cos_sin_cache: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | None,
     block_table: torch.Tensor,
     *,
     ratio: int,
     eps: float = 1e-6,
     kv_cache_dtype: str = "fp8_v4",
+    block_size: int | None = None,
+    entry_rows: torch.Tensor | None = None,
+    entry_slots: torch.Tensor | None = None,
     validate: bool = True,
 ) -> None:
     r"""Run one step of the V4 compressor: emit every entry whose window closes in this step, update the state.
@@ -239,12 +256,19 @@ def compress_kv(
         norm_weight (torch.Tensor): `[d]`, fp32 (bf16/fp16 read as fp32); the RMSNorm weight. d is a power
             of two >= 64 (512 main, 128 indexer).
         cos_sin_cache (torch.Tensor): `[P, 64]` fp32, V4's "compress" RoPE table (``[cos | sin]`` per position).
-        kv_cache (torch.Tensor): the compressed cache: "fp8_v4" (d = 512) or "auto" ``[num_blocks, bs, d]``
-            (bf16/fp16/fp32).
+        kv_cache (torch.Tensor | None): the compressed cache: "fp8_v4" (d = 512) or "auto" ``[num_blocks, bs, d]``
+            (bf16/fp16/fp32); None: write only ``entry_rows`` / ``entry_slots`` (e.g. to store the indexer's keys
+            with ``concat_and_cache_indexer_k(entry_rows, cache, entry_slots, cache_dtype="fp8")``).
         block_table (torch.Tensor): `[B, max_blocks]`, int32/int64; the compressed cache's blocks per request.
         ratio (int): tokens per entry (4 CSA, 128 HCA; any >= 1).
         eps (float): RMSNorm epsilon (the model's ``rms_norm_eps``).
-        kv_cache_dtype (str): "fp8_v4" or "auto".
+        kv_cache_dtype (str): "fp8_v4" or "auto" (ignored without a cache).
+        block_size (int | None): the compressed cache's block size; required without a cache, else it must
+            equal ``kv_cache.shape[1]``.
+        entry_rows (torch.Tensor | None): `[>= T, d]` bf16/fp16/fp32: row t receives the (unquantised) entry
+            token t emits; other rows are untouched.
+        entry_slots (torch.Tensor | None): int32 `[>= T]`: the compressed slot token t's entry went to, -1 for
+            tokens that emit none (every one of the first T is written).
         validate (bool): host-synchronising checks: ``seq_lens >= qlen``, distinct in-range state slots,
             the RoPE table and block table cover the emitted entries. Unchecked, entries through a missing
             block are dropped and nothing outside a tensor is read or written.
@@ -271,15 +295,32 @@ def compress_kv(
     check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
     check_index("state_slots", state_slots, ndim=1, device=dev, length=B)
     check_tensor("cos_sin_cache", cos_sin_cache, dtypes=_FLOAT_DTYPES, ndim=2, shape=(None, ROPE_DIM), device=dev)
-    cache, mode = _check_v4_cache(kv_cache, kv_cache_dtype, auto_width=d)
-    if cache.device != dev:
-        raise ValueError(f"kv_cache must be on {dev} like kv; got {describe(cache)}")
-    if mode == 1 and d != V4_D:
-        raise ValueError(f"an fp8_v4 compressed cache holds d = {V4_D}; got d = {d} (use an auto cache)")
+    if kv_cache is None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size (a positive int) is required without a kv_cache; got {block_size!r}")
+        if entry_rows is None and entry_slots is None:
+            raise ValueError("compress_kv needs a kv_cache, entry_rows or entry_slots to write")
+        cache, mode = kv, 2  # a placeholder pointer: nothing is stored to it
+    else:
+        cache, mode = _check_v4_cache(kv_cache, kv_cache_dtype, auto_width=d)
+        if cache.device != dev:
+            raise ValueError(f"kv_cache must be on {dev} like kv; got {describe(cache)}")
+        if mode == 1 and d != V4_D:
+            raise ValueError(f"an fp8_v4 compressed cache holds d = {V4_D}; got d = {d} (use an auto cache)")
+        if block_size is not None and block_size != cache.shape[1]:
+            raise ValueError(f"block_size {block_size} differs from kv_cache's {cache.shape[1]}")
+    if entry_rows is not None:
+        check_tensor("entry_rows", entry_rows, dtypes=_FLOAT_DTYPES, ndim=2, device=dev)
+        if entry_rows.shape[0] < T or entry_rows.shape[1] != d:
+            raise ValueError(f"entry_rows must be [>= {T}, {d}]; got {describe(entry_rows)}")
+    if entry_slots is not None:
+        check_tensor("entry_slots", entry_slots, dtypes=(torch.int32,), ndim=1, device=dev)
+        if entry_slots.shape[0] < T:
+            raise ValueError(f"entry_slots must be int32 [>= {T}]; got {describe(entry_slots)}")
     check_index("block_table", block_table, ndim=2, device=dev)
     if block_table.shape[0] != B:
         raise ValueError(f"block_table must have B = {B} rows; got {describe(block_table)}")
-    bs = cache.shape[1]
+    bs = cache.shape[1] if mode != 2 else block_size
     if validate and not capturing() and B > 0:
         qlen = (query_start_loc[1:] - query_start_loc[:-1]).long()
         seq = seq_lens.long()
@@ -300,19 +341,24 @@ def compress_kv(
             if top * ratio >= cos_sin_cache.shape[0]:
                 raise ValueError(f"entry {top} needs RoPE position {top * ratio}; cos_sin_cache has "
                                  f"{cos_sin_cache.shape[0]} positions")  # fmt: skip
-            check_block_table(block_table, n_new, first, bs, cache.shape[0])
+            check_block_table(block_table, n_new, first, bs, cache.shape[0] if mode != 2 else 2**62)
+    if B == 0 and entry_slots is not None:
+        entry_slots[:T].fill_(-1)
     if T == 0 or B == 0:
         return
     c16 = cache.view(torch.bfloat16) if mode == 1 else cache
-    stride_b = _block_stride(cache) if mode == 1 else cache.stride(0)
+    stride_b = _block_stride(cache) if mode == 1 else cache.stride(0) if mode == 0 else 0
     BLOCK_B = triton.next_power_of_2(B)
     _compress_kv_fwd_kernel[(T,)](
         kv, score, state, query_start_loc, seq_lens, state_slots, block_table, norm_weight, cos_sin_cache,
-        cache, c16, kv.stride(0), score.stride(0), state.stride(0), state.stride(1), state.stride(2),
-        block_table.stride(0), block_table.stride(1), stride_b, cache.stride(1), cos_sin_cache.stride(0),
-        state.shape[0], cache.shape[0], bs, block_table.shape[1], cos_sin_cache.shape[0], float(eps),
-        B=B, BLOCK_B=BLOCK_B, D=d, COFF=coff, RATIO=ratio, BLOCK_R=min(BLOCK_ROWS, triton.next_power_of_2(ring)),
-        MODE=mode, EXACT_ROUND=INTERPRET,
+        cache, c16, entry_rows if entry_rows is not None else kv, entry_slots if entry_slots is not None else seq_lens,
+        kv.stride(0), score.stride(0), state.stride(0), state.stride(1), state.stride(2),
+        block_table.stride(0), block_table.stride(1), stride_b, cache.stride(1) if mode != 2 else 0,
+        cos_sin_cache.stride(0), entry_rows.stride(0) if entry_rows is not None else 0,
+        state.shape[0], cache.shape[0] if mode != 2 else 2**62, bs, block_table.shape[1], cos_sin_cache.shape[0],
+        float(eps), B=B, BLOCK_B=BLOCK_B, D=d, COFF=coff, RATIO=ratio,
+        BLOCK_R=min(BLOCK_ROWS, triton.next_power_of_2(ring)), MODE=mode, HAS_ROWS=entry_rows is not None,
+        HAS_SLOTS=entry_slots is not None, EXACT_ROUND=INTERPRET,
     )  # fmt: skip
     # after the pooling above read the rows of earlier steps: store this step's last rows
     _compressor_state_fwd_kernel[(T,)](
