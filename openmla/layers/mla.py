@@ -255,6 +255,7 @@ class MLAAttention(nn.Module):
             plan=md.plan,
             return_lse=False,
             d_v=self.kv_lora_rank,
+            validate=False,  # the builder checked the step on the host; block ids come from the allocator
         )
         return torch.bmm(o_lat.transpose(0, 1), W_UV).transpose(0, 1)  # [Td, H, V]
 
