@@ -12,6 +12,8 @@ import os
 import sys
 
 import openmla  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+
+# isort: split
 import pytest
 import torch
 
