@@ -37,6 +37,7 @@ __all__ = ["allocate_compressor_state", "compress_kv"]
 
 _FLOAT_DTYPES = FLOAT16_DTYPES + (torch.float32,)
 BLOCK_ROWS = 16  # window rows pooled per loop iteration
+NUM_WARPS = 8  # the pooling program holds several [BLOCK_ROWS, 512] fp32 tiles
 ROPE_DIM = 64
 
 
@@ -358,7 +359,7 @@ def compress_kv(
         state.shape[0], cache.shape[0] if mode != 2 else 2**62, bs, block_table.shape[1], cos_sin_cache.shape[0],
         float(eps), B=B, BLOCK_B=BLOCK_B, D=d, COFF=coff, RATIO=ratio,
         BLOCK_R=min(BLOCK_ROWS, triton.next_power_of_2(ring)), MODE=mode, HAS_ROWS=entry_rows is not None,
-        HAS_SLOTS=entry_slots is not None, EXACT_ROUND=INTERPRET,
+        HAS_SLOTS=entry_slots is not None, EXACT_ROUND=INTERPRET, num_warps=NUM_WARPS,
     )  # fmt: skip
     # after the pooling above read the rows of earlier steps: store this step's last rows
     _compressor_state_fwd_kernel[(T,)](
