@@ -363,7 +363,7 @@ kern = S._sparse_mla_fwd_kernel
 report = []
 for block_h, fmt, splits, extra in json.loads(sys.argv[1]):
     block_n, warps, stages = S._GPU_TILING[(block_h, fmt)]
-    const = dict(PAGE=64, E_PAGE=2, FMT=fmt, D_V=512, D_T=64, D_TP=64, BLOCK_H=block_h, BLOCK_N=block_n,
+    const = dict(PAGE=64, E_PAGE=2, FMT=fmt, D_V=512, D_T=64, D_TP=64, BLOCK_H=block_h, N_HB=2, BLOCK_N=block_n,
                  NUM_SPLITS=splits, RAGGED=False, HAS_LEN=True, HAS_EXTRA=extra, E_RAGGED=extra, E_HAS_LEN=False,
                  HAS_SINK=True, COMPUTE=tl.bfloat16, DOT_PRECISION="tf32")
     cache = "*u8" if fmt else "*bf16"

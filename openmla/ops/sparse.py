@@ -227,6 +227,7 @@ def _sparse_mla_fwd_kernel(
     D_T: tl.constexpr,
     D_TP: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    N_HB: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     RAGGED: tl.constexpr,
@@ -239,9 +240,11 @@ def _sparse_mla_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     DC: tl.constexpr = D_V // 4
-    i_t = tl.program_id(0).to(tl.int64)
-    i_hb = tl.program_id(1)
-    i_s = tl.program_id(2)
+    # a token's head blocks are adjacent programs, so that they run together and all but the first read the
+    # token's rows from L2 (with the token as the slow axis, H = 128 read every row from HBM twice)
+    i_hb = tl.program_id(0) % N_HB
+    i_t = (tl.program_id(0) // N_HB).to(tl.int64)
+    i_s = tl.program_id(1)
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H  # heads past H pad the tile inside the kernel (no padded copy of q)
     o_c = tl.arange(0, DC)
@@ -637,7 +640,7 @@ def sparse_mla(
     views = [kv_cache] * 3 if fmt == 0 else [kv_cache, kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)]
     ekv = extra_kv_cache if has_extra else kv_cache
     eviews = [ekv] * 3 if fmt == 0 else [ekv, ekv.view(torch.float32), ekv.view(torch.bfloat16)]
-    _sparse_mla_fwd_kernel[(T, head_blocks, splits)](
+    _sparse_mla_fwd_kernel[(T * head_blocks, splits)](
         q, *views, idx, indptr, lens, *eviews, eidx, eindptr, elens,
         attn_sink if attn_sink is not None else lse, out, lse, o_part, lse_part, float(sm_scale) * _LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), ekv.stride(0), ekv.stride(1),
@@ -645,8 +648,9 @@ def sparse_mla(
         out.stride(0), out.stride(1), lse.stride(0), T, H, K, EK, nnz, e_nnz,
         kv_cache.shape[0] * kv_cache.shape[1], ekv.shape[0] * ekv.shape[1],
         PAGE=kv_cache.shape[1], E_PAGE=ekv.shape[1], FMT=fmt, D_V=d_v, D_T=d_t, D_TP=max(16, d_t),
-        BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits, RAGGED=ragged, HAS_LEN=topk_length is not None,
-        HAS_EXTRA=has_extra, E_RAGGED=e_ragged, E_HAS_LEN=extra_topk_length is not None,
+        BLOCK_H=block_h, N_HB=head_blocks, BLOCK_N=block_n, NUM_SPLITS=splits, RAGGED=ragged,
+        HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra, E_RAGGED=e_ragged,
+        E_HAS_LEN=extra_topk_length is not None,
         HAS_SINK=attn_sink is not None, COMPUTE=compute, DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
