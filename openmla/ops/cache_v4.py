@@ -141,11 +141,11 @@ def store_v4_row(
     o_c = tl.arange(0, 64)
     m_g = o_g < 7
     amax = tl.max(tl.abs(tl.where(m_g[:, None], b_n, 0.0)), axis=1)  # [8]
-    y = tl.maximum(amax, 1e-4) / 448.0
+    y = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full((8,), 448.0, tl.float32))  # IEEE, as torch divides
     bits = y.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # exact ceil(log2(y))
-    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)  # 2^e (normal: e >= -22)
-    b_q = to_e4m3(b_n / scale[:, None], EXACT_ROUND).to(tl.uint8, bitcast=True)
+    inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact (-22 <= e <= 120)
+    b_q = to_e4m3(b_n * inv_scale[:, None], EXACT_ROUND).to(tl.uint8, bitcast=True)
     row = base + p * 576
     tl.store(cache + row + o_g[:, None] * 64 + o_c[None, :], b_q, mask=m_g[:, None] & valid)
     tl.store(cache_b16 + (row + 448) // 2 + o_c, to_bf16(b_r, EXACT_ROUND), mask=valid)
