@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import openmla
-from openmla.ops import decode_gluon as dg
+from openmla.ops.gluon import decode as dg
 from openmla.reference import mla_decode_ref
 from openmla.utils.sm90_report import run_report_script
 from openmla.utils.testing import TOLERANCES, assert_close
@@ -36,8 +36,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from openmla.utils.sm90_report import resource_report
-from openmla.ops import decode_gluon as g
-from openmla.ops import decode_gluon_seesaw as gs
+from openmla.ops.gluon import decode as g
+from openmla.ops.gluon import decode_seesaw as gs
 
 def nvmma(swizzle, bits):
     return (f"NVMMASharedLayout(swizzle_byte_width={swizzle}, element_bitwidth={bits}, rank=2, transposed=False, "

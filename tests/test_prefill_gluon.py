@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import openmla
-from openmla.ops import prefill_gluon as pg
+from openmla.ops.gluon import prefill as pg
 from openmla.reference.prefill import flash_attn_varlen_ref
 from openmla.utils.sm90_report import run_report_script
 from openmla.utils.testing import TOLERANCES, assert_close
@@ -32,7 +32,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from openmla.utils.sm90_report import resource_report
-from openmla.ops import prefill_gluon as g
+from openmla.ops.gluon import prefill as g
 
 NVMMA = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
          "fp4_padded=False, cga_layout=[])")

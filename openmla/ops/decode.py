@@ -28,7 +28,7 @@ from openmla.ops._validate import (
     scalar_scale,
 )
 from openmla.ops.cache import check_block_table
-from openmla.ops.decode_gluon import (
+from openmla.ops.gluon.decode import (
     gluon_decode_config,
     gluon_decode_supported,
     mla_decode_split_gluon,
@@ -561,7 +561,7 @@ def mla_decode(
         return_lse (bool): return the LSE (it is computed either way).
         d_v (int): latent width, the output width (512).
         backend (str | None): "triton" (the portable kernel), "gluon" (the Hopper kernel of
-            :mod:`openmla.ops.decode_gluon`; an error where it does not apply) or "auto" (Gluon on sm90
+            :mod:`openmla.ops.gluon.decode`; an error where it does not apply) or "auto" (Gluon on sm90
             for the shapes where it measured faster, else Triton). None reads ``OPENMLA_DECODE_BACKEND``
             (default "auto").
         validate (bool | None): check the batch on the host (a device sync): ``query_start_loc`` starts at 0,

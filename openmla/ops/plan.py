@@ -228,7 +228,7 @@ def _gluon_tier(device: torch.device) -> bool:
     """Whether ``mla_decode`` can run the Hopper Gluon kernel on this device."""
     if INTERPRET or device.type != "cuda":
         return False
-    from openmla.ops._gluon import GLUON_AVAILABLE
+    from openmla.ops.gluon._lang import GLUON_AVAILABLE
 
     return GLUON_AVAILABLE and torch.cuda.get_device_capability(device)[0] == 9
 

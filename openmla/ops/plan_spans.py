@@ -13,7 +13,7 @@ loops over its group's items. Two ways to fill the groups, the cheaper one (by t
 - "cut": the sequence is cut into ``num_groups`` equal ranges (at multiples of 128 keys); a request cut by a group
   boundary has two or more pieces. The kernel merges them itself: the other pieces store partials and raise a flag,
   the request's last piece waits for them and writes the final rows (``_span_finish`` in
-  ``decode_gluon_seesaw``). A cut costs the extra piece's fixed part plus ``cut_cost`` units (partial traffic and
+  ``gluon.decode_seesaw``). A cut costs the extra piece's fixed part plus ``cut_cost`` units (partial traffic and
   the wait).
 - "snap": whole requests, each in the group that holds its midpoint (no pieces); the most loaded group decides.
 A uniform batch that fits the groups in whole requests snaps (as the regular plan, but without relaunches); a

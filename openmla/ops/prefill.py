@@ -26,7 +26,7 @@ Tiles: on a GPU, a short autotune list (``_configs``, keyed on the head dims, GQ
 dtypes; with ``AUTOTUNE`` False, one fixed tile per head-dim class, ``_fixed_tiling``); under the interpreter
 fixed 16 x 16 tiles and no autotuning.
 
-On sm90, bf16 inputs with d_qk 192 / d_v 128 go to the Hopper Gluon kernel (``openmla.ops.prefill_gluon``:
+On sm90, bf16 inputs with d_qk 192 / d_v 128 go to the Hopper Gluon kernel (``openmla.ops.gluon.prefill``:
 warp-specialised TMA producer, ping-pong consumer warpgroups), which is faster than this kernel and than
 cuDNN there (benchmarks/RESULTS.md); everything else runs the Triton kernel of this module.
 """
@@ -42,7 +42,7 @@ import triton.language as tl
 
 from openmla.device import INTERPRET, compute_dtype
 from openmla.ops._validate import check_index, check_tensor, describe, kernel_backend
-from openmla.ops.prefill_gluon import flash_attn_varlen_gluon, gluon_prefill_supported
+from openmla.ops.gluon.prefill import flash_attn_varlen_gluon, gluon_prefill_supported
 
 __all__ = ["flash_attn_varlen"]
 
@@ -430,7 +430,7 @@ def flash_attn_varlen(
             scales of fp8 inputs (value ~= stored * descale); default 1. Only allowed with fp8 inputs.
         out (torch.Tensor | None): `[Tq, h_q, d_v]` buffer of the output dtype to write into.
         backend (str | None): "auto" (default; env ``OPENMLA_PREFILL_BACKEND``): the Hopper Gluon kernel
-            (``openmla.ops.prefill_gluon``) where it applies (sm90, bf16, d_qk 192 / d_v 128, TMA-compatible
+            (``openmla.ops.gluon.prefill``) where it applies (sm90, bf16, d_qk 192 / d_v 128, TMA-compatible
             strides, no descales), the portable Triton kernel elsewhere; "triton" or "gluon" force one
             ("gluon" raises where it does not apply).
 

@@ -34,7 +34,7 @@ Three kernels (``variant=``; the design and the measurements behind it: ``docs/k
 * Launch order: one grid axis of ``work items x head blocks x query blocks`` with the head blocks (then
   query blocks) of a work item adjacent, so the programs that read the same KV tiles run together and all
   but the first read them from L2. Every kernel uses it.
-* ``"seesaw"`` (``_mla_decode_gluon_seesaw_kernel`` in :mod:`openmla.ops.decode_gluon_seesaw`, bf16 caches):
+* ``"seesaw"`` (``_mla_decode_gluon_seesaw_kernel`` in :mod:`openmla.ops.gluon.decode_seesaw`, bf16 caches):
   two 4-warp partitions that own alternate 64-key tiles (full-width scores, P over the tile's rope columns, both
   add every tile's P V to their output half; each stage refilled in two TMA groups); see the comment above
   ``_seesaw_wg``. ``mla_decode``'s kernel for bf16 caches where ``"pair"`` does not apply.
@@ -82,7 +82,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GLUON_AVAILABLE", "VARIANTS", "gluon_decode_config", "gluon_decode_supported", "mla_decode_split_gluon"]
 
-from openmla.ops._gluon import (
+from openmla.ops.gluon._lang import (
     GLUON_AVAILABLE,
     TensorDescriptor,
     fence_async_shared,
@@ -112,8 +112,8 @@ VARIANTS = ("ws", "seesaw", "pair")
 
 
 if GLUON_AVAILABLE:
-    from openmla.ops.decode_gluon_seesaw import _mla_decode_gluon_seesaw_kernel
-    from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
+    from openmla.ops.gluon.decode_seesaw import _mla_decode_gluon_seesaw_kernel
+    from openmla.ops.gluon.decode_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
 
     @gluon.jit
     def _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, bars, stage, row0, row1, NSUB: gl.constexpr,

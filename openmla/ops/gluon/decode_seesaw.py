@@ -1,5 +1,5 @@
 """The seesaw Gluon decode kernels for bf16 caches on Hopper (``variant="seesaw"`` and ``"pair"`` of
-:func:`openmla.ops.decode_gluon.mla_decode_split_gluon`, which launches them; same grid, arguments and results as
+:func:`openmla.ops.gluon.decode.mla_decode_split_gluon`, which launches them; same grid, arguments and results as
 the warp-specialised kernel there). Two 4-warp partitions, no producer warp: each warpgroup holds half of the
 ``[64, 512]`` fp32 output and loads its own 64-key tiles by TMA. ``seesaw``: each warpgroup computes the scores of
 alternate tiles (the comment above ``_seesaw_wg``); ``pair``: FlashMLA's seesaw order over pairs of tiles (the
@@ -8,7 +8,7 @@ comment above ``_pair_wg0``), optionally on the request-spanning schedule of :mo
 
 from __future__ import annotations
 
-from openmla.ops._gluon import (
+from openmla.ops.gluon._lang import (
     GLUON_AVAILABLE,
     async_copy,
     fence_async_shared,
@@ -39,7 +39,7 @@ RESCALE_CONSTRAINTS = gl.constexpr(
 )
 
 if GLUON_AVAILABLE:
-    from openmla.ops.decode_gluon_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
+    from openmla.ops.gluon.decode_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
 
     # ---- "seesaw" kernel: two 4-warp partitions (warpgroup 0 = the default partition, warpgroup 1 a worker),
     # no producer warp. Tile t of a work item lives in stage t % 2 and belongs to warpgroup t % 2, which loads it

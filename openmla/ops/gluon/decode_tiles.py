@@ -1,10 +1,10 @@
-"""Gluon helpers shared by the Hopper decode kernels (:mod:`openmla.ops.decode_gluon`,
-:mod:`openmla.ops.decode_gluon_seesaw`): page lookups of 32-key boxes for TMA, zeroing the rows of a landed
+"""Gluon helpers shared by the Hopper decode kernels (:mod:`openmla.ops.gluon.decode`,
+:mod:`openmla.ops.gluon.decode_seesaw`): page lookups of 32-key boxes for TMA, zeroing the rows of a landed
 tile that lie past the sequence end, and storing a program's normalised output rows and LSE."""
 
 from __future__ import annotations
 
-from openmla.ops._gluon import GLUON_AVAILABLE, fence_async_shared, gl, gluon
+from openmla.ops.gluon._lang import GLUON_AVAILABLE, fence_async_shared, gl, gluon
 
 if GLUON_AVAILABLE:
 

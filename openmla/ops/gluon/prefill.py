@@ -71,7 +71,7 @@ import triton
 
 __all__ = ["GLUON_AVAILABLE", "flash_attn_varlen_gluon", "gluon_prefill_supported"]
 
-from openmla.ops._gluon import (
+from openmla.ops.gluon._lang import (
     GLUON_AVAILABLE,
     TensorDescriptor,
     fence_async_shared,
