@@ -202,9 +202,9 @@ def _hf_config(ratio):
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 def test_compress_matches_transformers(kind, device):
     """compress_kv and its reference against transformers' DeepseekV4{CSA,HCA}Compressor (fp32, no cache)."""
+    cfg = _hf_config(8)  # skips without transformers' deepseek_v4
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-    cfg = _hf_config(8)
     m = (hf.DeepseekV4CSACompressor if kind == "csa" else hf.DeepseekV4HCACompressor)(cfg).float()
     ratio = m.compress_rate
     with torch.no_grad():
