@@ -221,7 +221,9 @@ def test_indexer_topk(cache_dtype, cdtype, qdtype, topk, topk_impl, device):
 
 
 @pytest.mark.parametrize("topk_impl", ["triton", "torch"])
-@pytest.mark.parametrize("S,topk", [(pick(150, 5000), 7), (pick(150, 5000), pick(64, 2048)), (12, 12), (9, 40)])
+@pytest.mark.parametrize(
+    "S,topk", [(pick(150, 5000), 7), (pick(150, 5000), pick(64, 2048)), (12, 12), (9, 40), (70, 1)]
+)
 def test_logits_topk_ties(S, topk, topk_impl, device):
     T = 7
     x = torch.randn(T, S, device=device)
