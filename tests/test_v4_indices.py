@@ -172,3 +172,13 @@ def test_index_sets_cuda_graph(device):
     for k, (ref_i, ref_l) in want.items():
         assert torch.equal(bufs[k][1].cpu(), ref_l), k
         assert torch.equal(bufs[k][0].cpu(), ref_i), k
+
+
+def test_ragged_form(device):
+    """Dense rows + lens -> build_ragged_indices_from_dense: the valid entries, token after token."""
+    qsl, seq, table, T = _batch(QLENS, CTX, 16, device)
+    idx, lens = swa_indices(qsl, seq, table, block_size=16, window=8, num_tokens=T)
+    indptr, flat = openmla.build_ragged_indices_from_dense(idx, lens)
+    ref_i, ref_l = swa_indices_ref(qsl, seq, table, 16, 8, T)
+    want = torch.cat([ref_i[t, : ref_l[t]] for t in range(T)])
+    assert int(indptr[-1]) == want.numel() and torch.equal(flat[: want.numel()].cpu(), want)
