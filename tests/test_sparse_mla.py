@@ -78,6 +78,12 @@ def _tol(q_dtype):
     return TOLERANCES[q_dtype]
 
 
+# LSE tolerances (atol, rtol, cos) by cache dtype. fp8_ds_mla: on the GPU the kernel rounds each dequantised row
+# (e4m3 x fp32 scale) to bf16 before its dot, 2^-9 relative, about 1e-3 in a score of size 1; the reference keeps
+# the fp32 product, so a row with one key differs by up to a few 1e-3.
+_LSE_TOL = {"auto": (1e-3, 1e-3, 1e-6), "fp8_ds_mla": (1e-2, 1e-3, 1e-6)}
+
+
 def _check(q, cache, idx, kv_cache_dtype="auto", **kw):
     ref_kw = {k: v for k, v in kw.items() if not k.startswith("_") and k not in ("validate", "out", "lse")}
     out, lse = openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype=kv_cache_dtype, **kw)
@@ -87,7 +93,7 @@ def _check(q, cache, idx, kv_cache_dtype="auto", **kw):
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     atol, rtol, cos = _tol(q.dtype)
     assert_close("out", ref_out, out, atol, rtol, cos)
-    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+    assert_close("lse", ref_lse, lse, *_LSE_TOL[kv_cache_dtype])
     return out, lse
 
 
@@ -258,7 +264,7 @@ def test_sparse_mla_buffers_and_strides(device):
     assert r_out.data_ptr() == out.data_ptr() and r_lse.data_ptr() == lse.data_ptr()
     ref_out, ref_lse = sparse_mla_ref(q, cache, idx, SCALE, kv_cache_dtype="fp8_ds_mla", topk_length=lens)
     assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
-    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+    assert_close("lse", ref_lse, lse, *_LSE_TOL["fp8_ds_mla"])
     o2, none = openmla.sparse_mla(q.contiguous(), cache.contiguous(), idx, SCALE, kv_cache_dtype="fp8_ds_mla",
                                   topk_length=lens, return_lse=False)  # fmt: skip
     assert none is None
@@ -397,7 +403,7 @@ def test_sparse_mla_compiles_for_sm90():
             assert r["stack"] == 0 and r["local"] == 0, r
 
 
-@pytest.mark.parametrize("seed", range(pick(4, 16)))
+@pytest.mark.parametrize("seed", range(pick(4, 12)))
 def test_sparse_mla_random_configs(seed, device):
     """Random mixes of heads, widths, block sizes, dtypes, lengths, sinks, an extra source (dense or ragged) and
     splits against the reference."""
@@ -474,4 +480,4 @@ def test_sparse_ops_in_a_cuda_graph(device):
                                       topk_length=lens)  # fmt: skip
     for o, lse in zip(outs, lses):
         assert_close("out", ref_out, o, *TOLERANCES[torch.bfloat16])
-        assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+        assert_close("lse", ref_lse, lse, *_LSE_TOL["fp8_ds_mla"])
