@@ -11,9 +11,10 @@ An optional ``tile<block_n>x<split>x<warps>x<stages>`` times a scores tiling (``
 
 Each point gives four rows: ``indexer_logits`` (the scores pass; bytes = keys read once per request + q + weights
 + the fp32 logits written, so ``frac_bw`` is the fraction of the read bandwidth measured in the same run; FLOPs =
-2 h d per (row, causal key)), ``indexer_topk_pass`` with providers ``triton`` (radix select) and ``torch``
-(``torch.topk`` threshold; ``ratio`` = torch / triton) over the same logits (bytes = the logits read), and
-``indexer_topk`` (both passes, the public call). Decode points are CUDA-graph replays, prefill ``do_bench``.
+2 h d per (row, causal key)); ``indexer_topk_pass``, providers ``openmla`` (the radix select) and ``torch``
+(``torch.topk`` for the threshold; ``ratio`` = torch / radix, ``check`` 1 when both chose the same), over the same
+logits (bytes = the logits read); ``indexer_topk`` (both passes, the public call).
+Decode points are CUDA-graph replays, prefill ``do_bench``.
 """
 
 from __future__ import annotations
@@ -185,12 +186,10 @@ def _run(shape: IndexerShape, ctx: BenchContext, dev) -> list[dict]:
     t_scores = ctx.time({"openmla": scores}, graph=graph)
     rows += ctx.rows(OP, str(shape), t_scores, flops=2.0 * pairs * H * D, nbytes=ncache + qbytes + logits.numel() * 4,
                      dtype=tag)  # fmt: skip
-    t_sel = ctx.time({"triton": select("triton", idx), "torch": select("torch", idx2)}, graph=graph)
-    sel_rows = ctx.rows("indexer_topk_pass", str(shape), t_sel, flops=0.0, nbytes=logits.numel() * 4.0, dtype="fp32")
-    if t_sel["triton"].ok and t_sel["torch"].ok:
-        sel_rows[0].update(peer="torch", ratio=t_sel["torch"].p50 / t_sel["triton"].p50, check=same)
-    rows += sel_rows
+    t_sel = ctx.time({"openmla": select("triton", idx), "torch": select("torch", idx2)}, graph=graph)
+    rows += ctx.rows("indexer_topk_pass", str(shape), t_sel, flops=0.0, nbytes=logits.numel() * 4.0, dtype="fp32",
+                     peer="torch", check=same)  # fmt: skip
     t_all = ctx.time({"openmla": whole}, graph=graph)
     rows += ctx.rows("indexer_topk", str(shape), t_all, flops=2.0 * pairs * H * D,
-                     nbytes=ncache + qbytes + logits.numel() * 8, dtype=tag)  # fmt: skip
+                     nbytes=ncache + qbytes + logits.numel() * 8, dtype=tag + "+topk")  # fmt: skip
     return rows
