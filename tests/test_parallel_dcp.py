@@ -1,8 +1,9 @@
 """DCP over torch.distributed (gloo on CPU, NCCL on a GPU): decode, verify and chunked prefill with context
 against single-rank results, one process per rank.
 
-One spawn per world size W runs the cases for the interleaves 1, 2 and the block size (process start-up
-dominates under the interpreter). Every rank builds the same global batch from a seed, keeps its shard
+One spawn per world size W (process start-up dominates under the interpreter) runs every case at one
+interleave and the verify and prefill cases at a second one, so that W = 2, 3, 4 and I = 1, 2, block size
+each meet twice. Every rank builds the same global batch from a seed, keeps its shard
 (``dcp_shard_cache_ref``) and checks its heads against the single-rank fp32 reference. On a CUDA machine
 (``OPENMLA_TEST_DEVICE=cuda``) the same cases run with NCCL at W = 1 (one GPU: the NCCL code path only).
 """
@@ -137,16 +138,14 @@ def _errors(rank, W, dev):
 
 
 def _worker(rank, W, dev):
-    # every case at one interleave per W (1, 2, block size for W = 2, 3, 4); the verify cases and one
-    # prefill at the other two (the single-process tests cover the sharding of the whole W x I grid)
-    main = {2: 1, 3: 2, 4: BS}.get(W, 1)
-    for I in (1, 2, BS):
-        if I == main:
-            _decode_cases(rank, W, I, dev, range(len(DECODE_CASES)))
-            _prefill_case(rank, W, I, dev, [7, 3, 0], [1, 2, 2], chunk_size=64, seed=9)
-        else:
-            _decode_cases(rank, W, I, dev, [2, 3])
-        _prefill_case(rank, W, I, dev, [0, 5, 9], [2, 3, 1], chunk_size=4, seed=I)
+    # every case at one interleave per W, the verify cases and a prefill at a second one: each W meets two
+    # interleaves and each interleave two W (the single-process tests cover the sharding of the whole grid)
+    main, other = {1: (1, BS), 2: (1, BS), 3: (2, 1), 4: (BS, 2)}[W]
+    _decode_cases(rank, W, main, dev, range(len(DECODE_CASES)))
+    _prefill_case(rank, W, main, dev, [7, 3, 0], [1, 2, 2], chunk_size=64, seed=9)
+    _prefill_case(rank, W, main, dev, [0, 5, 9], [2, 3, 1], chunk_size=4, seed=main)
+    _decode_cases(rank, W, other, dev, [2, 3])
+    _prefill_case(rank, W, other, dev, [0, 5, 9], [2, 3, 1], chunk_size=4, seed=other)
     _errors(rank, W, dev)
 
 
