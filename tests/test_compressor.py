@@ -314,3 +314,17 @@ def test_entry_rows_into_fp8_indexer_cache(device):
     with pytest.raises(ValueError, match="block_size"):
         compress_kv(kv, sc, s.state, s.slots, qsl, seq, s.weight, s.table, None, s.block_table, ratio=ratio,
                     entry_rows=rows)  # fmt: skip
+
+
+def test_strided_index_inputs(device):
+    """Non-contiguous 1-D query_start_loc / seq_lens / state_slots give the same entries."""
+    s = _Setup([9, 6], 4, 128, True, "auto", device)
+
+    def strided(values):
+        t = torch.tensor(values, dtype=torch.int32, device=device)
+        return torch.stack([t, t * 0 - 7], dim=1)[:, 0]
+
+    compress_kv(torch.cat(s.kv), torch.cat(s.score), s.state, strided(s.slots.tolist()), strided([0, 9, 15]),
+                strided([9, 6]), s.weight, s.table, s.cache, s.block_table, ratio=4, kv_cache_dtype="auto")  # fmt: skip
+    for b in range(2):
+        assert_close(f"entries {b}", s.ref(b), s.entries(b), 2e-5, 2e-5, 1e-9)

@@ -100,3 +100,11 @@ def test_inverse_rope_matches_transformers(device):
     want = apply_rotary_pos_emb(o.transpose(0, 1)[None], freqs.cos()[None], -freqs.sin()[None])[0].transpose(0, 1)
     got = inverse_rope_rows(o.to(device), pos.to(device), rope_cache_ref(inv_freq, P).to(device))
     assert_close("vs transformers", want, got, 1e-5, 1e-5, 1e-9)
+
+
+def test_strided_positions(device):
+    table = _table(32, device)
+    o = torch.randn(4, 2, 512, device=device)
+    pos = torch.tensor([[3, 0], [31, 0], [0, 0], [7, 0]], device=device)[:, 0]
+    ref = inverse_rope_rows_ref(o, pos, table)
+    assert_close("strided positions", ref, inverse_rope_rows(o, pos, table), 1e-5, 1e-5, 1e-9)

@@ -238,3 +238,17 @@ def test_flashmla_reads_fp8_v4(device):
         k = flat[sel]  # [n, 512]
         p = torch.softmax(q[r, 0].float() @ k.T * scale, dim=-1)
         assert_close(f"flashmla row {r}", p @ k, out[r, 0], 1.6e-2, 1.6e-2, 1e-5)
+
+
+def test_strided_index_inputs(device):
+    cache = allocate_v4_cache(4, 4, device=device)
+    kv_c, k_pe = _rows(6, device)
+    slots = torch.stack([torch.arange(6, device=device) + 3, torch.zeros(6, dtype=torch.int64, device=device)], 1)
+    concat_and_cache_v4(kv_c, k_pe, cache, slots[:, 0])
+    ref = dequantize_v4_cache_ref(cache)[3:9]
+    lens = torch.tensor([[5, 0], [1, 0]], device=device)[:, 0]
+    starts = torch.tensor([[3, 9], [2, 9]], device=device)[:, 0]
+    table = torch.tensor([[0, 1, 2], [2, 3, 0]], dtype=torch.int32, device=device)
+    out = gather_cache_v4(cache, table, lens, seq_starts=starts, out_dtype=torch.float32)
+    assert torch.equal(out[:5].cpu(), ref[:5].cpu())  # positions 3..7 of request 0 = slots 3..7
+    assert torch.equal(out[5].cpu(), dequantize_v4_cache_ref(cache)[10].cpu())  # request 1, position 2 = slot 10

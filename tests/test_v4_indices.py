@@ -182,3 +182,22 @@ def test_ragged_form(device):
     ref_i, ref_l = swa_indices_ref(qsl, seq, table, 16, 8, T)
     want = torch.cat([ref_i[t, : ref_l[t]] for t in range(T)])
     assert int(indptr[-1]) == want.numel() and torch.equal(flat[: want.numel()].cpu(), want)
+
+
+def _strided(t):
+    """The same values as a non-contiguous 1-D view."""
+    return torch.stack([t, torch.full_like(t, 12345)], dim=1)[:, 0]
+
+
+def test_strided_index_inputs(device):
+    qsl, seq, table, T = _batch(QLENS, CTX, 16, device)
+    slots = torch.zeros(T, dtype=torch.int64, device=device)
+    slots[2] = -1
+    ref = swa_indices(qsl, seq, table, block_size=16, window=8, num_tokens=T, slot_mapping=slots)
+    got = swa_indices(_strided(qsl), _strided(seq), table, block_size=16, window=8, num_tokens=T,
+                      slot_mapping=_strided(slots))  # fmt: skip
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    tk = torch.randint(-1, 10, (T, 5), device=device)
+    ref = csa_topk_indices(tk, qsl, seq, table, block_size=4, ratio=4)
+    got = csa_topk_indices(tk, _strided(qsl), _strided(seq), table, block_size=4, ratio=4)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])

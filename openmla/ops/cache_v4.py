@@ -219,6 +219,7 @@ def concat_and_cache_v4(
         raise ValueError(f"kv_c must be [T, {V4_NOPE}]; got {describe(kv_c)}")
     check_tensor("k_pe", k_pe, dtypes=_AUTO_DTYPES, shape=(T, V4_ROPE), device=dev)
     check_index("slot_mapping", slot_mapping, ndim=1, device=dev, length=T)
+    slot_mapping = slot_mapping.contiguous()  # 1-D index tensors are read densely (a strided one is copied)
     cache, mode = _check_v4_cache(kv_cache, kv_cache_dtype)
     if cache.device != dev:
         raise ValueError(f"kv_cache must be on {dev} like kv_c; got {describe(cache)}")
@@ -361,6 +362,8 @@ def gather_cache_v4(
     check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
     if seq_starts is not None:
         check_index("seq_starts", seq_starts, ndim=1, device=dev, length=B)
+        seq_starts = seq_starts.contiguous()
+    seq_lens = seq_lens.contiguous()
     if validate and not capturing() and B > 0:
         check_block_table(block_table, seq_lens, seq_starts, cache.shape[1], cache.shape[0])
     cu = torch.zeros(B + 1, dtype=torch.int64, device=dev)
@@ -428,7 +431,7 @@ def dequantize_and_gather_k_cache(
         check_index("gather_lens", gather_lens, ndim=1, device=dev, length=R)
     if not isinstance(offset, int) or not 0 <= offset <= M:
         raise ValueError(f"offset must be an int in [0, {M}] (out is [R, M, 512]); got {offset!r}")
-    g = seq_lens if gather_lens is None else gather_lens
+    g = (seq_lens if gather_lens is None else gather_lens).contiguous()
     starts = seq_lens - g
     if validate and not capturing() and R > 0:
         if int(g.min()) < 0 or int(starts.min()) < 0:

@@ -295,6 +295,9 @@ def compress_kv(
         raise ValueError(f"query_start_loc must have B + 1 >= 1 entries; got {describe(query_start_loc)}")
     check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
     check_index("state_slots", state_slots, ndim=1, device=dev, length=B)
+    # 1-D index tensors are read densely (a strided one is copied)
+    query_start_loc, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
+    state_slots = state_slots.contiguous()
     check_tensor("cos_sin_cache", cos_sin_cache, dtypes=_FLOAT_DTYPES, ndim=2, shape=(None, ROPE_DIM), device=dev)
     if kv_cache is None:
         if not isinstance(block_size, int) or block_size < 1:

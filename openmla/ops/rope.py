@@ -121,6 +121,7 @@ def inverse_rope_rows(
     dev = o.device
     T = o.shape[0]
     check_index("positions", positions, ndim=1, device=dev, length=T)
+    positions = positions.contiguous()  # read densely (a strided one is copied)
     check_tensor("cos_sin_cache", cos_sin_cache, dtypes=_FLOAT_DTYPES, ndim=2, device=dev)
     P, R = cos_sin_cache.shape
     D = o.shape[-1]

@@ -191,8 +191,8 @@ def _outputs(num_tokens, width, dev, out_indices, out_lens):
     if out_lens is None:
         out_lens = torch.empty(num_tokens, dtype=torch.int32, device=dev)
     elif (out_lens.dtype != torch.int32 or out_lens.dim() != 1 or out_lens.shape[0] < num_tokens
-          or out_lens.device != dev):  # fmt: skip
-        raise ValueError(f"out_lens must be int32 [>= {num_tokens}] on {dev}; got {describe(out_lens)}")
+          or out_lens.device != dev or (out_lens.shape[0] > 1 and out_lens.stride(0) != 1)):  # fmt: skip
+        raise ValueError(f"out_lens must be contiguous int32 [>= {num_tokens}] on {dev}; got {describe(out_lens)}")
     return out_indices, out_lens
 
 
@@ -210,6 +210,11 @@ def _check_batch(query_start_loc, seq_lens, slot_mapping, num_tokens):
     if not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens must be a non-negative int; got {num_tokens!r}")
     return dev, B
+
+
+def _dense(*ts):
+    """1-D index tensors as the kernels read them: densely (a strided one is copied; None stays None)."""
+    return tuple(None if t is None else t.contiguous() for t in ts)
 
 
 def _check_positions(query_start_loc, seq_lens, num_tokens):
@@ -256,6 +261,7 @@ def swa_indices(
         (indices, lens): `[T, width]` int32 slots (-1 past lens), `[T]` int32 ``min(window, pos + 1)``.
     """
     dev, B = _check_batch(query_start_loc, seq_lens, slot_mapping, num_tokens)
+    query_start_loc, seq_lens, slot_mapping = _dense(query_start_loc, seq_lens, slot_mapping)
     check_index("block_table", block_table, ndim=2, device=dev)
     if block_table.shape[0] != B:
         raise ValueError(f"block_table must have B = {B} rows; got {describe(block_table)}")
@@ -309,6 +315,7 @@ def hca_indices(
         (indices, lens): `[T, width]` int32 (-1 past lens), `[T]` int32 ``(pos + 1) // ratio``.
     """
     dev, B = _check_batch(query_start_loc, seq_lens, slot_mapping, num_tokens)
+    query_start_loc, seq_lens, slot_mapping = _dense(query_start_loc, seq_lens, slot_mapping)
     if block_table is not None:
         check_index("block_table", block_table, ndim=2, device=dev)
         if block_table.shape[0] != B:
@@ -368,6 +375,7 @@ def csa_topk_indices(
     check_index("topk_indices", topk_indices, ndim=2)
     T, K = topk_indices.shape
     dev, B = _check_batch(query_start_loc, seq_lens, slot_mapping, T)
+    query_start_loc, seq_lens, slot_mapping = _dense(query_start_loc, seq_lens, slot_mapping)
     if topk_indices.device != dev:
         raise ValueError(f"topk_indices must be on {dev}; got {describe(topk_indices)}")
     if K > 1 and topk_indices.stride(1) != 1:
@@ -438,6 +446,7 @@ def combine_topk_swa_indices(
     Tq, Kw = topk_indices.shape
     dev, R = _check_batch(query_start_loc, seq_lens, None, Tq)
     check_index("gather_lens", gather_lens, ndim=1, device=dev, length=R)
+    query_start_loc, seq_lens, gather_lens = _dense(query_start_loc, seq_lens, gather_lens)
     if topk_indices.device != dev:
         raise ValueError(f"topk_indices must be on {dev}; got {describe(topk_indices)}")
     if Kw > 1 and topk_indices.stride(1) != 1:
