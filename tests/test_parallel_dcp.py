@@ -18,7 +18,7 @@ from openmla.ops.cache import concat_and_cache_mla
 from openmla.parallel import dcp_mla_decode, dcp_mla_prefill_with_context, dcp_slot_mapping
 from openmla.reference import mla_decode_ref, mla_prefill_with_context_ref
 from openmla.reference.dcp import dcp_shard_cache_ref
-from openmla.utils.testing import TOLERANCES, assert_close, on_gpu
+from openmla.utils.testing import TOLERANCES, assert_close, on_gpu, pick
 
 BS = 4
 
@@ -52,8 +52,12 @@ DECODE_CASES = [
     ([2, 5, 13], [3, 2, 4], False, torch.float32, {}),
     ([3, 8, 17], [2, 1, 4], True, torch.float32, {"gather_heads": False}),
     ([3, 8, 17], [2, 1, 4], True, torch.bfloat16, {}),
-]
-H = 2  # heads per rank
+] + pick([], [  # on a GPU also longer bf16 requests through both verify routes and a plain decode batch
+    ([2048, 777, 1, 130], [4, 3, 2, 1], True, torch.bfloat16, {"route": "masked"}),
+    ([2048, 777, 1, 130], [4, 3, 2, 1], True, torch.bfloat16, {"route": "segmented", "merge": "all_to_all"}),
+    ([4096] * 8 + [5] * 8, [1] * 16, True, torch.bfloat16, {}),
+])  # fmt: skip
+H = pick(2, 16)  # heads per rank
 
 
 def _decode_cases(rank, W, I, dev, cases):
