@@ -15,7 +15,7 @@ def _rows(path: str) -> dict[tuple, dict]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     own = {(r["family"], r["shape"], r["dtype"]): r for r in rows if r["provider"] == "openmla"}
-    peers = {(r["family"], r["shape"], r["provider"]): r for r in rows if r["provider"] not in ("openmla", "torch")}
+    peers = {(r["family"], r["shape"], r["provider"]): r for r in rows if r["provider"] != "openmla"}
     for key, r in own.items():
         p = peers.get((key[0], key[1], r["peer"])) if r["peer"] else None
         r["_peer_us"] = float(p["p50_us"]) if p and p["p50_us"] else None

@@ -69,8 +69,9 @@ class BenchContext:
         for prov, t in timings.items():
             nb = nbytes[prov] if isinstance(nbytes, dict) else nbytes
             us = t.p50 if t.ok else float("nan")
-            gbs = nb / us / 1e3 if t.ok else float("nan")
-            tflops = flops / us / 1e6 if t.ok else float("nan")
+            ok = t.ok and us > 0  # an empty graph can time as 0
+            gbs = nb / us / 1e3 if ok else float("nan")
+            tflops = flops / us / 1e6 if ok else float("nan")
             row = dict(self.env, family=self.family, op=op, provider=prov, shape=shape,
                        dtype=dtype[prov] if isinstance(dtype, dict) else dtype, p50_us=us, p20_us=t.p20, p80_us=t.p80,
                        gbs=gbs, tflops=tflops, frac_bw=gbs / self.bw_gbs, frac_peak=tflops / self.peak_tflops,
@@ -81,7 +82,7 @@ class BenchContext:
                 row["peer"] = peer
                 if check is not None:
                     row["check"] = check
-                if t.ok and timings[peer].ok:
+                if ok and timings[peer].ok:
                     row["ratio"] = timings[peer].p50 / t.p50
             rows.append(row)
         return [{k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
