@@ -328,3 +328,28 @@ def test_strided_index_inputs(device):
                 strided([9, 6]), s.weight, s.table, s.cache, s.block_table, ratio=4, kv_cache_dtype="auto")  # fmt: skip
     for b in range(2):
         assert_close(f"entries {b}", s.ref(b), s.entries(b), 2e-5, 2e-5, 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_schedules_identical(seed, device):
+    """Random ratios, lengths and per-step token counts (requests interleaved, some idle): the same bytes as
+    one prefill of every request."""
+    g = torch.Generator().manual_seed(seed)
+    ratio = [2, 4, 8][seed]
+    overlap = seed != 2
+    lens = torch.randint(1, 5 * ratio, (3,), generator=g).tolist()
+    one = _Setup(lens, ratio, 128, overlap, "auto", device)
+    one.cache.view(torch.uint8).fill_(0)
+    many = _Setup(lens, ratio, 128, overlap, "auto", device)
+    many.kv, many.score, many.weight, many.block_table = one.kv, one.score, one.weight, one.block_table
+    many.cache.view(torch.uint8).fill_(0)
+    one.step([(0, n) for n in lens])
+    done = [0] * len(lens)
+    while any(d < n for d, n in zip(done, lens)):
+        chunks = []
+        for b, n in enumerate(lens):
+            k = min(n - done[b], int(torch.randint(0, 2 * ratio + 2, (1,), generator=g)))
+            chunks.append((done[b], done[b] + k))
+            done[b] += k
+        many.step(chunks)
+    assert torch.equal(one.raw().cpu(), many.raw().cpu())
