@@ -61,15 +61,15 @@ def dcp_local_decode(
             causal=causal, max_query_len=max_query_len, validate=validate, **kw,
         )  # fmt: skip
     elif route == "segmented":
-        # one qlen-1 request per verify row; its local length carries the causal window
-        row_lens = dcp_local_verify_row_lens(seq_lens, query_start_loc, W, rank, I, num_tokens=T)
-        if not causal:
-            req_lens = dcp_local_seq_lens(seq_lens, W, rank, I, validate=sync_ok)
+        # one qlen-1 request per verify row, sharing its request's block table; the row's local length
+        # carries the causal window (every local key when not causal)
         rows = torch.arange(T, device=q.device)
         req = torch.searchsorted(query_start_loc[1:].to(torch.int64), rows, right=True)
         req = req.clamp(max=max(block_table.shape[0] - 1, 0))
-        if not causal:
-            row_lens = req_lens[req]
+        if causal:
+            row_lens = dcp_local_verify_row_lens(seq_lens, query_start_loc, W, rank, I, num_tokens=T)
+        else:
+            row_lens = dcp_local_seq_lens(seq_lens, W, rank, I, validate=sync_ok)[req]
         qsl_rows = torch.arange(T + 1, dtype=torch.int32, device=q.device)
         out, lse = mla_decode(q, kv_cache, block_table[req], row_lens, qsl_rows, sm_scale, causal=False, **kw)
     else:
