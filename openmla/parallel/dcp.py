@@ -48,7 +48,7 @@ def dcp_local_decode(
     Returns:
         (out `[T, h, d_v]` q.dtype, lse `[T, h]` fp32 natural log over this rank's visible keys, route).
     """
-    W, rank, I = check_dcp_args(world_size, rank, interleave)  # noqa: E741
+    W, rank, I = check_dcp_args(world_size, rank, interleave)
     T = q.shape[0]
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if query_start_loc.numel() > 1 else 0

@@ -33,7 +33,7 @@ from openmla.parallel.sharding import _local_count, check_dcp_args
 __all__ = ["dcp_mla_prefill_with_context"]
 
 
-def _chunk_pieces(starts: torch.Tensor, lens: torch.Tensor, W: int, I: int):  # noqa: E741
+def _chunk_pieces(starts: torch.Tensor, lens: torch.Tensor, W: int, I: int):
     """Per rank: local starts and counts `[W, n]` of a chunk's global ranges, and the reorder index.
 
     The index maps request-major rows (request j: rank 0's keys, then rank 1's, ...) to rows of the
@@ -103,7 +103,7 @@ def dcp_mla_prefill_with_context(
         RuntimeError: torch.distributed is not initialised.
     """
     W, rank, _ = group_info(group)
-    _, _, I = check_dcp_args(W, rank, interleave)  # noqa: E741
+    _, _, I = check_dcp_args(W, rank, interleave)
     check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=3)
     dev, dtype = q.device, q.dtype
     T, H, d_qk = q.shape

@@ -35,7 +35,7 @@ def _positive_int(name: str, v) -> int:
 def check_dcp_args(world_size, rank, interleave) -> tuple[int, int | None, int]:
     """Validate ``(world_size, rank, interleave)``: W >= 1, ``0 <= rank < W`` (or None), I >= 1."""
     W = _positive_int("world_size", world_size)
-    I = _positive_int("interleave", interleave)  # noqa: E741
+    I = _positive_int("interleave", interleave)
     if rank is not None:
         if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or not 0 <= rank < W:
             raise ValueError(f"rank must be an int in [0, {W}); got {rank!r}")
@@ -43,7 +43,7 @@ def check_dcp_args(world_size, rank, interleave) -> tuple[int, int | None, int]:
     return W, rank, I
 
 
-def _local_count(n: torch.Tensor, W: int, r, I: int) -> torch.Tensor:  # noqa: E741
+def _local_count(n: torch.Tensor, W: int, r, I: int) -> torch.Tensor:
     """Tokens of the global prefix ``[0, n)`` owned by rank ``r`` (``r`` an int or a broadcastable tensor)."""
     base = torch.div(n, I * W, rounding_mode="floor") * I
     rem = n - base * W
@@ -71,7 +71,7 @@ def dcp_local_seq_lens(
     """
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.is_floating_point() or seq_lens.dtype == torch.bool:
         raise TypeError(f"seq_lens must be an int32/int64 tensor; got {seq_lens!r:.80}")
-    W, rank, I = check_dcp_args(world_size, rank, interleave)  # noqa: E741
+    W, rank, I = check_dcp_args(world_size, rank, interleave)
     s = seq_lens.to(torch.int64)
     if validate and s.numel() and int(s.min()) < 0:
         raise ValueError(f"seq_lens must be non-negative; got {describe(seq_lens)} with min {int(s.min())}")
@@ -105,7 +105,7 @@ def dcp_local_verify_row_lens(
     Returns:
         torch.Tensor: `[num_tokens]`, int32; row-major (request, then row) like the query rows.
     """
-    W, rank, I = check_dcp_args(world_size, rank, interleave)  # noqa: E741
+    W, rank, I = check_dcp_args(world_size, rank, interleave)
     check_index("seq_lens", seq_lens, ndim=1)
     B = seq_lens.shape[0]
     check_index("query_start_loc", query_start_loc, ndim=1, device=seq_lens.device, length=B + 1)
@@ -122,19 +122,19 @@ def dcp_local_verify_row_lens(
 
 def dcp_owner(positions: torch.Tensor, world_size: int, interleave: int = 1) -> torch.Tensor:
     """The rank that stores each global position: ``(g // I) % W`` (same dtype and shape)."""
-    W, _, I = check_dcp_args(world_size, None, interleave)  # noqa: E741
+    W, _, I = check_dcp_args(world_size, None, interleave)
     return torch.div(positions, I, rounding_mode="floor") % W
 
 
 def dcp_local_position(positions: torch.Tensor, world_size: int, interleave: int = 1) -> torch.Tensor:
     """Each global position's local position on its owner: ``(g // (I * W)) * I + g % I``."""
-    W, _, I = check_dcp_args(world_size, None, interleave)  # noqa: E741
+    W, _, I = check_dcp_args(world_size, None, interleave)
     return torch.div(positions, I * W, rounding_mode="floor") * I + positions % I
 
 
 def dcp_global_position(local_positions: torch.Tensor, world_size: int, rank: int, interleave: int = 1):
     """The global position of local position ``l`` on ``rank``: ``((l // I) * W + rank) * I + l % I``."""
-    W, rank, I = check_dcp_args(world_size, rank, interleave)  # noqa: E741
+    W, rank, I = check_dcp_args(world_size, rank, interleave)
     return (torch.div(local_positions, I, rounding_mode="floor") * W + rank) * I + local_positions % I
 
 
@@ -167,7 +167,7 @@ def dcp_slot_mapping(
     Raises:
         ValueError: mismatched shapes, or (``validate``) an owned token outside its block table.
     """
-    W, rank, I = check_dcp_args(world_size, rank, interleave)  # noqa: E741
+    W, rank, I = check_dcp_args(world_size, rank, interleave)
     bs = _positive_int("block_size", block_size)
     check_index("positions", positions, ndim=1)
     dev = positions.device

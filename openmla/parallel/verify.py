@@ -236,7 +236,7 @@ def dcp_masked_decode(
     Raises:
         TypeError, ValueError: bad dtypes, shapes, devices or sharding arguments (the message names them).
     """
-    W, rank, I = check_dcp_args(world_size, rank, interleave)  # noqa: E741
+    W, rank, I = check_dcp_args(world_size, rank, interleave)
     check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=3)
     dev = q.device
     T, H, d_qk = q.shape
