@@ -367,11 +367,11 @@ from openmla.utils.sm90_report import resource_report
 
 kern = S._sparse_mla_fwd_kernel
 report = []
-for block_h, fmt, splits, extra in json.loads(sys.argv[1]):
+for block_h, fmt, splits, extra, f16 in json.loads(sys.argv[1]):
     block_n, warps, stages = S._GPU_TILING[(block_h, fmt)]
     const = dict(PAGE=64, E_PAGE=2, FMT=fmt, D_V=512, D_T=64, D_TP=64, BLOCK_H=block_h, N_HB=2, BLOCK_N=block_n,
                  NUM_SPLITS=splits, RAGGED=False, HAS_LEN=True, HAS_EXTRA=extra, E_RAGGED=extra, E_HAS_LEN=False,
-                 HAS_SINK=True, COMPUTE=tl.bfloat16, DOT_PRECISION="tf32")
+                 HAS_SINK=True, COMPUTE=tl.float16 if f16 else tl.bfloat16, F16_DEQUANT=f16, DOT_PRECISION="tf32")
     cache = "*u8" if fmt else "*bf16"
     ptrs = dict(q="*bf16", kv=cache, kv_f32="*fp32", kv_b16="*bf16", ekv=cache, ekv_f32="*fp32", ekv_b16="*bf16",
                 sink="*fp32", out="*bf16", lse="*fp32", o_part="*fp32", lse_part="*fp32", scale_log2="fp32")
@@ -381,7 +381,7 @@ for block_h, fmt, splits, extra in json.loads(sys.argv[1]):
              if n not in const and (n.startswith("stride") or sig[n].startswith("*"))}
     c = triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
-    report.append(dict(variant=[block_h, fmt, splits, extra], **resource_report(c)))
+    report.append(dict(variant=[block_h, fmt, splits, extra, f16], **resource_report(c)))
 print("REPORT" + json.dumps(report))
 """
 
@@ -393,7 +393,7 @@ def test_sparse_mla_compiles_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     from openmla.utils.sm90_report import run_report_script
 
-    variants = [[16, 0, 1, True], [64, 1, 4, True]]
+    variants = [[16, 0, 1, True, False], [64, 1, 4, True, False], [64, 1, 1, False, True]]
     for r in run_report_script(_SM90_SCRIPT, variants):
         block_h, fmt = r["variant"][:2]
         assert r["regs"] <= 255, r
@@ -481,3 +481,17 @@ def test_sparse_ops_in_a_cuda_graph(device):
     for o, lse in zip(outs, lses):
         assert_close("out", ref_out, o, *TOLERANCES[torch.bfloat16])
         assert_close("lse", ref_lse, lse, *_LSE_TOL["fp8_ds_mla"])
+
+
+@pytest.mark.parametrize("heads", pick([16], [16, 128]))
+def test_sparse_mla_fp16_dequant_variant(heads, device):
+    """The tuning variant _fp16_dequant (fp8 rows widened and scaled in fp16, fp16 products) against the reference."""
+    T, K = pick(3, 32), pick(40, 2048)
+    cache = _cache(device, 16, 64, "fp8_ds_mla")
+    extra = _cache(device, 4, 2, "fp8_ds_mla")
+    idx, lens = _indices(T, K, 1024, device)
+    eidx, elens = _indices(T, 6, 8, device, gen=torch.Generator().manual_seed(5))
+    q = torch.randn(T, heads, 576, device=device).bfloat16()
+    sink = torch.randn(heads, device=device)
+    _check(q, cache, idx, "fp8_ds_mla", topk_length=lens, attn_sink=sink, extra_kv_cache=extra, extra_indices=eidx,
+           extra_topk_length=elens, _fp16_dequant=True)  # fmt: skip

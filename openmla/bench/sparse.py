@@ -2,9 +2,9 @@
 
 A shape spec is space-separated fields: ``decode h<heads> b<batch> [q<qlen>] k<topk> [fp8|bf16]`` (b x qlen query
 rows, each with its own top-k list, the 656-byte ``fp8_ds_mla`` cache by default) or ``prefill h<heads> t<queries>
-k<topk> [s<kv rows>]`` (a bf16 cache of s rows, default 32768); an optional ``tile<BLOCK_N>x<warps>x<stages>`` and
-``split<n>`` time one of ``sparse_mla``'s private tile / split variants (tuning). Example: ``decode h128 b128 q2
-k2048``.
+k<topk> [s<kv rows>]`` (a bf16 cache of s rows, default 32768); an optional ``tile<BLOCK_N>x<warps>x<stages>``,
+``split<n>`` or ``f16dq`` (fp8 rows dequantised in fp16) times one of ``sparse_mla``'s private variants (tuning).
+Example: ``decode h128 b128 q2 k2048``.
 
 Each point: slots drawn uniformly (seeded) from a cache of at least 2 GiB of 64-token blocks on the GPU (decode;
 larger than L2), no -1 entries, every top-k entry valid. TFLOPS = 2 * h * rows * topk * (576 + 512) (FlashMLA's
@@ -45,7 +45,8 @@ PRESETS = {
              + [f"decode h16 b128 q1 k2048 tile{t}" for t in ("32x4x2", "16x4x3", "16x4x2")]
              + [f"decode h32 b128 q1 k2048 tile{t}" for t in ("32x8x2", "64x8x2")]
              + [f"prefill h128 t4096 k2048 tile{t}" for t in ("64x8x2", "32x8x2", "32x8x3", "64x8x3")]
-             + [f"decode h{h} b1 q1 k2048 split{n}" for h in (16, 128) for n in (1, 4, 8, 16, 32)],
+             + [f"decode h{h} b1 q1 k2048 split{n}" for h in (16, 128) for n in (1, 4, 8, 16, 32)]
+             + [f"decode h{h} b{b} q1 k2048 f16dq" for h, b in ((128, 128), (64, 64), (16, 128))],
 }  # fmt: skip
 
 
@@ -61,10 +62,13 @@ class SparseShape:
     dtype: str = "fp8"  # the cache's (prefill: bf16)
     tile: tuple = ()
     split: int = 0
+    f16dq: bool = False  # the _fp16_dequant variant (fp8 rows widened and scaled in fp16)
 
     def __str__(self) -> str:
-        extra = (" tile" + "x".join(map(str, self.tile)) if self.tile else "") + (
-            f" split{self.split}" if self.split else ""
+        extra = (
+            (" tile" + "x".join(map(str, self.tile)) if self.tile else "")
+            + (f" split{self.split}" if self.split else "")
+            + (" f16dq" if self.f16dq else "")
         )
         if self.mode == "decode":
             return f"decode h{self.h} b{self.b} q{self.q} k{self.k}{extra}"
@@ -91,6 +95,8 @@ def parse(spec: str) -> SparseShape:
         for tok in toks[1:]:
             if tok in ("fp8", "bf16"):
                 f["dtype"] = tok
+            elif tok == "f16dq":
+                f["f16dq"] = True
             elif tok.startswith("tile"):
                 f["tile"] = tuple(int(x) for x in tok[4:].split("x"))
                 if len(f["tile"]) != 3:
@@ -155,6 +161,8 @@ def run(shape: SparseShape, ctx: BenchContext) -> list[dict]:
         priv["_tiling_override"] = shape.tile
     if shape.split:
         priv["_num_splits_override"] = shape.split
+    if shape.f16dq:
+        priv["_fp16_dequant"] = True
 
     def own():
         openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype=kv_dtype, out=out, lse=lse, **priv)

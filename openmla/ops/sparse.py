@@ -70,7 +70,7 @@ def _sink_factor(b_lse, b_sink):
 
 @triton.jit
 def _load_kv_rows(p_kv, p_f32, p_b16, m_n, o_c, o_r, FMT: tl.constexpr, DC: tl.constexpr, D_V: tl.constexpr,
-                  D_T: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+                  D_T: tl.constexpr, COMPUTE: tl.constexpr, F16_DEQUANT: tl.constexpr):  # fmt: skip
     """A tile of gathered cache rows as four column chunks [N, DC] of the first D_V values and the tail
     [N, D_TP] (columns D_V..D; zeros where masked or beyond D_T). ``p_kv`` [N]: each row's start in the cache's
     element type (bytes for FMT 1); ``p_f32`` / ``p_b16``: the same addresses as fp32 / bf16 pointers (FMT 1).
@@ -86,21 +86,26 @@ def _load_kv_rows(p_kv, p_f32, p_b16, m_n, o_c, o_r, FMT: tl.constexpr, DC: tl.c
         k_r = tl.load(p_kv[:, None] + D_V + o_r[None, :], mask=m_r, other=0.0).to(COMPUTE)
     else:
         p_s = p_f32 + 128  # the 4 fp32 scales at byte 512
-        k0 = _dequant_group(p_kv, p_s, m_n, o_c, 0, COMPUTE)
-        k1 = _dequant_group(p_kv, p_s, m_n, o_c, 1, COMPUTE)
-        k2 = _dequant_group(p_kv, p_s, m_n, o_c, 2, COMPUTE)
-        k3 = _dequant_group(p_kv, p_s, m_n, o_c, 3, COMPUTE)
+        k0 = _dequant_group(p_kv, p_s, m_n, o_c, 0, COMPUTE, F16_DEQUANT)
+        k1 = _dequant_group(p_kv, p_s, m_n, o_c, 1, COMPUTE, F16_DEQUANT)
+        k2 = _dequant_group(p_kv, p_s, m_n, o_c, 2, COMPUTE, F16_DEQUANT)
+        k3 = _dequant_group(p_kv, p_s, m_n, o_c, 3, COMPUTE, F16_DEQUANT)
         k_r = tl.load(p_b16[:, None] + 264 + o_r[None, :], mask=m_r, other=0.0).to(tl.float32)
         k_r = tl.where(k_r != k_r, 0.0, k_r).to(COMPUTE)  # noqa: PLR0124 (NaN test)
     return k0, k1, k2, k3, k_r
 
 
 @triton.jit
-def _dequant_group(p_kv, p_s, m_n, o_c, G: tl.constexpr, COMPUTE: tl.constexpr):
-    """Group G (128 values) of fp8_ds_mla rows: e4m3 bytes x the group's fp32 scale; NaN -> 0."""
+def _dequant_group(p_kv, p_s, m_n, o_c, G: tl.constexpr, COMPUTE: tl.constexpr, F16_DEQUANT: tl.constexpr):
+    """Group G (128 values) of fp8_ds_mla rows: e4m3 bytes x the group's fp32 scale; NaN -> 0. F16_DEQUANT (a
+    tuning variant, COMPUTE fp16): widen to fp16 and multiply by the scale rounded to fp16 (one cvt and one
+    multiply a pair of values; a scale below 6.1e-5, i.e. a group amax below 0.027, loses bits as a subnormal)."""
     b_q = tl.load(p_kv[:, None] + G * 128 + o_c[None, :], mask=m_n[:, None], other=0)
     b_s = tl.load(p_s + G, mask=m_n, other=0.0)
-    b_v = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_s[:, None]
+    if F16_DEQUANT:
+        b_v = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float16) * b_s.to(tl.float16)[:, None]
+    else:
+        b_v = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_s[:, None]
     b_nan = b_v != b_v  # noqa: PLR0124 (NaN test)
     if _INTERPRET_FIX:  # the interpreter widens the e4m3 NaN bytes (0x7F, 0xFF) to +-480; the GPU to NaN
         b_nan = b_nan | ((b_q & 0x7F) == 0x7F)
@@ -237,6 +242,7 @@ def _sparse_mla_fwd_kernel(
     E_HAS_LEN: tl.constexpr,
     HAS_SINK: tl.constexpr,
     COMPUTE: tl.constexpr,
+    F16_DEQUANT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     DC: tl.constexpr = D_V // 4
@@ -289,7 +295,8 @@ def _sparse_mla_fwd_kernel(
             p_f32 = tl.where(ok, p_f32, e_f32)
             p_b16 = tl.where(ok, p_b16, e_b16)
             ok = ok | e_ok
-        k0, k1, k2, k3, k_r = _load_kv_rows(p_kv, p_f32, p_b16, ok, o_c, o_r, FMT, DC, D_V, D_T, COMPUTE)
+        k0, k1, k2, k3, k_r = _load_kv_rows(p_kv, p_f32, p_b16, ok, o_c, o_r, FMT, DC, D_V, D_T, COMPUTE,
+                                            F16_DEQUANT)  # fmt: skip
         b_m, b_l, a0, a1, a2, a3 = _tile_update(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l, a0, a1, a2,
                                                 a3, ok, scale_log2, D_T, COMPUTE, DOT_PRECISION)  # fmt: skip
 
@@ -528,7 +535,8 @@ def sparse_mla(
     return_lse: bool = True,
     validate: bool = True,
     _num_splits_override: int | None = None,
-    _tiling_override: tuple[int, int, int, int] | None = None,
+    _tiling_override: tuple[int, ...] | None = None,
+    _fp16_dequant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Sparse MLA attention over per-token top-k slot lists (DeepSeek V3.2 DSA, MQA form; V4's base).
 
@@ -536,7 +544,7 @@ def sparse_mla(
     ``s_j = sm_scale * q[t, h] . K_j`` over the keys ``j`` that row t's index list(s) name,
     ``lse = log sum_j e^{s_j}``, ``out = sum_j e^{s_j - lse} V_j``, with K_j the dequantised cache row
     (``D`` values) and V_j its first ``d_v`` values. Entries < 0 or >= the cache's slots are skipped and never
-    read (slot 0 is a real slot); duplicate entries count once each.
+    read (slot 0 is a real slot); an entry listed twice counts twice.
 
     Args:
         q (torch.Tensor): `[T, H, D]` bf16/fp16, last dim contiguous; any H >= 1 (no padding needed).
@@ -636,7 +644,10 @@ def sparse_mla(
         lse_part = torch.empty(splits, T, H, dtype=torch.float32, device=dev)
     else:
         o_part, lse_part = lse, lse  # unused
-    compute = compute_dtype(q.dtype)
+    # _fp16_dequant (tuning variant, fp8 caches): products in fp16, rows dequantised in fp16 (q rounded to fp16:
+    # |q| must stay below 65504)
+    f16_dequant = bool(_fp16_dequant) and fmt == 1
+    compute = compute_dtype(torch.float16 if f16_dequant else q.dtype)
     views = [kv_cache] * 3 if fmt == 0 else [kv_cache, kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)]
     ekv = extra_kv_cache if has_extra else kv_cache
     eviews = [ekv] * 3 if fmt == 0 else [ekv, ekv.view(torch.float32), ekv.view(torch.bfloat16)]
@@ -651,7 +662,8 @@ def sparse_mla(
         BLOCK_H=block_h, N_HB=head_blocks, BLOCK_N=block_n, NUM_SPLITS=splits, RAGGED=ragged,
         HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra, E_RAGGED=e_ragged,
         E_HAS_LEN=extra_topk_length is not None,
-        HAS_SINK=attn_sink is not None, COMPUTE=compute, DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
+        HAS_SINK=attn_sink is not None, COMPUTE=compute, F16_DEQUANT=f16_dequant,
+        DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
