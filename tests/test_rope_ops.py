@@ -4,9 +4,11 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import openmla  # noqa: F401
-from openmla.ops.rope import inverse_rope_rows
+from openmla.ops.rope import inverse_rope_rows, load_cos_sin, rope_pairs
 from openmla.reference.v4 import inverse_rope_rows_ref, rope_cache_ref, rope_rows_ref
 from openmla.utils.testing import assert_close, pick
 
@@ -108,3 +110,28 @@ def test_strided_positions(device):
     pos = torch.tensor([[3, 0], [31, 0], [0, 0], [7, 0]], device=device)[:, 0]
     ref = inverse_rope_rows_ref(o, pos, table)
     assert_close("strided positions", ref, inverse_rope_rows(o, pos, table), 1e-5, 1e-5, 1e-9)
+
+
+@triton.jit
+def _chunk_kernel(x, table, pos, stride_cs, num_pos, M: tl.constexpr):
+    # a sparse kernel's epilogue: un-rotate the rope half of the last 128-lane accumulator chunk in place
+    o_m = tl.arange(0, M)
+    o_n = tl.arange(0, 128)
+    b_x = tl.load(x + o_m[:, None] * 128 + o_n[None, :])
+    b_cos, b_sin = load_cos_sin(table, tl.load(pos + o_m), stride_cs, num_pos, 32, 128, 64)
+    tl.store(x + o_m[:, None] * 128 + o_n[None, :], rope_pairs(b_x, b_cos, b_sin, M, 128, True))
+
+
+def test_jit_helpers_on_an_accumulator_chunk(device):
+    """The epilogue use in a sparse kernel: a [BLOCK_H, 128] chunk whose last 64 lanes (dims 448..511) are the
+    rope pairs: load_cos_sin(..., N=128, N0=64) leaves the first 64 lanes alone."""
+    M = 8
+    table = _table(50, device)
+    pos = torch.randint(0, 50, (M,), device=device)
+    pos[-1] = 77  # outside the table: unchanged
+    rows = torch.randn(M, 512, device=device)
+    want = inverse_rope_rows_ref(rows, pos.clamp_max(49), table)
+    want[-1] = rows[-1]
+    chunk = rows[:, 384:].contiguous()
+    _chunk_kernel[(1,)](chunk, table, pos, table.stride(0), 50, M=M)
+    assert_close("chunk", want[:, 384:], chunk, 1e-5, 1e-5, 1e-9)
