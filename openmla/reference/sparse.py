@@ -10,22 +10,16 @@ from openmla.reference.cache import dequantize_rows_ref
 def convert_req_index_to_global_index_ref(req_id, block_table, token_indices, block_size, topk_length=None):
     """``[T, K]`` int32 global slots of request-local positions; -1 where invalid (see the op's docstring)."""
     R, W = block_table.shape
-    T, K = token_indices.shape
     tok = token_indices.long().cpu()
     req = req_id.long().cpu()
     bt = block_table.long().cpu()
-    out = torch.full((T, K), -1, dtype=torch.int64)
-    for t in range(T):
-        n = K if topk_length is None else int(topk_length[t])
-        r = int(req[t])
-        for j in range(min(max(n, 0), K)):
-            p = int(tok[t, j])
-            if p < 0 or p // block_size >= W or not 0 <= r < R:
-                continue
-            b = int(bt[r, p // block_size])
-            if b >= 0:
-                out[t, j] = b * block_size + p % block_size
-    return out.int()
+    T, K = tok.shape
+    n = torch.full((T,), K) if topk_length is None else topk_length.long().cpu()
+    blk = torch.div(tok, block_size, rounding_mode="floor")
+    ok = (tok >= 0) & (blk < W) & (torch.arange(K)[None, :] < n[:, None]) & ((req >= 0) & (req < R))[:, None]
+    b = bt[req.clamp(0, max(R - 1, 0))[:, None], blk.clamp(0, max(W - 1, 0))] if R and W else torch.zeros_like(tok)
+    ok &= b >= 0
+    return torch.where(ok, b * block_size + tok % block_size, -1).int()
 
 
 def sparse_seq_lens_ref(query_start_loc, seq_lens, topk, num_tokens=None):
