@@ -35,6 +35,9 @@ def _engine_rank(rank, W, dev, interleave, want):
     ids = [eng.add_request(p, NEW) for p in PROMPTS]
     eng.step()  # the first step prefills: each rank holds blocks for its own tokens only
     bm = eng.block_manager
+    # the cache holds 3 sequences of the busiest rank's (rank 0's) share of max_model_len = 64 tokens
+    share = sum(1 for g in range(64) if (g // interleave) % W == 0)
+    assert eng.runner.kv_caches[0].shape[0] == 3 * -(-share // CFG["block_size"])
     computed = {req.req_id: req.num_computed_tokens for req in eng.scheduler.running}
     assert computed, "the first step scheduled nothing"
     for r in ids:

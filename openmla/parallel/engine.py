@@ -140,7 +140,8 @@ def dcp_engine(model, config=None, *, group=None, interleave: int = 1, **kwargs)
 
     Args:
         model: a DeepSeek V3 of ``openmla.engine`` (the same weights on every rank).
-        config (EngineConfig | None): the engine limits; ``num_blocks`` is per rank. CUDA graphs are off.
+        config (EngineConfig | None): the engine limits; ``num_blocks`` is per rank (default: room for
+            ``max_num_seqs`` sequences of ``max_model_len`` tokens, the busiest rank's share). CUDA graphs are off.
         group: the DCP process group (None: the default group). interleave (int): ``I`` >= 1.
         **kwargs: passed to ``LLMEngine`` (device, dtype, drafter).
 
@@ -153,6 +154,9 @@ def dcp_engine(model, config=None, *, group=None, interleave: int = 1, **kwargs)
 
     W, rank, _ = group_info(group)
     cfg = replace(config or EngineConfig(), cuda_graphs=False)
+    if cfg.num_blocks is None:  # room for max_num_seqs sequences of max_model_len, this rank's share only
+        max_len = cfg.max_model_len or model.config.max_position_embeddings
+        cfg.num_blocks = cfg.max_num_seqs * -(-_local(max_len, W, 0, interleave) // cfg.block_size)
     enable_dcp(model, group, interleave)
 
     def block_manager(num_blocks: int, block_size: int) -> DCPBlockManager:

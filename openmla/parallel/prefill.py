@@ -86,9 +86,9 @@ def dcp_mla_prefill_with_context(
         query_start_loc (torch.Tensor): `[B + 1]`, int32/int64; new-token rows per request.
         kv_b_proj_weight (torch.Tensor): `[h * (d_nope + d_v), d_c]`, q.dtype (HF layout, this rank's heads).
         sm_scale (float): softmax scale.
-        chunk_size (int): global context tokens per chunk over all requests (bounds the workspace: each
-            rank gathers at most ``ceil(chunk_size / (I * W)) * I + I`` rows per request of a chunk, and the
-            all-gathered buffer holds ``W`` times the largest rank's piece).
+        chunk_size (int): global context tokens per chunk over all requests; bounds the workspace: a rank's
+            piece of a chunk is about ``chunk_size / W`` rows (up to ``I`` more per request), the all-gathered
+            buffer ``W`` times the largest piece, then the usual per-chunk up-projected keys and values.
         group: the DCP process group (None: the default group). interleave (int): ``I`` >= 1.
         kv_cache_dtype (str), kv_scale: "auto", "fp8" (per-tensor scale) or "fp8_ds_mla".
         context_lens_cpu, query_start_loc_cpu (torch.Tensor | None): CPU copies (save a device sync).
