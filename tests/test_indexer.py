@@ -205,8 +205,11 @@ def test_indexer_logits(cache_dtype, cdtype, qdtype, shape, block_size, device, 
 
 @pytest.mark.parametrize("cache_dtype,cdtype,qdtype", [SCORE_CASES[0], SCORE_CASES[5]], ids=_ids)
 @pytest.mark.parametrize("topk", pick([6], [64, 2048]))
-@pytest.mark.parametrize("topk_impl", ["triton", "torch"])
-def test_indexer_topk(cache_dtype, cdtype, qdtype, topk, topk_impl, device):
+@pytest.mark.parametrize("topk_impl", ["triton", "torch", "triton-split"])
+def test_indexer_topk(cache_dtype, cdtype, qdtype, topk, topk_impl, device, monkeypatch):
+    if topk_impl == "triton-split":  # rows split over 2 programs, row lengths from the scores pass
+        monkeypatch.setenv("OPENMLA_INDEXER_TOPK_SPLIT", "2")
+        topk_impl = "triton"
     lens, qlens, pad = SHAPES["mixed"]
     H, D = pick(4, 64), pick(32, 128)
     args = _batch(lens, qlens, H, D, pick(5, 64), cache_dtype, cdtype, qdtype, device, pad_rows=pad)
@@ -224,7 +227,10 @@ def test_indexer_topk(cache_dtype, cdtype, qdtype, topk, topk_impl, device):
 @pytest.mark.parametrize(
     "S,topk", [(pick(150, 5000), 7), (pick(150, 5000), pick(64, 2048)), (12, 12), (9, 40), (70, 1)]
 )
-def test_logits_topk_ties(S, topk, topk_impl, device):
+@pytest.mark.parametrize("split", [None, "3"])
+def test_logits_topk_ties(S, topk, topk_impl, split, device, monkeypatch):
+    if split:  # each row split over 3 programs (the GPU splits rows when there are few of them)
+        monkeypatch.setenv("OPENMLA_INDEXER_TOPK_SPLIT", split)
     T = 7
     x = torch.randn(T, S, device=device)
     x[0] = 0.0  # every score tied

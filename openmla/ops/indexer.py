@@ -18,6 +18,7 @@ the chosen positions in increasing order (ties at the threshold: lower positions
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -60,6 +61,7 @@ _WRITE_TOKENS = 16  # tokens per program of the cache writer
 _TOPK_BLOCK = 8192
 _TOPK_WARPS = 16
 _TOPK_BLOCK_INTERPRET = 64  # CPU: tiny rows
+_TOPK_MIN_PART = 4096  # fewest scores a program of a split row scans (rows split only when there are few of them)
 _TOPK_IMPLS = ("triton", "torch")
 
 
@@ -559,6 +561,162 @@ def _order_key(x):
 
 
 @triton.jit
+def _radix_pick(b_hist, k_rem, prefix, hi_mask, SHIFT: tl.constexpr):
+    """One radix step: the bin (8 bits at SHIFT) holding the k_rem-th largest of the keys counted in b_hist [256];
+    returns k_rem within that bin and the prefix / mask extended by it."""
+    o_bin = tl.arange(0, 256)
+    b_incl = tl.sum(b_hist, axis=0) - tl.cumsum(b_hist, axis=0) + b_hist  # keys in bins >= each bin
+    i_bin = tl.max(tl.where(b_incl >= k_rem, o_bin, 0), axis=0)
+    k_rem = k_rem - tl.sum(tl.where(o_bin > i_bin, b_hist, 0), axis=0)
+    prefix = prefix | (i_bin.to(tl.uint32) << SHIFT)
+    hi_mask = hi_mask | (tl.full([], 0xFF, tl.uint32) << SHIFT)
+    return k_rem, prefix, hi_mask
+
+
+@triton.jit
+def _radix_threshold(p_hist, K, PASSES: tl.constexpr):
+    """From a row's histograms ``p_hist`` [4, 256] (the first PASSES filled): (prefix, mask, keys of the prefix to
+    keep, valid keys in the row)."""
+    o_bin = tl.arange(0, 256)
+    prefix = tl.zeros([], dtype=tl.uint32)
+    hi_mask = tl.zeros([], dtype=tl.uint32)
+    k_rem = K
+    n_valid = tl.sum(tl.load(p_hist + o_bin), axis=0)
+    for i_pass in tl.static_range(PASSES):
+        k_rem, prefix, hi_mask = _radix_pick(tl.load(p_hist + i_pass * 256 + o_bin), k_rem, prefix, hi_mask,
+                                             24 - 8 * i_pass)  # fmt: skip
+    return prefix, hi_mask, k_rem, n_valid
+
+
+@triton.jit
+def _topk_split_hist_kernel(
+    logits,  # [T, S] fp32
+    row_len,  # [T] int32 (HAS_LEN)
+    hist,  # [T, 4, 256] int32, zeroed: the radix histograms of each row
+    stride_l_t,
+    S,
+    K,
+    chunk,  # scores per program (a multiple of BLOCK)
+    PASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+):
+    """Radix pass PASS of a row split over programs: program (row, part) adds the histogram of its part's keys that
+    match the prefix fixed by the earlier passes (integer atomics: the totals do not depend on the order)."""
+    i_t = tl.program_id(0).to(tl.int64)
+    n = S
+    if HAS_LEN:
+        n = tl.minimum(tl.maximum(tl.load(row_len + i_t), 0), S)
+    lo = tl.program_id(1) * chunk
+    hi = tl.minimum(lo + chunk, n)
+    p_hist = hist + i_t * 1024
+    prefix, hi_mask, k_rem, n_valid = _radix_threshold(p_hist, K, PASS)
+    if PASS > 0:
+        hi = tl.where(n_valid > K, hi, lo)  # at most K valid keys: all are taken, no more passes
+    p_row = logits + i_t * stride_l_t
+    o_c = tl.arange(0, BLOCK)
+    b_hist = tl.zeros([256], dtype=tl.int32)
+    for c0 in range(lo, hi, BLOCK):
+        o = c0 + o_c
+        b_x = tl.load(p_row + o, mask=o < hi, other=float("-inf"))
+        b_key = _order_key(b_x)
+        m = (b_x > float("-inf")) & ((b_key & hi_mask) == prefix)
+        b_hist += tl.histogram(((b_key >> (24 - 8 * PASS)) & 0xFF).to(tl.int32), 256, mask=m)
+    o_bin = tl.arange(0, 256)
+    tl.atomic_add(p_hist + PASS * 256 + o_bin, b_hist, mask=b_hist > 0)
+
+
+@triton.jit
+def _split_threshold(p_hist, thr, i_t, K, RADIX: tl.constexpr):
+    """(threshold key, ties to keep or -1 when the counts decide it) of row i_t."""
+    if RADIX:
+        prefix, hi_mask, k_rem, n_valid = _radix_threshold(p_hist, K, 4)
+        take_all = n_valid <= K
+        thr_key = tl.where(take_all, tl.zeros([], dtype=tl.uint32), prefix)
+        n_eq = tl.where(take_all, K, k_rem)
+    else:
+        thr_key = _order_key(tl.load(thr + i_t))
+        n_eq = -1
+    return thr_key, n_eq
+
+
+@triton.jit
+def _topk_split_emit_kernel(
+    logits,  # [T, S] fp32
+    row_len,  # [T] int32 (HAS_LEN)
+    hist,  # [T, 4, 256] int32 (RADIX)
+    thr,  # [T] fp32 (not RADIX): the k-th largest score
+    counts,  # [T, P, 2] int32: keys above and at the threshold in each part
+    out,  # [T, K] int32
+    stride_l_t,
+    stride_o_t,
+    S,
+    K,
+    chunk,
+    P,
+    COUNT: tl.constexpr,  # True: count the part's keys into counts; False: write its chosen positions
+    MAX_P: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    RADIX: tl.constexpr,
+):
+    """The final pass of a row split over programs: first each part counts its keys above / at the threshold, then
+    each part writes its chosen positions at the offset the earlier parts' counts give (the same order as one
+    program scanning the row), and the last part pads with -1."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_p = tl.program_id(1)
+    n = S
+    if HAS_LEN:
+        n = tl.minimum(tl.maximum(tl.load(row_len + i_t), 0), S)
+    lo = i_p * chunk
+    hi = tl.minimum(lo + chunk, n)
+    thr_key, n_eq = _split_threshold(hist + i_t * 1024, thr, i_t, K, RADIX)
+    p_row = logits + i_t * stride_l_t
+    p_cnt = counts + i_t * P * 2
+    o_c = tl.arange(0, BLOCK)
+    if COUNT:
+        n_gt = 0
+        n_at = 0
+        for c0 in range(lo, hi, BLOCK):
+            o = c0 + o_c
+            b_x = tl.load(p_row + o, mask=o < hi, other=float("-inf"))
+            b_key = _order_key(b_x)
+            m_ok = b_x > float("-inf")
+            n_gt += tl.sum((m_ok & (b_key > thr_key)).to(tl.int32), axis=0)
+            n_at += tl.sum((m_ok & (b_key == thr_key)).to(tl.int32), axis=0)
+        tl.store(p_cnt + i_p * 2, n_gt)
+        tl.store(p_cnt + i_p * 2 + 1, n_at)
+    else:
+        o_p = tl.arange(0, MAX_P)
+        m_p = o_p < P
+        c_gt = tl.load(p_cnt + o_p * 2, mask=m_p, other=0)
+        c_eq = tl.load(p_cnt + o_p * 2 + 1, mask=m_p, other=0)
+        if not RADIX:
+            n_eq = K - tl.sum(c_gt, axis=0)
+        eq_before = tl.cumsum(c_eq, axis=0) - c_eq
+        c_take = c_gt + tl.minimum(tl.maximum(n_eq - eq_before, 0), c_eq)
+        n_out = tl.sum(tl.where(o_p < i_p, c_take, 0), axis=0)
+        n_eq_seen = tl.sum(tl.where(o_p < i_p, c_eq, 0), axis=0)
+        for c0 in range(lo, hi, BLOCK):
+            o = c0 + o_c
+            b_x = tl.load(p_row + o, mask=o < hi, other=float("-inf"))
+            b_key = _order_key(b_x)
+            m_ok = b_x > float("-inf")
+            m_gt = m_ok & (b_key > thr_key)
+            m_eq = m_ok & (b_key == thr_key)
+            b_eq_rank = n_eq_seen + tl.cumsum(m_eq.to(tl.int32), axis=0)
+            m_take = m_gt | (m_eq & (b_eq_rank <= n_eq))
+            b_off = n_out + tl.cumsum(m_take.to(tl.int32), axis=0) - 1
+            tl.store(out + i_t * stride_o_t + b_off, o, mask=m_take & (b_off < K))
+            n_out += tl.sum(m_take.to(tl.int32), axis=0)
+            n_eq_seen += tl.sum(m_eq.to(tl.int32), axis=0)
+        if i_p == P - 1:
+            for c0 in range(tl.minimum(tl.sum(c_take, axis=0), K), K, BLOCK):
+                o = c0 + o_c
+                tl.store(out + i_t * stride_o_t + o, tl.full([BLOCK], -1, dtype=tl.int32), mask=o < K)
+
+
+@triton.jit
 def _indexer_topk_fwd_kernel(
     logits,  # [T, S] fp32
     row_len,  # [T] int32: entries of the row to scan (HAS_LEN)
@@ -581,7 +739,6 @@ def _indexer_topk_fwd_kernel(
     o_c = tl.arange(0, BLOCK)
     if RADIX:
         # the K-th largest key, 8 bits a pass from the top; k_rem = how many of the current prefix to keep
-        o_bin = tl.arange(0, 256)
         prefix = tl.zeros([], dtype=tl.uint32)
         hi_mask = tl.zeros([], dtype=tl.uint32)
         k_rem = K
@@ -598,11 +755,7 @@ def _indexer_topk_fwd_kernel(
             if i_pass == 0:
                 n_valid = tl.sum(b_hist, axis=0)
                 n_scan = tl.where(n_valid > K, n, 0)  # at most K valid: take them all, skip the other passes
-            b_incl = tl.sum(b_hist, axis=0) - tl.cumsum(b_hist, axis=0) + b_hist  # keys in bins >= each bin
-            i_bin = tl.max(tl.where(b_incl >= k_rem, o_bin, 0), axis=0)
-            k_rem = k_rem - tl.sum(tl.where(o_bin > i_bin, b_hist, 0), axis=0)
-            prefix = prefix | (i_bin.to(tl.uint32) << (24 - 8 * i_pass))
-            hi_mask = hi_mask | (tl.full([], 0xFF, tl.uint32) << (24 - 8 * i_pass))
+            k_rem, prefix, hi_mask = _radix_pick(b_hist, k_rem, prefix, hi_mask, 24 - 8 * i_pass)
         take_all = n_valid <= K
         thr_key = tl.where(take_all, tl.zeros([], dtype=tl.uint32), prefix)
         n_eq = tl.where(take_all, K, k_rem)
@@ -656,11 +809,51 @@ def _topk_fwd(logits, row_len, topk, out, impl):
     else:
         finite = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"))  # torch.topk ranks NaN first
         thr = torch.topk(finite, topk, dim=1, sorted=False).values.amin(dim=1)
-    _indexer_topk_fwd_kernel[(T,)](
-        logits, row_len if row_len is not None else logits, thr, out, logits.stride(0), out.stride(0), S, topk,
-        BLOCK=block, HAS_LEN=row_len is not None, RADIX=radix, num_warps=warps,
-    )  # fmt: skip
+    lens = row_len if row_len is not None else logits
+    parts = _topk_parts(T, S, block, logits.device)
+    if parts == 1:
+        _indexer_topk_fwd_kernel[(T,)](
+            logits, lens, thr, out, logits.stride(0), out.stride(0), S, topk,
+            BLOCK=block, HAS_LEN=row_len is not None, RADIX=radix, num_warps=warps,
+        )  # fmt: skip
+        return out
+    # few rows: each row split over `parts` programs (radix passes, then counts, then positions)
+    chunk = triton.cdiv(triton.cdiv(S, parts), block) * block
+    parts = triton.cdiv(S, chunk)
+    hist = torch.zeros(T, 4, 256, dtype=torch.int32, device=logits.device) if radix else lens
+    counts = torch.empty(T, parts, 2, dtype=torch.int32, device=logits.device)
+    grid = (T, parts)
+    if radix:
+        for i_pass in range(4):
+            _topk_split_hist_kernel[grid](logits, lens, hist, logits.stride(0), S, topk, chunk, PASS=i_pass,
+                                          BLOCK=block, HAS_LEN=row_len is not None, num_warps=warps)  # fmt: skip
+    for count in (True, False):
+        _topk_split_emit_kernel[grid](
+            logits, lens, hist, thr, counts, out, logits.stride(0), out.stride(0), S, topk, chunk, parts,
+            COUNT=count, MAX_P=triton.next_power_of_2(parts), BLOCK=block, HAS_LEN=row_len is not None, RADIX=radix,
+            num_warps=warps,
+        )  # fmt: skip
     return out
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _topk_parts(T: int, S: int, block: int, dev) -> int:
+    """Programs a row's top-k is split over: 1 when the rows fill about half the SMs or more (one program a row),
+    else enough for about two programs an SM, each at least _TOPK_MIN_PART scores (a split row costs 6 launches
+    instead of 1). OPENMLA_INDEXER_TOPK_SPLIT forces it (tuning)."""
+    env = os.environ.get("OPENMLA_INDEXER_TOPK_SPLIT")
+    if env:
+        return max(1, min(int(env), triton.cdiv(S, block)))
+    if dev.type != "cuda":
+        return 1
+    sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    if 2 * T >= sms:  # e.g. decode batch 128 on 132 SMs: one 16-warp program a row, one wave
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, T), triton.cdiv(S, _TOPK_MIN_PART)))
 
 
 def _check_topk(topk, impl, out, T, dev):
