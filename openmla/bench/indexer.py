@@ -7,7 +7,8 @@ blocks, scattered over a shuffled block table) and an e4m3 q (vLLM's contract: q
 weights); ``qbf16`` scores a bf16 q against the fp8 cache, ``bf16`` keeps a bf16 cache (and q).
 An optional ``tile<block_n>x<split>x<warps>x<stages>`` times a scores tiling (``OPENMLA_INDEXER_TILING``), and
 ``ttile<block>x<warps>`` a top-k tiling (``OPENMLA_INDEXER_TOPK_TILING``), ``tma`` key tiles by TMA
-(``OPENMLA_INDEXER_TMA=1``); tuning only.
+(``OPENMLA_INDEXER_TMA=1``), ``tsplit<n>`` top-k rows split over n programs (``OPENMLA_INDEXER_TOPK_SPLIT``);
+tuning only.
 
 Each point gives four rows: ``indexer_logits`` (the scores pass; bytes = keys read once per request + q + weights
 + the fp32 logits written, so ``frac_bw`` is the fraction of the read bandwidth measured in the same run; FLOPs =
@@ -54,6 +55,7 @@ class IndexerShape:
     tile: tuple = ()
     ttile: tuple = ()
     tma: bool = False
+    tsplit: int = 0
 
     def __str__(self) -> str:
         extra = (
@@ -61,6 +63,7 @@ class IndexerShape:
             + (" tile" + "x".join(map(str, self.tile)) if self.tile else "")
             + (" ttile" + "x".join(map(str, self.ttile)) if self.ttile else "")
             + (" tma" if self.tma else "")
+            + (f" tsplit{self.tsplit}" if self.tsplit else "")
         )
         head = f"decode b{self.b} s{self.s} q{self.q}" if self.mode == "decode" else f"prefill t{self.t} s{self.s}"
         return f"{head} h{self.h} d{self.d} k{self.k} {self.cache}{extra}"
@@ -83,6 +86,8 @@ def parse(spec: str) -> IndexerShape:
         for tok in toks[1:]:
             if tok in ("fp8", "bf16"):
                 f["cache"] = tok
+            elif tok.startswith("tsplit"):
+                f["tsplit"] = int(tok[6:])
             elif tok == "tma":
                 f["tma"] = True
             elif tok == "qbf16":
@@ -145,6 +150,8 @@ def run(shape: IndexerShape, ctx: BenchContext) -> list[dict]:
     env = {k: ",".join(map(str, v)) for k, v in env.items() if v}
     if shape.tma:
         env["OPENMLA_INDEXER_TMA"] = "1"
+    if shape.tsplit:
+        env["OPENMLA_INDEXER_TOPK_SPLIT"] = str(shape.tsplit)
     os.environ.update(env)
     try:
         return _run(shape, ctx, dev)
