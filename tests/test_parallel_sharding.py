@@ -206,6 +206,20 @@ def test_routes_fp8_cache(route, device):
     assert_close("lse", rl, lse, *TOLERANCES[torch.float8_e4m3fn])
 
 
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_masked_kernel_key_splits(num_splits, device):
+    """Key splits (some of them empty) merged by LSE give the one-split result."""
+    W, I = 2, 1
+    q, cache, bt, seq_t, qsl = _global_batch([0, 3, 30, 41], [1, 2, 4, 3], 2, torch.float32, seed=11)
+    for r in range(W):
+        lc, lbt = dcp_shard_cache_ref(cache, bt, seq_t, BS, W, r, I)
+        o, lse = dcp_masked_decode(*_to(device, q, lc, lbt, seq_t, qsl), 0.2, world_size=W, rank=r, interleave=I,
+                                   num_splits=num_splits)  # fmt: skip
+        ro, rl = dcp_local_decode_ref(q, lc, lbt, seq_t, qsl, 0.2, world_size=W, rank=r, interleave=I)
+        assert_close(f"r{r} out", ro, o, *TOLERANCES[torch.float32])
+        assert_close(f"r{r} lse", rl, lse, *TOLERANCES[torch.float32])
+
+
 def test_masked_kernel_errors(device):
     q, cache, bt, seq_t, qsl = _to(device, *_global_batch([3, 5], [1, 2], 2, torch.float32))
     kw = dict(world_size=2, rank=0)
@@ -221,6 +235,8 @@ def test_masked_kernel_errors(device):
         dcp_masked_decode(q, cache, bt, seq_t, qsl, 0.1, world_size=2, rank=3)
     with pytest.raises(ValueError, match="kv_scale"):
         dcp_masked_decode(q, cache, bt, seq_t, qsl, 0.1, kv_scale=1.0, **kw)
+    with pytest.raises(ValueError, match="num_splits"):
+        dcp_masked_decode(q, cache, bt, seq_t, qsl, 0.1, num_splits=0, **kw)
 
 
 def test_new_tokens_written_to_owner_only(device):

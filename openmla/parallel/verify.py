@@ -12,8 +12,9 @@ wrong there for ``W > 1``. Three routes give each row its exact local window (SP
   rows of a request sharing its block table; the public ``mla_decode`` does the rest. It reads a
   request's KV once per row.
 * **masked**: :func:`dcp_masked_decode`, a Triton kernel that maps each local key to its global position
-  ``((l // I) * W + r) * I + l % I`` and masks ``g <= S - q + t``; one program streams a request's KV
-  once for all its rows (what AITER's round-robin "CPRR" kernel does).
+  ``((l // I) * W + r) * I + l % I`` and masks ``g <= S - q + t``; one program streams (a split of) a
+  request's KV once for all its rows (what AITER's round-robin "CPRR" kernel does); key splits are merged
+  by LSE.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def _dcp_masked_decode_fwd_kernel(
     local_lens,  # [B] keys this rank holds per request
     global_lens,  # [B] global sequence lengths S
     query_start_loc,  # [B + 1]
-    out,  # [T, H, D_V]
-    lse,  # [T, H] fp32
+    out,  # [T, H, D_V] (NUM_SPLITS == 1), else o_part [NUM_SPLITS, T, H, D_V] fp32
+    lse,  # [T, H] fp32, else lse_part [NUM_SPLITS, T, H]
     scale_log2,  # sm_scale * kv_scale * log2(e)
     v_scale,  # kv_scale for an fp8 cache, else 1
     stride_q_t,
@@ -100,6 +101,9 @@ def _dcp_masked_decode_fwd_kernel(
     RANK,
     WORLD,
     INTERLEAVE,
+    T,
+    split_len,  # local keys per split (NUM_SPLITS > 1)
+    NUM_SPLITS: tl.constexpr,
     PAGE: tl.constexpr,
     D_V: tl.constexpr,
     D_R: tl.constexpr,
@@ -113,7 +117,8 @@ def _dcp_masked_decode_fwd_kernel(
     BLOCK_M: tl.constexpr = BLOCK_H * Q_PER
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    i_q = tl.program_id(2)
+    i_q = tl.program_id(2) // NUM_SPLITS
+    i_s = tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(query_start_loc + i_b)
     qlen = tl.load(query_start_loc + i_b + 1) - q_start
     if i_q * Q_PER >= qlen:
@@ -141,7 +146,11 @@ def _dcp_masked_decode_fwd_kernel(
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
     p_bt = block_table + i_b * stride_bt_b
-    for n0 in range(0, kv_hi, BLOCK_N):
+    kv_lo = 0
+    if NUM_SPLITS > 1:
+        kv_lo = i_s * split_len
+        kv_hi = tl.minimum(kv_hi, kv_lo + split_len)
+    for n0 in range(kv_lo, kv_hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)  # local positions
         m_n = o_n < kv_hi
         i_blk = o_n // PAGE
@@ -169,29 +178,62 @@ def _dcp_masked_decode_fwd_kernel(
     b_r = tl.where(empty, 0.0, v_scale / tl.where(empty, 1.0, b_l))
     b_lse = tl.where(empty, float("-inf"), (b_m + tl.log2(tl.where(empty, 1.0, b_l))) * 0.6931471805599453)
     row = (q_start + o_t).to(tl.int64)
+    if NUM_SPLITS > 1:  # this split's normalised partial; the launcher merges the splits by LSE
+        row = row + i_s * T
     tl.store(lse + row * H + o_h, b_lse, mask=m_m)
     p_o = out + row[:, None] * stride_o_t + o_h[:, None] * stride_o_h + o_c[None, :]
     tl.store(p_o, (b_acc * b_r[:, None]).to(out.dtype.element_ty), mask=m_m[:, None])
 
 
+def _num_splits(programs: int, max_local: int, device: torch.device) -> int:
+    """Key splits per program so that about two waves of programs run (GPU only; 256+ keys a split)."""
+    if device.type != "cuda" or programs == 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(-(-2 * sms // programs), -(-max_local // 256), 64))
+
+
+def _merge_splits(o_part, lse_part, out, lse):
+    """Exact LSE merge of `[S, T, H, D]` fp32 partials into ``out`` / ``lse`` (empty splits weigh 0)."""
+    M = lse_part.amax(0)
+    Ms = torch.where(torch.isneginf(M), 0.0, M)
+    w = torch.exp(lse_part - Ms)  # [S, T, H]
+    den = w.sum(0)
+    safe = torch.where(den > 0, den, 1.0)
+    out.copy_((torch.einsum("sth,sthd->thd", w, o_part) / safe[..., None]).to(out.dtype))
+    lse.copy_(torch.where(den > 0, Ms + torch.log(safe), float("-inf")))
+
+
 def _dcp_masked_decode_fwd(q, kv_cache, block_table, local_lens, global_lens, query_start_loc, out, lse,
-                           scale_log2, v_scale, causal, d_v, max_query_len, world_size, rank, interleave):  # fmt: skip
-    """Pick tiles and launch the masked kernel (one program per request x head block x row block)."""
+                           scale_log2, v_scale, causal, d_v, max_query_len, world_size, rank, interleave,
+                           num_splits=None):  # fmt: skip
+    """Pick tiles and splits, launch the masked kernel (request x head block x (row block, split)), merge."""
     T, H, d_qk = q.shape
     B = block_table.shape[0]
     q_per = min(triton.next_power_of_2(max(max_query_len, 1)), 16)
     block_h = min(max(16 // q_per, 1), triton.next_power_of_2(H)) if q.device.type == "cpu" else max(16 // q_per, 1)
     block_n = 16 if kv_cache.element_size() == 4 else 32
     compute = compute_dtype(torch.float16 if kv_cache.dtype == torch.float8_e4m3fn else q.dtype)
-    grid = (B, triton.cdiv(H, block_h), triton.cdiv(max(max_query_len, 1), q_per))
+    q_blocks = triton.cdiv(max(max_query_len, 1), q_per)
+    max_local = block_table.shape[1] * kv_cache.shape[1]  # a bound on every local length, known on the host
+    if num_splits is None:
+        num_splits = _num_splits(B * triton.cdiv(H, block_h) * q_blocks, max_local, q.device)
+    split_len = triton.cdiv(triton.cdiv(max_local, num_splits), block_n) * block_n
+    o_dst, l_dst = out, lse
+    if num_splits > 1:
+        o_dst = torch.empty(num_splits, T, H, d_v, dtype=torch.float32, device=q.device)
+        l_dst = torch.empty(num_splits, T, H, dtype=torch.float32, device=q.device)
+    grid = (B, triton.cdiv(H, block_h), q_blocks * num_splits)
     _dcp_masked_decode_fwd_kernel[grid](
-        q, kv_cache, block_table, local_lens, global_lens, query_start_loc, out, lse, scale_log2, v_scale,
+        q, kv_cache, block_table, local_lens, global_lens, query_start_loc, o_dst, l_dst, scale_log2, v_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), H, kv_cache.shape[0], block_table.shape[1], rank, world_size, interleave,
-        PAGE=kv_cache.shape[1], D_V=d_v, D_R=d_qk - d_v, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,
-        CAUSAL=causal, COMPUTE=compute, DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        o_dst.stride(-3), o_dst.stride(-2), H, kv_cache.shape[0], block_table.shape[1], rank, world_size,
+        interleave, T, split_len, NUM_SPLITS=num_splits, PAGE=kv_cache.shape[1], D_V=d_v, D_R=d_qk - d_v,
+        BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n, CAUSAL=causal, COMPUTE=compute,
+        DOT_PRECISION="ieee" if compute == tl.float32 else "tf32", num_warps=4, num_stages=2,
     )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits(o_dst, l_dst, out, lse)
 
 
 def dcp_masked_decode(
@@ -211,6 +253,7 @@ def dcp_masked_decode(
     max_query_len: int | None = None,
     d_v: int = 512,
     validate: bool = True,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""One rank's partial MLA decode over its DCP shard, masked on global positions (no communication).
 
@@ -228,6 +271,8 @@ def dcp_masked_decode(
         max_query_len (int | None): the longest query (read from ``query_start_loc`` when None: a host sync).
         d_v (int): latent width (a power of two; 512 for DeepSeek).
         validate (bool): host-synchronising checks (lengths against the block table, ``query_start_loc``).
+        num_splits (int | None): key splits per program, merged by LSE afterwards (default: 1 on CPU; on a
+            GPU enough for about two waves of programs, from the block table's width, no host sync).
 
     Returns:
         out: `[T, h, d_v]`, q.dtype; the attention over this rank's visible keys (0 where none).
@@ -273,11 +318,14 @@ def dcp_masked_decode(
                 f"this rank holds up to {int(local.max())} keys of a request but block_table "
                 f"{tuple(block_table.shape)} covers {block_table.shape[1] * page} at page size {page}"
             )
+    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if B else 0
     out = torch.empty(T, H, d_v, dtype=q.dtype, device=dev)
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
     if T and B and H:
         _dcp_masked_decode_fwd(q, kv_cache, block_table, local, seq_lens, query_start_loc, out, lse,
-                               sm_scale * kv_s * _LOG2E, kv_s, causal, d_v, max_query_len, W, rank, I)  # fmt: skip
+                               sm_scale * kv_s * _LOG2E, kv_s, causal, d_v, max_query_len, W, rank, I,
+                               num_splits)  # fmt: skip
     return out, lse
