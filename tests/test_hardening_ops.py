@@ -275,3 +275,19 @@ def test_expand_page_indices_refuses_int32_overflow(device):
     indptr, idx = openmla.expand_page_indices(ok, sl, block_size)
     want_ptr, want_idx = expand_page_indices_ref(ok, sl, block_size)
     assert torch.equal(idx.cpu(), want_idx) and torch.equal(indptr.cpu(), want_ptr)
+
+
+@pytest.mark.parametrize("scale", [0.0, "tensor-1"])
+def test_prefill_with_context_checks_fp8_scale(scale, device):
+    T, H, P, R, V, L = 2, 1, 16, 16, 16, 32
+    if scale == "tensor-1":
+        scale = torch.tensor([-1.0], device=device)
+    with pytest.raises(ValueError, match="kv_scale must be a positive finite"):
+        openmla.mla_prefill_with_context(
+            torch.randn(T, H, P + R, device=device), torch.randn(T, H, P, device=device),
+            torch.randn(T, R, device=device), torch.randn(T, H, V, device=device),
+            torch.zeros(1, 4, L + R, device=device).to(torch.float8_e4m3fn),
+            torch.tensor([[0]], dtype=torch.int32, device=device), torch.tensor([1], dtype=torch.int32, device=device),
+            torch.tensor([0, 2], dtype=torch.int32, device=device), torch.randn(H * (P + V), L, device=device), 0.2,
+            chunk_size=8, kv_cache_dtype="fp8", kv_scale=scale,
+        )  # fmt: skip

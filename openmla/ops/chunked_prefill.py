@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
+from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe, scalar_scale
 from openmla.ops.cache import check_block_table, gather_cache
 from openmla.ops.merge import merge_attn_states
 from openmla.ops.prefill import flash_attn_varlen
@@ -256,6 +256,8 @@ def mla_prefill_with_context(
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     if out is not None:
         check_tensor("out", out, dtypes=(dtype,), shape=(T, H, d_v), device=dev)
+    if kv_cache_dtype == "fp8":  # positive and finite (read once here; the chunks' gathers then trust it)
+        kv_scale = scalar_scale("kv_scale", kv_scale, dev)
     for name, t, n in (("context_lens_cpu", context_lens_cpu, B), ("query_start_loc_cpu", query_start_loc_cpu, B + 1)):
         if t is not None and (not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.shape != (n,)):
             raise ValueError(f"{name} must be a CPU tensor of shape [{n}]; got {t!r:.80}")
