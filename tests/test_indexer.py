@@ -9,6 +9,7 @@ from openmla.reference import (
     concat_and_cache_indexer_k_ref,
     dequantize_indexer_k_cache_ref,
     indexer_logits_ref,
+    quantize_indexer_k_ref,
     split_fp8_indexer_cache_ref,
     topk_from_logits_ref,
 )
@@ -448,3 +449,27 @@ def test_indexer_kernels_compile_for_sm90():
             assert r["wgmma"] > 0, r
         else:
             assert r["regs"] * 32 * r["num_warps"] <= 65536, r
+
+
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_quantize_indexer_q(scale_fmt, device):
+    """Per (token, head) e4m3 with the key writer's scale rule: the reference's bytes exactly; strided q; the scores
+    of the fp8 q with its scales folded into the weights are those of the dequantised q."""
+    T, H, D = pick(5, 300), pick(3, 64), pick(20, 128)
+    q = (torch.randn(T, 2 * H, D, device=device) * 3)[:, ::2]
+    q[1, 0] = 0  # the 1e-4 floor
+    q_fp8, scale = openmla.ops.indexer.quantize_indexer_q(q, scale_fmt=scale_fmt)
+    want_q, want_s = quantize_indexer_k_ref(q.reshape(T * H, D), scale_fmt)
+    assert q_fp8.shape == (T, H, D) and scale.shape == (T, H)
+    assert torch.equal(q_fp8.view(torch.uint8).reshape(T * H, D), want_q.view(torch.uint8))
+    assert torch.equal(scale.reshape(-1), want_s)
+    lens, qlens = [9, 4], [2, T - 2]
+    lens[1] = max(lens[1], T - 2)
+    _, w, cache, bt, sl, qsl = _batch(lens, qlens, H, 32, 4, "fp8", None, torch.float32, device)
+    q2 = torch.randn(T, H, 32, device=device)
+    q2_fp8, s2 = openmla.ops.indexer.quantize_indexer_q(q2, scale_fmt=scale_fmt)
+    ref = indexer_logits_ref(q2_fp8.float() * s2[..., None], w, cache, bt, sl, qsl, cache_dtype="fp8")
+    out = openmla.indexer_logits(q2_fp8, w * s2, cache, bt, sl, qsl, cache_dtype="fp8")
+    _check_scores("fp8 q", ref, out, E4M3)
+    with pytest.raises(TypeError, match="q"):
+        openmla.ops.indexer.quantize_indexer_q(q_fp8)

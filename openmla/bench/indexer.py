@@ -27,7 +27,7 @@ import torch
 
 import openmla
 from openmla.bench.context import BenchContext
-from openmla.ops.indexer import alloc_indexer_k_cache, logits_topk
+from openmla.ops.indexer import alloc_indexer_k_cache, logits_topk, quantize_indexer_q
 
 OP = "indexer_logits"
 BLOCK = 64
@@ -134,9 +134,7 @@ def _inputs(shape: IndexerShape, dev):
     q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
     weights = torch.randn(T, H, device=dev) * D**-0.5 * H**-0.5
     if shape.qdtype == "fp8":  # per (row, head) e4m3 with a power-of-two scale, folded into the weights
-        amax = q.float().abs().amax(-1).clamp_min(1e-4)
-        s = torch.exp2(torch.ceil(torch.log2(amax / 448)))
-        q = (q.float() / s[..., None]).to(torch.float8_e4m3fn)
+        q, s = quantize_indexer_q(q, scale_fmt="ue8m0")
         weights = weights * s
     seq_lens = torch.full((B,), S, dtype=torch.int32, device=dev)
     qsl = torch.arange(B + 1, device=dev, dtype=torch.int32) * shape.qlen

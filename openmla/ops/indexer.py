@@ -36,6 +36,7 @@ __all__ = [
     "indexer_logits",
     "indexer_topk",
     "logits_topk",
+    "quantize_indexer_q",
     "alloc_indexer_k_cache",
     "indexer_k_cache_views",
     "INDEXER_CACHE_DTYPES",
@@ -80,6 +81,71 @@ def _tiling() -> tuple[int, int, int, int]:
 
 
 @triton.jit
+def _quantize_rows(b_x, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """Per-row e4m3 of an fp32 [R, C] tile: (e4m3 [R, C], fp32 scale [R]), scale = max(amax, 1e-4) / 448 (rounded
+    up to a power of two for UE8M0), divisions IEEE-rounded so that the bytes match the torch reference."""
+    b_amax = tl.maximum(tl.max(tl.abs(b_x), axis=1), 1e-4)
+    b_s = tl.math.div_rn(b_amax, tl.full(b_amax.shape, 448.0, dtype=tl.float32))
+    if UE8M0:  # round up to a power of two: bump the exponent when any mantissa bit is set
+        bits = b_s.to(tl.int32, bitcast=True)
+        bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
+        b_s = bits.to(tl.float32, bitcast=True)
+    return to_e4m3(tl.math.div_rn(b_x, b_s[:, None] + tl.zeros_like(b_x)), EXACT_ROUND), b_s
+
+
+@triton.jit
+def _quantize_indexer_q_fwd_kernel(
+    q,  # [T, H, D]
+    q_fp8,  # [T, H, D] e4m3
+    scale,  # [T, H] fp32
+    stride_q_t,
+    stride_q_h,
+    H,
+    R,  # T * H rows
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    UE8M0: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+):
+    o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_r = o_r < R
+    o_d = tl.arange(0, BLOCK_D)
+    m_x = m_r[:, None] & (o_d < D)[None, :]
+    p_q = q + ((o_r // H) * stride_q_t + (o_r % H) * stride_q_h)[:, None] + o_d[None, :]
+    b_q, b_s = _quantize_rows(tl.load(p_q, mask=m_x, other=0.0).to(tl.float32), UE8M0, EXACT_ROUND)
+    tl.store(q_fp8 + o_r[:, None] * D + o_d[None, :], b_q, mask=m_x)
+    tl.store(scale + o_r, b_s, mask=m_r)
+
+
+def quantize_indexer_q(q: torch.Tensor, *, scale_fmt: str | None = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Quantise indexer queries to e4m3 per (token, head), vLLM's fp8 indexer q (SPEC §6.1).
+
+    Args:
+        q (torch.Tensor): `[T, H_i, D_i]` bf16/fp16/fp32.
+        scale_fmt (str | None): "ue8m0" (the default, V3.2: scales rounded up to a power of two) or None.
+
+    Returns:
+        (q_fp8, scale): `[T, H_i, D_i]` float8_e4m3fn (contiguous) and `[T, H_i]` fp32 with
+        ``q ~= q_fp8 * scale[..., None]``, ``scale = max(amax, 1e-4) / 448``. Pass ``q_fp8`` to
+        :func:`indexer_logits` / :func:`indexer_topk` with ``weights * scale`` (a positive scale commutes with
+        the relu).
+    """
+    check_tensor("q", q, dtypes=_AUTO_DTYPES, ndim=3)
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f'scale_fmt must be None or "ue8m0"; got {scale_fmt!r}')
+    T, H, D = q.shape
+    q_fp8 = torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=q.device)
+    scale = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T * H:
+        _quantize_indexer_q_fwd_kernel[(triton.cdiv(T * H, _WRITE_TOKENS),)](
+            q, q_fp8, scale, q.stride(0), q.stride(1), H, T * H, D=D, BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_R=_WRITE_TOKENS, UE8M0=scale_fmt == "ue8m0", EXACT_ROUND=INTERPRET,
+        )  # fmt: skip
+    return q_fp8, scale
+
+
+@triton.jit
 def _concat_and_cache_indexer_k_fwd_kernel(
     k,  # [T, D]
     cache,  # auto: [num_blocks, block_size, D]; fp8: uint8 block-split (module docstring)
@@ -109,13 +175,8 @@ def _concat_and_cache_indexer_k_fwd_kernel(
     m_k = valid[:, None] & (o_d < D)[None, :]
     b_k = tl.load(k + o_t[:, None] * stride_k_t + o_d[None, :], mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_T, D]
     if FP8:
-        b_amax = tl.maximum(tl.max(tl.abs(b_k), axis=1), 1e-4)
-        b_s = tl.math.div_rn(b_amax, tl.full([BLOCK_T], 448.0, dtype=tl.float32))
-        if UE8M0:  # round up to a power of two: bump the exponent when any mantissa bit is set
-            bits = b_s.to(tl.int32, bitcast=True)
-            bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
-            b_s = bits.to(tl.float32, bitcast=True)
-        b_q = to_e4m3(tl.math.div_rn(b_k, b_s[:, None] + tl.zeros_like(b_k)), EXACT_ROUND).to(tl.uint8, bitcast=True)
+        b_q, b_s = _quantize_rows(b_k, UE8M0, EXACT_ROUND)
+        b_q = b_q.to(tl.uint8, bitcast=True)
         base = i_blk * stride_c_b
         tl.store(cache + (base + i_off * D)[:, None] + o_d[None, :], b_q, mask=m_k)
         tl.store(cache_f32 + (base + block_size * D) // 4 + i_off, b_s, mask=valid)
