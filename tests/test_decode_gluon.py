@@ -326,7 +326,7 @@ def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
 
     tiling = plan_mod.choose_tiling
     monkeypatch.setattr(plan_mod, "choose_tiling", lambda *a, **kw: dataclasses.replace(
-        tiling(*a, **kw), block_n=32, num_warps=4, num_stages=2))  # fmt: skip
+        tiling(*a, **kw), block_n=32, num_warps=4, num_stages=2, tma=False))  # fmt: skip
     fp8 = kernel == "fp8"
     kv_dtype = "fp8" if fp8 else "auto"
     lens = [30001, 9001, 12345]
