@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device call: environment, `openmla bench`, then the GPU test set. Logs and bench output go to $OUT (or ./out).
-# usage: bash benchmarks/gpu_run.sh [bench|tests|all|ab] [pytest args...]   (tests -n 8 tests/test_decode_gluon.py)
-#   ab: .old/'s openmla (benchmarks/prepare_old.sh REV, carried) with --label before, then this tree's with --label
-#   after, the same $BENCH_ARGS (default "--family decode"), and the two compared point by point
+# usage: bash benchmarks/gpu_run.sh [bench|tests|all|ab|ab-copy] [pytest args...]   (tests -n 8 tests/test_x.py)
+#   ab: this tree's openmla and .old's (benchmarks/prepare_old.sh REV, carried) in one process, alternating in the
+#   same rounds (`openmla bench --against .old`, provider "before", column speedup); $BENCH_ARGS (default
+#   "--family decode,prefill")
+#   ab-copy: .old/openmla with this bench copied in (--label before-REV), then this tree (--label after), two
+#   processes one after the other, compared point by point (python -m openmla.bench.compare)
 #   bench: `openmla bench` with $BENCH_ARGS (e.g. BENCH_ARGS="--quick" or "--family decode --label after"; shape
 #   specs hold spaces: run `python3 -m openmla bench --shapes ...` directly for those);
 #   FlashMLA is timed beside it when importable (../shared/peers/README.md: the .peers folder)
@@ -24,7 +27,15 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests_gpu.log" | tail -40
 fi
 if [ "$what" = ab ]; then
-  [ -d .old/openmla ] || { echo "no .old/openmla: run 'bash benchmarks/prepare_old.sh REV' and carry .old" >&2; exit 2; }
+  [ -d .old/openmla_old ] || { echo "no .old/openmla_old: run 'bash benchmarks/prepare_old.sh REV' and carry .old" >&2
+                               exit 2; }
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT:-570}" python3 -m openmla bench --out "$OUT" --against .old --label ab \
+    ${BENCH_ARGS:---family decode,prefill} 2>&1 | tee "$OUT/bench_ab.log"
+fi
+if [ "$what" = ab-copy ]; then
+  [ -d .old/openmla ] || { echo "no .old/openmla: run 'bash benchmarks/prepare_old.sh REV' and carry .old" >&2
+                           exit 2; }
   out=$(cd "$OUT" && pwd); peers=""; [ -d .peers/flash_mla ] && peers="$PWD/.peers"
   ab_args=${BENCH_ARGS:---family decode}
   # shellcheck disable=SC2086

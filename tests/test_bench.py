@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import math
+import os
 import sys
 import types
 
@@ -260,3 +261,37 @@ def test_default_families_skip_what_cannot_run(monkeypatch, capsys):
         _plan(types.SimpleNamespace(family="ghost", shapes="tiny", quick=False), torch.device("cpu"))
     with pytest.raises(ValueError, match="lean"):
         _plan(types.SimpleNamespace(family="decode,lean", shapes="tiny", quick=False), torch.device("cpu"))
+
+
+def test_against_an_older_package(tmp_path):
+    """--against: a renamed copy of openmla (benchmarks/prepare_old.sh's openmla_old) timed as provider "before"
+    in the same rounds; its output checked against this one's."""
+    import re
+    import shutil
+
+    import openmla
+
+    old = tmp_path / "old" / "openmla_old"
+    shutil.copytree(os.path.dirname(openmla.__file__), old, ignore=shutil.ignore_patterns("__pycache__", "bench"))
+    for path in old.rglob("*.py"):  # prepare_old.sh's renaming
+        text = re.sub(r"\bopenmla\.", "openmla_old.", path.read_text())
+        text = re.sub(r"^(\s*)from openmla import", r"\1from openmla_old import", text, flags=re.M)
+        path.write_text(re.sub(r"^(\s*)import openmla\b", r"\1import openmla_old", text, flags=re.M))
+    (tmp_path / "old" / "REV").write_text("abc1234\n")
+    specs = "decode:h2 b1 s16 q1 fp8;prefill:h2 n16 t32"
+    argv = ["--shapes", specs, "--against", str(tmp_path / "old"), "--out", str(tmp_path), "--no-plot", *FAST]
+    try:
+        assert bench_main(argv) == 0
+    finally:
+        for name in [m for m in sys.modules if m == "openmla_old" or m.startswith("openmla_old.")]:
+            del sys.modules[name]
+        sys.path.remove(str(tmp_path / "old"))
+    _, rows = _csv(tmp_path / "bench.csv")
+    for fam in ("decode", "prefill"):
+        own, before = (
+            next(r for r in rows if r["family"] == fam and r["provider"] == p) for p in ("openmla", "before")
+        )
+        assert float(before["check"]) > 0.9999 and before["dtype"] == own["dtype"] and before["bytes"] == own["bytes"]
+        assert math.isclose(float(own["speedup"]), float(before["p50_us"]) / float(own["p50_us"]), rel_tol=1e-6)
+    assert json.loads((tmp_path / "bench.json").read_text())["meta"]["against"] == "abc1234"
+    assert bench_main(["--against", str(tmp_path / "nothing"), "--out", str(tmp_path)]) == 2

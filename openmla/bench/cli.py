@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-out", metavar="DIR", help="output folder (default ./bench-out)")
     p.add_argument("--label", default="", help="stored in every row and the file names (e.g. 'before', 'after')")
     p.add_argument("--no-peers", action="store_true", help="time openmla alone (no FlashMLA, no cuDNN)")
+    p.add_argument("--against", default=None, metavar="DIR",
+                   help="also time the older openmla package DIR/openmla_old (benchmarks/prepare_old.sh) as provider "
+                        "'before', alternating in the same rounds (decode, prefill)")  # fmt: skip
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
     p.add_argument("--list", action="store_true", help="print the families, their presets and exit")
 
@@ -88,6 +91,32 @@ def _plan(args, device) -> dict[str, list]:
     return out
 
 
+def _baseline(path: str | None):
+    """The package ``openmla_old`` from folder ``path`` (``--against``), or None (ValueError if it does not import)."""
+    if not path:
+        return None
+    import importlib
+
+    sys.path.insert(0, os.path.abspath(path))
+    try:
+        return importlib.import_module("openmla_old")
+    except ImportError as exc:
+        raise ValueError(
+            f"--against {path}: no importable openmla_old there ({exc}); see benchmarks/prepare_old.sh"
+        ) from None
+
+
+def _against_rev(path: str | None) -> str | None:
+    """The revision ``benchmarks/prepare_old.sh`` recorded in ``path/REV``, else the path itself."""
+    if not path:
+        return None
+    try:
+        with open(os.path.join(path, "REV")) as f:
+            return f.read().strip()
+    except OSError:
+        return path
+
+
 def run(args) -> int:
     """Run ``openmla bench`` for parsed ``args``; returns the exit code."""
     import torch
@@ -113,10 +142,13 @@ def run(args) -> int:
     if args.rep < 1 or (args.rounds is not None and args.rounds < 1):
         raise ValueError("--rep and --rounds must be >= 1")
     rounds = args.rounds or (2 if args.quick else 3)
+    baseline = _baseline(args.against)
     env = environment(args.label)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     print(f"# openmla bench | {env['gpu']} | torch {env['torch']} | triton {env['triton']} | git {env['git']}"
           f"{' | label ' + args.label if args.label else ''} | {rounds} rounds x {args.rep} ms")  # fmt: skip
+    if baseline is not None:
+        print(f"# against {baseline.__file__} (provider 'before'; speedup = before p50 / openmla p50)")
     if device.type != "cuda":
         print("# no CUDA device: the Triton interpreter on the CPU (timings check the plumbing, not the hardware)")
     bw, bw_sweep = read_bandwidth(device, args.quick)
@@ -141,7 +173,7 @@ def run(args) -> int:
     stem = os.path.join(out_dir, report.file_stem(args.label))
     meta = dict(env, device=str(device), started=started, finished=None, bw_gbs=bw, bw_sweep=bw_sweep,
                 peak_tflops=peak, peak_sweep=peak_sweep, rounds=rounds, rep_ms=args.rep, peers=not args.no_peers,
-                argv=sys.argv[1:])  # fmt: skip
+                against=_against_rev(args.against), argv=sys.argv[1:])  # fmt: skip
 
     def save() -> None:  # after every point: a run cut short (a time limit) keeps what it measured
         report.write_csv(stem + ".csv", rows)
@@ -149,7 +181,7 @@ def run(args) -> int:
 
     progress = report.Progress(sum(len(v) for v in plan.values()))
     ctx = BenchContext(device, Timer(device, args.rep, rounds), peers=not args.no_peers, quick=args.quick, bw_gbs=bw,
-                       peak_tflops=peak, env=env, note=progress.line)  # fmt: skip
+                       peak_tflops=peak, env=env, note=progress.line, baseline=baseline)  # fmt: skip
     failed = 0
     try:
         for fam, shapes in plan.items():

@@ -28,13 +28,17 @@ class BenchContext:
         quick (bool): ``--quick`` was given (families may time less).
         bw_gbs (float): the read bandwidth measured in this run (GB/s). peak_tflops (float): the bf16 matmul peak.
         env (dict): gpu, torch, triton, git and label, copied into every row.
+        baseline (module | None): an older openmla package (``--against``), renamed ``openmla_old``; a family that
+            supports it times its ops as provider ``"before"`` in the same rounds (``speedup`` = before / openmla).
     """
 
     def __init__(self, device: torch.device, timer: Timer, *, peers: bool, quick: bool, bw_gbs: float,
-                 peak_tflops: float, env: dict, note: Callable[[str], None] = print) -> None:  # fmt: skip
+                 peak_tflops: float, env: dict, note: Callable[[str], None] = print,
+                 baseline=None) -> None:  # fmt: skip
         self.device, self.timer, self.peers, self.quick = device, timer, peers, quick
         self.bw_gbs, self.peak_tflops, self.env = bw_gbs, peak_tflops, env
         self.note = note  # prints a line beside the progress bar
+        self.baseline = baseline
         self.family = ""  # set by the runner before each family's points
         self._peer_cache: dict[str, object] = {}
         self._point = 0
@@ -75,7 +79,8 @@ class BenchContext:
             row = dict(self.env, family=self.family, op=op, provider=prov, shape=shape,
                        dtype=dtype[prov] if isinstance(dtype, dict) else dtype, p50_us=us, p20_us=t.p20, p80_us=t.p80,
                        gbs=gbs, tflops=tflops, frac_bw=gbs / self.bw_gbs, frac_peak=tflops / self.peak_tflops,
-                       peer="", ratio=float("nan"), check=float("nan"), timer=t.timer, samples=len(t.samples_us),
+                       peer="", ratio=float("nan"), check=float("nan"), speedup=float("nan"), timer=t.timer,
+                       samples=len(t.samples_us),
                        flops=flops, bytes=nb, bw_gbs=self.bw_gbs, peak_tflops=self.peak_tflops, error=t.error,
                        _point=f"{self.family}#{self._point}")  # fmt: skip
             if prov == "openmla" and peer and peer in timings:
@@ -84,6 +89,8 @@ class BenchContext:
                     row["check"] = check
                 if ok and timings[peer].ok:
                     row["ratio"] = timings[peer].p50 / t.p50
+            if prov == "openmla" and ok and "before" in timings and timings["before"].ok:
+                row["speedup"] = timings["before"].p50 / t.p50
             rows.append(row)
         return [{k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
 
@@ -91,7 +98,7 @@ class BenchContext:
         """The row of a point that failed before it was timed (setup, first call)."""
         self._point += 1
         row = dict.fromkeys(("p50_us", "p20_us", "p80_us", "gbs", "tflops", "frac_bw", "frac_peak", "peer", "ratio",
-                             "check", "timer", "samples", "flops", "bytes"), "")  # fmt: skip
+                             "check", "speedup", "timer", "samples", "flops", "bytes"), "")  # fmt: skip
         row.update(
             self.env,
             family=self.family,

@@ -118,7 +118,17 @@ def run(shape: DecodeShape, ctx: BenchContext) -> list[dict]:
         openmla.mla_decode(q, kv, block_table, seq_lens, qsl, SCALE, plan=plan, out=out, lse=lse, **kw)
 
     own()
-    fns, check = {"openmla": own}, None
+    fns, check, old_check = {"openmla": own}, None, None
+    old = ctx.baseline  # --against: the older openmla on the same inputs, its own plan and buffers
+    if old is not None:
+        plan_o = old.plan_decode(seq_lens, qsl, h, max_query_len=ql, max_seq_len=s_max, kv_cache_dtype=kv_dtype)
+        out_o, lse_o = torch.empty_like(out), torch.empty_like(lse)
+
+        def before():
+            old.mla_decode(q, kv, block_table, seq_lens, qsl, SCALE, plan=plan_o, out=out_o, lse=lse_o, **kw)
+
+        before()
+        old_check, fns["before"] = cosine(out_o, out), before
     fm = ctx.peer("flash_mla")
     if fm is not None:
         q4, kc, meta = q.view(b, ql, h, D_QK), cache.view(pool, PAGE, 1, D_QK), fm.get_mla_metadata()[0]
@@ -136,7 +146,12 @@ def run(shape: DecodeShape, ctx: BenchContext) -> list[dict]:
         del cache  # only the peer reads the bf16 copy
     timings = ctx.time(fns, graph=True)
     keys = sum(lens)
-    nbytes = {p: decode_bytes(keys, D_QK * (1 if fp8 and p == "openmla" else 2), T, h) for p in fns}
-    dtypes = {p: shape.dtype if p == "openmla" else "bf16" for p in fns}
-    return ctx.rows(OP, str(shape), timings, flops=decode_flops(keys * ql, h), nbytes=nbytes, dtype=dtypes,
+    ours = ("openmla", "before")  # read the cache openmla reads; the peer reads bf16
+    nbytes = {p: decode_bytes(keys, D_QK * (1 if fp8 and p in ours else 2), T, h) for p in fns}
+    dtypes = {p: shape.dtype if p in ours else "bf16" for p in fns}
+    rows = ctx.rows(OP, str(shape), timings, flops=decode_flops(keys * ql, h), nbytes=nbytes, dtype=dtypes,
                     peer="flashmla", check=check)  # fmt: skip
+    for r in rows:
+        if r["provider"] == "before":
+            r["check"] = old_check  # the older openmla's output against this one's
+    return rows

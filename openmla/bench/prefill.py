@@ -125,7 +125,16 @@ def run(shape: PrefillShape, ctx: BenchContext) -> list[dict]:
         openmla.flash_attn_varlen(*args, cu, cu, L, L, SCALE, causal=True, out=out, **kw)
 
     own()
-    fns, check = {"openmla": own}, None
+    fns, check, old_check = {"openmla": own}, None, None
+    old = ctx.baseline  # --against: the older openmla on the same inputs
+    if old is not None:
+        out_o = torch.empty_like(out)
+
+        def before():
+            old.flash_attn_varlen(*args, cu, cu, L, L, SCALE, causal=True, out=out_o, **kw)
+
+        before()
+        old_check, fns["before"] = cosine(out_o, out), before
     if ctx.peers and dev.type == "cuda":
         try:
             peer, ref = _cudnn(q, k, v, B, L)
@@ -135,8 +144,13 @@ def run(shape: PrefillShape, ctx: BenchContext) -> list[dict]:
         except Exception as exc:  # no cuDNN attention here: the column stays empty
             ctx.note(f"# cudnn sdpa failed at {shape}: {type(exc).__name__}: {exc}".splitlines()[0])
     timings = ctx.time(fns, graph=False)
-    elem = {p: 1 if fp8 and p == "openmla" else 2 for p in fns}
+    ours = ("openmla", "before")  # read openmla's inputs; the peer reads bf16
+    elem = {p: 1 if fp8 and p in ours else 2 for p in fns}
     nbytes = {p: T * h * ((2 * D_QK + D_V) * elem[p] + D_V * 2) for p in fns}
-    dtypes = {p: shape.dtype if p == "openmla" else "bf16" for p in fns}
+    dtypes = {p: shape.dtype if p in ours else "bf16" for p in fns}
     flops = prefill_flops(B * L * (L + 1) // 2, h, D_QK, D_V)
-    return ctx.rows(OP, str(shape), timings, flops=flops, nbytes=nbytes, dtype=dtypes, peer="cudnn", check=check)
+    rows = ctx.rows(OP, str(shape), timings, flops=flops, nbytes=nbytes, dtype=dtypes, peer="cudnn", check=check)
+    for r in rows:
+        if r["provider"] == "before":
+            r["check"] = old_check  # the older openmla's output against this one's
+    return rows

@@ -12,8 +12,8 @@ import time
 # One CSV row per (point, provider); the same keys in the JSON rows.
 COLUMNS = [
     "label", "family", "op", "provider", "shape", "dtype", "p50_us", "p20_us", "p80_us", "gbs", "tflops", "frac_bw",
-    "frac_peak", "peer", "ratio", "check", "timer", "samples", "flops", "bytes", "bw_gbs", "peak_tflops", "gpu",
-    "torch", "triton", "git", "error",
+    "frac_peak", "peer", "ratio", "check", "speedup", "timer", "samples", "flops", "bytes", "bw_gbs", "peak_tflops",
+    "gpu", "torch", "triton", "git", "error",
 ]  # fmt: skip
 
 
@@ -89,6 +89,9 @@ def table_lines(rows: list[dict]) -> list[str]:
                      f"{_f(r['ratio'], '.3f', 5)}x {_f(r['check'], '.5f', 8)}")  # fmt: skip
             if peer["error"]:
                 line += f"  peer error: {peer['error']}"
+        before = next((p for p in rows if p["provider"] == "before" and p["_point"] == r["_point"]), None)
+        if before is not None:  # --against: the older openmla, timed in the same rounds
+            line += f"  | before {_f(before['p50_us'], '.1f', 9).strip()} us, {_f(r['speedup'], '.3f', 5).strip()}x"
         if r["error"]:
             line += f"  ERROR: {r['error']}"
         lines.append(line.rstrip())
