@@ -21,7 +21,9 @@ surface here), adds peers found through ``ctx.peer("module")`` (None when missin
 stays empty), times ``ctx.time({"openmla": fn, "peer": fn2}, graph=...)`` (alternating rounds; CUDA-graph replay
 for launch-bound ops, ``do_bench`` otherwise) and returns ``ctx.rows(op, str(shape), timings, flops=..., nbytes=...,
 dtype=..., peer="peer", check=cosine)`` (``ratio`` = peer p50 / openmla p50; several ``ctx.rows`` lists may be
-joined when a point has several parts). An exception from ``run`` becomes an error row; the sweep goes on. Without
+joined when a point has several parts). With ``--against``, ``ctx.baseline`` is an older openmla package: time its
+op as provider ``"before"`` in the same ``ctx.time`` call (``speedup`` = before / openmla). An exception from ``run``
+becomes an error row; the sweep goes on. Without
 ``--family`` every registered family runs that imports and has the preset: import the openmla names a family needs at
 the top of its module (``from openmla import sparse_mla``), so that an older checkout without them skips the family
 instead of failing each point. To add a family, write
