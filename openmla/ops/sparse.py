@@ -25,13 +25,18 @@ import triton.language as tl
 
 from openmla.device import INTERPRET, compute_dtype
 from openmla.ops._bf16 import to_bf16
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_tensor, describe
+from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
+from openmla.ops.rope import load_cos_sin, rope_pairs
 
 __all__ = ["SPARSE_KV_CACHE_DTYPES", "apply_attn_sink", "sparse_mla"]
 
-SPARSE_KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
-_FORMATS = {"auto": 0, "fp8_ds_mla": 1}
+SPARSE_KV_CACHE_DTYPES = ("auto", "fp8_ds_mla", "fp8_v4")
+_FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 _DS_MLA_ROW_BYTES = 656  # 512 e4m3 + 4 fp32 scales + 64 bf16 (SPEC §2.3)
+# fp8_v4 (SPEC §2.4, openmla/ops/cache_v4.py): per token 448 e4m3 + 64 bf16 at p * 576 in its block, and its 7 UE8M0
+# exponents at block_size * 576 + p * 8
+_V4_TOKEN_BYTES = 584
+_V4_DATA_BYTES = 576
 _LOG2E = 1.4426950408889634
 
 # Tiles on the GPU, (rows of heads, cache format) -> (BLOCK_N, num_warps, num_stages). 64-row tiles feed
@@ -44,6 +49,9 @@ _GPU_TILING = {
     (16, 1): (32, 4, 2),
     (32, 1): (32, 8, 2),
     (64, 1): (32, 8, 2),
+    (16, 2): (32, 4, 2),
+    (32, 2): (32, 8, 2),
+    (64, 2): (32, 8, 2),
 }
 _MAX_BLOCK_H = 64  # heads per program at most (H = 128 runs two head blocks over the same rows)
 _INTERPRET_BLOCK_N = 16
@@ -70,12 +78,14 @@ def _sink_factor(b_lse, b_sink):
 
 @triton.jit
 def _load_kv_rows(p_kv, p_f32, p_b16, m_n, o_c, o_r, FMT: tl.constexpr, DC: tl.constexpr, D_V: tl.constexpr,
-                  D_T: tl.constexpr, COMPUTE: tl.constexpr, F16_DEQUANT: tl.constexpr):  # fmt: skip
+                  D_T: tl.constexpr, D_TP: tl.constexpr, COMPUTE: tl.constexpr, F16_DEQUANT: tl.constexpr):  # fmt: skip
     """A tile of gathered cache rows as four column chunks [N, DC] of the first D_V values and the tail
     [N, D_TP] (columns D_V..D; zeros where masked or beyond D_T). ``p_kv`` [N]: each row's start in the cache's
     element type (bytes for FMT 1); ``p_f32`` / ``p_b16``: the same addresses as fp32 / bf16 pointers (FMT 1).
     FMT 0: bf16/fp16 rows. FMT 1: fp8_ds_mla (656 bytes: 4 x 128 e4m3 with one fp32 scale per 128 at byte 512,
-    then 64 bf16 at byte 528); a NaN from dequantising counts as 0. A new cache format is one more branch."""
+    then 64 bf16 at byte 528); a NaN from dequantising counts as 0. FMT 2: fp8_v4 (D = D_V = 512; ``p_f32`` is
+    then the uint8 pointer to the token's 8 exponent bytes, ``p_b16`` its rope part minus 64 values). A new cache
+    format is one more branch."""
     m2 = m_n[:, None]
     m_r = m2 & (o_r[None, :] < D_T)
     if FMT == 0:
@@ -84,7 +94,7 @@ def _load_kv_rows(p_kv, p_f32, p_b16, m_n, o_c, o_r, FMT: tl.constexpr, DC: tl.c
         k2 = tl.load(p_kv[:, None] + 2 * DC + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
         k3 = tl.load(p_kv[:, None] + 3 * DC + o_c[None, :], mask=m2, other=0.0).to(COMPUTE)
         k_r = tl.load(p_kv[:, None] + D_V + o_r[None, :], mask=m_r, other=0.0).to(COMPUTE)
-    else:
+    elif FMT == 1:
         p_s = p_f32 + 128  # the 4 fp32 scales at byte 512
         k0 = _dequant_group(p_kv, p_s, m_n, o_c, 0, COMPUTE, F16_DEQUANT)
         k1 = _dequant_group(p_kv, p_s, m_n, o_c, 1, COMPUTE, F16_DEQUANT)
@@ -92,6 +102,12 @@ def _load_kv_rows(p_kv, p_f32, p_b16, m_n, o_c, o_r, FMT: tl.constexpr, DC: tl.c
         k3 = _dequant_group(p_kv, p_s, m_n, o_c, 3, COMPUTE, F16_DEQUANT)
         k_r = tl.load(p_b16[:, None] + 264 + o_r[None, :], mask=m_r, other=0.0).to(tl.float32)
         k_r = tl.where(k_r != k_r, 0.0, k_r).to(COMPUTE)  # noqa: PLR0124 (NaN test)
+    else:
+        k0 = _dequant_v4_chunk(p_kv, p_f32, p_b16, m_n, o_c, 0, COMPUTE)
+        k1 = _dequant_v4_chunk(p_kv, p_f32, p_b16, m_n, o_c, 1, COMPUTE)
+        k2 = _dequant_v4_chunk(p_kv, p_f32, p_b16, m_n, o_c, 2, COMPUTE)
+        k3 = _dequant_v4_chunk(p_kv, p_f32, p_b16, m_n, o_c, 3, COMPUTE)
+        k_r = tl.zeros([m_n.shape[0], D_TP], dtype=COMPUTE)  # no tail (D_T = 0): never used
     return k0, k1, k2, k3, k_r
 
 
@@ -109,6 +125,35 @@ def _dequant_group(p_kv, p_s, m_n, o_c, G: tl.constexpr, COMPUTE: tl.constexpr, 
     b_nan = b_v != b_v  # noqa: PLR0124 (NaN test)
     if _INTERPRET_FIX:  # the interpreter widens the e4m3 NaN bytes (0x7F, 0xFF) to +-480; the GPU to NaN
         b_nan = b_nan | ((b_q & 0x7F) == 0x7F)
+    return tl.where(b_nan, 0.0, b_v).to(COMPUTE)
+
+
+@triton.jit
+def _v4_scale(p_e, m_n):
+    """UE8M0 exponent bytes -> fp32 scales 2^(byte - 127) [N] (byte 255: NaN, byte 0: 2^-127), as cache_v4 reads."""
+    b_e = tl.load(p_e, mask=m_n, other=127).to(tl.int32)
+    b_s = (b_e << 23).to(tl.float32, bitcast=True)
+    return tl.where(b_e == 255, float("nan"), tl.where(b_e == 0, 5.877471754111438e-39, b_s))
+
+
+@triton.jit
+def _dequant_v4_chunk(p_kv, p_e, p_b16, m_n, o_c, C: tl.constexpr, COMPUTE: tl.constexpr):
+    """Columns [128 C, 128 C + 128) of fp8_v4 rows: two 64-wide e4m3 groups x their UE8M0 scales; chunk 3 is
+    group 6 then the 64 bf16 rope values (``p_b16 + 64..127``). NaN -> 0."""
+    lo = o_c[None, :] < 64
+    if C == 3:
+        b_q = tl.load(p_kv[:, None] + C * 128 + o_c[None, :], mask=m_n[:, None] & lo, other=0)
+        b_s = tl.where(lo, _v4_scale(p_e + 6, m_n)[:, None], 1.0)
+    else:
+        b_q = tl.load(p_kv[:, None] + C * 128 + o_c[None, :], mask=m_n[:, None], other=0)
+        b_s = tl.where(lo, _v4_scale(p_e + 2 * C, m_n)[:, None], _v4_scale(p_e + 2 * C + 1, m_n)[:, None])
+    b_v = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_s
+    if C == 3:
+        b_r = tl.load(p_b16[:, None] + o_c[None, :], mask=m_n[:, None] & (o_c[None, :] >= 64), other=0.0)
+        b_v = tl.where(lo, b_v, b_r.to(tl.float32))
+    b_nan = b_v != b_v  # noqa: PLR0124 (NaN test)
+    if _INTERPRET_FIX:  # the interpreter widens the e4m3 NaN bytes (0x7F, 0xFF) to +-480; the GPU to NaN
+        b_nan = b_nan | ((b_q & 0x7F) == 0x7F)  # (the rope lanes' b_q is 0)
     return tl.where(b_nan, 0.0, b_v).to(COMPUTE)
 
 
@@ -155,13 +200,18 @@ def _row_span(idx, indptr, lens, i_t, stride_i_t, K, nnz, RAGGED: tl.constexpr, 
 
 
 @triton.jit
-def _source_rows(p_idx, o_i, m_i, kv, kv_f32, kv_b16, stride_kv_b, stride_kv_p, num_slots, PAGE: tl.constexpr):
-    """Entries o_i [N] (where m_i) of one index row: row pointers (as kv's type, fp32, bf16) and which are valid;
-    a slot < 0 or >= num_slots is skipped, never read."""
+def _source_rows(p_idx, o_i, m_i, kv, kv_f32, kv_b16, stride_kv_b, stride_kv_p, num_slots, PAGE: tl.constexpr,
+                 FMT: tl.constexpr):  # fmt: skip
+    """Entries o_i [N] (where m_i) of one index row: row pointers (as kv's type, fp32, bf16; FMT 2: the row's
+    bytes, its exponent bytes, its rope part - 64 as bf16) and which are valid; a slot < 0 or >= num_slots is
+    skipped, never read."""
     slot = tl.load(p_idx + o_i, mask=m_i, other=-1).to(tl.int64)
     ok = m_i & (slot >= 0) & (slot < num_slots)
     slot = tl.where(ok, slot, 0)
-    row = (slot // PAGE) * stride_kv_b + (slot % PAGE) * stride_kv_p
+    blk = (slot // PAGE) * stride_kv_b
+    row = blk + (slot % PAGE) * stride_kv_p
+    if FMT == 2:  # stride_kv_p = 576; the exponents follow the block's PAGE data rows
+        return kv + row, kv_f32 + blk + PAGE * 576 + (slot % PAGE) * 8, kv_b16 + (row + 448) // 2 - 64, ok
     return kv + row, kv_f32 + row // 4, kv_b16 + row // 2, ok
 
 
@@ -188,9 +238,9 @@ def _store_chunks(p_row, o0, o1, o2, o3, m_h, o_c, DC: tl.constexpr):
 @triton.jit
 def _sparse_mla_fwd_kernel(
     q,  # [T, H, D]
-    kv,  # [num_blocks, PAGE, D] (FMT 0) or uint8 [num_blocks, PAGE, 656] (FMT 1)
-    kv_f32,  # FMT 1: the same memory as fp32
-    kv_b16,  # FMT 1: the same memory as bf16
+    kv,  # [num_blocks, PAGE, D] (FMT 0), uint8 [num_blocks, PAGE, 656] (FMT 1) or fp8_v4 bytes (FMT 2)
+    kv_f32,  # FMT 1: the same memory as fp32 (FMT 2: as uint8)
+    kv_b16,  # FMT 1, 2: the same memory as bf16
     idx,  # [T, K] (dense) or [nnz] (RAGGED)
     indptr,  # [T + 1] (RAGGED)
     lens,  # [T] (HAS_LEN)
@@ -205,6 +255,8 @@ def _sparse_mla_fwd_kernel(
     lse,  # [T, H] fp32
     o_part,  # [NUM_SPLITS, T, H, D_V] fp32 (NUM_SPLITS > 1)
     lse_part,  # [NUM_SPLITS, T, H] fp32
+    rope_pos,  # [T] int (HAS_ROPE): the token's position, whose angle the output's last ROPE dims undo
+    cos_sin,  # [P, ROPE] fp32 (HAS_ROPE): [cos | sin] per position (openmla/ops/rope.py)
     scale_log2,  # sm_scale * log2(e)
     stride_q_t,
     stride_q_h,
@@ -217,6 +269,8 @@ def _sparse_mla_fwd_kernel(
     stride_o_t,
     stride_o_h,
     stride_l_t,
+    stride_cs,
+    num_pos,
     T,
     H,
     K,
@@ -241,6 +295,8 @@ def _sparse_mla_fwd_kernel(
     E_RAGGED: tl.constexpr,
     E_HAS_LEN: tl.constexpr,
     HAS_SINK: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    ROPE: tl.constexpr,
     COMPUTE: tl.constexpr,
     F16_DEQUANT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -287,15 +343,15 @@ def _sparse_mla_fwd_kernel(
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < hi
         p_kv, p_f32, p_b16, ok = _source_rows(p_idx, o_n, m_n & (o_n < n1), kv, kv_f32, kv_b16, stride_kv_b,
-                                              stride_kv_p, num_slots, PAGE)  # fmt: skip
+                                              stride_kv_p, num_slots, PAGE, FMT)  # fmt: skip
         if HAS_EXTRA:
             e_kv, e_f32, e_b16, e_ok = _source_rows(p_eidx, o_n - n1, m_n & (o_n >= n1), ekv, ekv_f32, ekv_b16,
-                                                    stride_ekv_b, stride_ekv_p, e_num_slots, E_PAGE)  # fmt: skip
+                                                    stride_ekv_b, stride_ekv_p, e_num_slots, E_PAGE, FMT)  # fmt: skip
             p_kv = tl.where(ok, p_kv, e_kv)
             p_f32 = tl.where(ok, p_f32, e_f32)
             p_b16 = tl.where(ok, p_b16, e_b16)
             ok = ok | e_ok
-        k0, k1, k2, k3, k_r = _load_kv_rows(p_kv, p_f32, p_b16, ok, o_c, o_r, FMT, DC, D_V, D_T, COMPUTE,
+        k0, k1, k2, k3, k_r = _load_kv_rows(p_kv, p_f32, p_b16, ok, o_c, o_r, FMT, DC, D_V, D_T, D_TP, COMPUTE,
                                             F16_DEQUANT)  # fmt: skip
         b_m, b_l, a0, a1, a2, a3 = _tile_update(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l, a0, a1, a2,
                                                 a3, ok, scale_log2, D_T, COMPUTE, DOT_PRECISION)  # fmt: skip
@@ -309,7 +365,10 @@ def _sparse_mla_fwd_kernel(
             b_r = b_r * _sink_factor(b_lse, tl.load(sink + o_h, mask=m_h, other=float("-inf")))
         b_r = b_r[:, None]
         tl.store(lse + i_t * stride_l_t + o_h, b_lse, mask=m_h)
-        _store_chunks(out + i_t * stride_o_t + o_h * stride_o_h, a0 * b_r, a1 * b_r, a2 * b_r, a3 * b_r, m_h,
+        a3 = a3 * b_r
+        if HAS_ROPE:  # a rotation is linear: it commutes with the row scaling (normalisation, sink)
+            a3 = _inverse_rope_tail(a3, rope_pos, i_t, cos_sin, stride_cs, num_pos, BLOCK_H, DC, ROPE)
+        _store_chunks(out + i_t * stride_o_t + o_h * stride_o_h, a0 * b_r, a1 * b_r, a2 * b_r, a3, m_h,
                       o_c, DC)  # fmt: skip
     else:
         b_r = b_r[:, None]
@@ -319,15 +378,29 @@ def _sparse_mla_fwd_kernel(
 
 
 @triton.jit
+def _inverse_rope_tail(x, rope_pos, i_t, cos_sin, stride_cs, num_pos, M: tl.constexpr, N: tl.constexpr,
+                       ROPE: tl.constexpr):  # fmt: skip
+    """fp32 ``x [M, N]`` (the heads' last N output columns) with its last ROPE columns rotated by minus token
+    i_t's angle (SPEC §7.8); a position outside [0, num_pos) leaves them unchanged."""
+    pos = tl.load(rope_pos + i_t).to(tl.int64) + tl.zeros([M], dtype=tl.int64)
+    b_cos, b_sin = load_cos_sin(cos_sin, pos, stride_cs, num_pos, ROPE // 2, N, N - ROPE)
+    return rope_pairs(x, b_cos, b_sin, M, N, True)
+
+
+@triton.jit
 def _sparse_mla_merge_fwd_kernel(
     o_part,  # [S, T, H, D_V] fp32, normalised partials
     lse_part,  # [S, T, H] fp32
     sink,  # [H] fp32 (HAS_SINK)
     out,  # [T, H, D_V]
     lse,  # [T, H] fp32
+    rope_pos,  # [T] int (HAS_ROPE)
+    cos_sin,  # [P, ROPE] fp32 (HAS_ROPE)
     stride_o_t,
     stride_o_h,
     stride_l_t,
+    stride_cs,
+    num_pos,
     T,
     H,
     S: tl.constexpr,
@@ -336,6 +409,8 @@ def _sparse_mla_merge_fwd_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_SINK: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     # LSE merge of the splits of one token for BLOCK_H heads; a split of weight 0 (no key) is not read
     i_t = tl.program_id(0).to(tl.int64)
@@ -363,6 +438,9 @@ def _sparse_mla_merge_fwd_kernel(
             b_o = tl.load(p_o, mask=(m_h & (w > 0.0))[:, None], other=0.0)
             acc += w[:, None] * b_o
         acc = acc * b_r[:, None]
+        if HAS_ROPE:
+            if d0 + BLOCK_D == D_V:  # the last chunk holds the rope columns (ROPE <= BLOCK_D)
+                acc = _inverse_rope_tail(acc, rope_pos, i_t, cos_sin, stride_cs, num_pos, BLOCK_H, BLOCK_D, ROPE)
         p_out = out + i_t * stride_o_t + o_h[:, None] * stride_o_h + d0 + o_d[None, :]
         tl.store(p_out, _to_out(acc, out.dtype.element_ty), mask=m_h[:, None])
 
@@ -467,11 +545,27 @@ def _tiling(H: int, fmt: int) -> tuple[int, int, int, int]:
     return (block_h,) + _GPU_TILING[(block_h, fmt)]
 
 
-def _check_cache(name: str, cache, kv_cache_dtype: str, q, dev) -> int:
-    """Validate one source's cache for its layout; return the format number."""
+def _check_cache(name: str, cache, kv_cache_dtype: str, q, dev) -> tuple[torch.Tensor, int]:
+    """Validate one source's cache for its layout; return it (fp8_v4: as uint8 ``[nb, bs, 584]``) and the format
+    number."""
     fmt = _FORMATS[kv_cache_dtype]
     D = q.shape[2]
-    if fmt == 0:
+    if fmt == 2:
+        if isinstance(cache, torch.Tensor) and cache.dim() == 4 and cache.shape[2] == 1:
+            cache = cache.squeeze(2)  # FlashMLA's [num_blocks, block_size, 1, 584]
+        check_tensor(name, cache, dtypes=(torch.uint8, torch.float8_e4m3fn), ndim=3, device=dev)
+        nb, bs, width = cache.shape
+        if width != _V4_TOKEN_BYTES:
+            raise ValueError(f'{name} must be [num_blocks, block_size, 584] for "fp8_v4"; got {describe(cache)}')
+        if bs > 1 and cache.stride(1) != _V4_TOKEN_BYTES:
+            raise ValueError(f"{name} (fp8_v4) must have row stride 584 (FlashMLA MODEL1); got {cache.stride()}")
+        if nb > 1 and (cache.stride(0) < bs * _V4_TOKEN_BYTES or cache.stride(0) % 2):
+            raise ValueError(f"{name} (fp8_v4) blocks must be an even number >= {bs * _V4_TOKEN_BYTES} of bytes "
+                             f"apart (openmla.allocate_v4_cache); got strides {cache.stride()}")  # fmt: skip
+        if cache.storage_offset() % 2:
+            raise ValueError(f"{name} (fp8_v4) must start at an even byte (its rope part is bf16)")
+        cache = cache.view(torch.uint8)
+    elif fmt == 0:
         check_tensor(name, cache, dtypes=(q.dtype,), ndim=3, device=dev)
         if cache.shape[2] != D:
             raise ValueError(f"{name} rows must be {D} wide like q; got {describe(cache)}")
@@ -484,7 +578,38 @@ def _check_cache(name: str, cache, kv_cache_dtype: str, q, dev) -> int:
             raise ValueError(f"{name} rows must be 4-byte aligned for fp8_ds_mla; got strides {cache.stride()}")
     if cache.shape[1] < 1:
         raise ValueError(f"{name} must have a block size >= 1; got {describe(cache)}")
-    return fmt
+    return cache, fmt
+
+
+def _cache_views(cache, fmt: int) -> tuple[list, int, int]:
+    """The kernel's three views of a cache, its block stride and its row stride (in its element type)."""
+    if fmt == 0:
+        return [cache] * 3, cache.stride(0), cache.stride(1)
+    if fmt == 1:
+        return [cache, cache.view(torch.float32), cache.view(torch.bfloat16)], cache.stride(0), cache.stride(1)
+    nb, bs = cache.shape[0], cache.shape[1]
+    stride_b = cache.stride(0) if nb > 1 else bs * _V4_TOKEN_BYTES  # one block: only its own bytes are read
+    return [cache, cache, cache.view(torch.bfloat16)], stride_b, _V4_DATA_BYTES
+
+
+def _check_rope(positions, cos_sin_cache, T: int, d_v: int, dev, validate: bool) -> None:
+    """The fused inverse RoPE's arguments: positions [T] int, cos_sin_cache [P, R] float (R a power of two that
+    fits the output's last column chunk)."""
+    if (positions is None) != (cos_sin_cache is None):
+        raise ValueError("inv_rope_positions and cos_sin_cache go together (pass both or neither)")
+    check_index("inv_rope_positions", positions, ndim=1, device=dev, length=T)
+    check_tensor("cos_sin_cache", cos_sin_cache, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=2, device=dev)
+    P, R = cos_sin_cache.shape
+    r_max = min(d_v // 4, _MERGE_BLOCK_D)
+    if R < 2 or R & (R - 1) or R > r_max:
+        raise ValueError(f"cos_sin_cache must be [P, R] with R a power of two in [2, {r_max}] (d_v {d_v}); "
+                         f"got {describe(cos_sin_cache)}")  # fmt: skip
+    if validate and not capturing() and T and P:
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= P:
+            raise ValueError(f"inv_rope_positions span [{lo}, {hi}] but cos_sin_cache has {P} positions")
+    elif validate and not capturing() and T:
+        raise ValueError(f"cos_sin_cache has no positions; got {describe(cos_sin_cache)}")
 
 
 def _check_indices(name: str, indices, len_name: str, length, T: int, dev, validate: bool):
@@ -530,6 +655,8 @@ def sparse_mla(
     extra_kv_cache: torch.Tensor | None = None,
     extra_indices=None,
     extra_topk_length: torch.Tensor | None = None,
+    inv_rope_positions: torch.Tensor | None = None,
+    cos_sin_cache: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     return_lse: bool = True,
@@ -552,10 +679,15 @@ def sparse_mla(
         kv_cache (torch.Tensor): ``"auto"``: `[num_blocks, block_size, D]` of q's dtype; ``"fp8_ds_mla"``:
             uint8 `[num_blocks, block_size, 656]` (SPEC §2.3: 512 e4m3 in 4 groups of 128, 4 fp32 group scales,
             64 bf16 rope; value = e4m3 * scale), D = 576. Any block size >= 1, any strides of the first two dims.
+            ``"fp8_v4"`` (DeepSeek V4, SPEC §2.4): uint8 or float8_e4m3fn `[num_blocks, block_size, 584]` (or
+            FlashMLA's `[num_blocks, block_size, 1, 584]`) in the block-split MODEL1 layout of
+            :func:`openmla.allocate_v4_cache` (448 e4m3 with a UE8M0 exponent per 64 + 64 bf16 rope per token,
+            the exponents after the block's rows), D = d_v = 512.
         indices: `[T, K]` int32 global slots (``block * block_size + offset``; any K >= 1), or the ragged pair
             ``(indptr [T + 1] int32, flat [nnz] int32)`` of :func:`openmla.build_ragged_indices_from_dense`.
         sm_scale (float): softmax scale (required; model specific).
-        kv_cache_dtype (str): ``"auto"`` or ``"fp8_ds_mla"`` (both sources). With fp8, a NaN produced by
+        kv_cache_dtype (str): ``"auto"``, ``"fp8_ds_mla"`` or ``"fp8_v4"``, for both sources (a V4 caller with
+            a bf16 compressed cache beside an fp8_v4 window passes both as one dtype). With fp8, a NaN produced by
             dequantising a selected row counts as 0.
         topk_length (torch.Tensor | None): `[T]` int32 in ``[0, K]``: only the first ``topk_length[t]`` entries
             of row t count (dense indices only).
@@ -565,11 +697,19 @@ def sparse_mla(
         d_v (int): the output width; V = the first d_v values of a row (512; d_v / 4 a power of two and
             D - d_v 0 or a power of two >= 16).
         extra_kv_cache, extra_indices, extra_topk_length: a second source (its own block size, the same dtype
-            rules, dense or ragged indices) whose keys join the same softmax (FlashMLA's extra_k_cache).
+            rules, dense or ragged indices) whose keys join the same softmax (FlashMLA's extra_k_cache). V4:
+            the SWA window cache as the main source, the compressed (CSA / HCA) cache as the extra one.
+        inv_rope_positions (torch.Tensor | None), cos_sin_cache (torch.Tensor | None): V4's output inverse RoPE
+            (SPEC §7.8), fused in the epilogue: `[T]` int32/int64 positions and the `[P, R]` ``[cos | sin]`` table
+            of :func:`openmla.inverse_rope_rows` (R a power of two <= min(d_v / 4, 128)); the output's last R
+            dims, as GPT-J pairs, are rotated by minus row t's angle after normalisation, sink and split merge
+            (the same as ``inverse_rope_rows`` on the finished output). A position outside ``[0, P)`` (only
+            without ``validate``) leaves the row unrotated. Both or neither.
         out (torch.Tensor | None): `[T, H, d_v]` buffer of q's dtype (last dim contiguous).
         lse (torch.Tensor | None): `[T, H]` fp32 buffer (last dim contiguous).
         return_lse (bool): return the LSE (computed either way).
-        validate (bool): host-synchronising checks of ``topk_length`` ranges and ragged ``indptr`` (skipped
+        validate (bool): host-synchronising checks of ``topk_length`` ranges, ragged ``indptr`` and the
+            ``inv_rope_positions`` range (skipped
             while a CUDA graph is captured). Without them the kernel still never reads outside a tensor
             (lengths are clamped to the rows).
 
@@ -595,11 +735,14 @@ def sparse_mla(
         )
     if H < 1:
         raise ValueError(f"q must have at least one head; got {describe(q)}")
-    fmt = _check_cache("kv_cache", kv_cache, kv_cache_dtype, q, dev)
+    kv_cache, fmt = _check_cache("kv_cache", kv_cache, kv_cache_dtype, q, dev)
     if fmt == 1 and (D != 576 or d_v != 512):
         raise ValueError(
             f"fp8_ds_mla rows hold 512 + 64 values: q must be [T, H, 576] and d_v 512; got {describe(q)}, d_v {d_v}"
         )
+    if fmt == 2 and (D != 512 or d_v != 512):
+        raise ValueError(f"fp8_v4 rows hold 512 values (V = K): q must be [T, H, 512] and d_v 512; got {describe(q)}, "
+                         f"d_v {d_v}")  # fmt: skip
     if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
         raise TypeError(f"sm_scale must be a finite float; got {sm_scale!r}")
     idx, indptr, lens, K, nnz, ragged = _check_indices("indices", indices, "topk_length", topk_length, T, dev, validate)
@@ -607,7 +750,7 @@ def sparse_mla(
     if has_extra:
         if extra_indices is None:
             raise ValueError("extra_indices is required with extra_kv_cache")
-        _check_cache("extra_kv_cache", extra_kv_cache, kv_cache_dtype, q, dev)
+        extra_kv_cache, _ = _check_cache("extra_kv_cache", extra_kv_cache, kv_cache_dtype, q, dev)
         eidx, eindptr, elens, EK, e_nnz, e_ragged = _check_indices(
             "extra_indices", extra_indices, "extra_topk_length", extra_topk_length, T, dev, validate
         )
@@ -617,6 +760,15 @@ def sparse_mla(
         eidx, eindptr, elens, EK, e_nnz, e_ragged = idx, indptr, lens, 0, 0, False
     if attn_sink is not None:
         _check_sink(attn_sink, H, dev)
+    has_rope = inv_rope_positions is not None or cos_sin_cache is not None
+    if has_rope:
+        _check_rope(inv_rope_positions, cos_sin_cache, T, d_v, dev, validate)
+        inv_rope_positions = inv_rope_positions.contiguous()
+        rope_args = (inv_rope_positions, cos_sin_cache)
+        rope_strides = (cos_sin_cache.stride(0), cos_sin_cache.shape[0])
+        rope_dim = cos_sin_cache.shape[1]
+    else:
+        rope_args, rope_strides, rope_dim = (lse, lse), (0, 0), 2
     if out is None:
         out = torch.empty(T, H, d_v, dtype=q.dtype, device=dev)
     else:
@@ -648,28 +800,29 @@ def sparse_mla(
     # |q| must stay below 65504)
     f16_dequant = bool(_fp16_dequant) and fmt == 1
     compute = compute_dtype(torch.float16 if f16_dequant else q.dtype)
-    views = [kv_cache] * 3 if fmt == 0 else [kv_cache, kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)]
+    views, stride_b, stride_p = _cache_views(kv_cache, fmt)
     ekv = extra_kv_cache if has_extra else kv_cache
-    eviews = [ekv] * 3 if fmt == 0 else [ekv, ekv.view(torch.float32), ekv.view(torch.bfloat16)]
+    eviews, e_stride_b, e_stride_p = _cache_views(ekv, fmt)
     _sparse_mla_fwd_kernel[(T * head_blocks, splits)](
         q, *views, idx, indptr, lens, *eviews, eidx, eindptr, elens,
-        attn_sink if attn_sink is not None else lse, out, lse, o_part, lse_part, float(sm_scale) * _LOG2E,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), ekv.stride(0), ekv.stride(1),
+        attn_sink if attn_sink is not None else lse, out, lse, o_part, lse_part, *rope_args,
+        float(sm_scale) * _LOG2E, q.stride(0), q.stride(1), stride_b, stride_p, e_stride_b, e_stride_p,
         idx.stride(0) if not ragged else 0, eidx.stride(0) if has_extra and not e_ragged else 0,
-        out.stride(0), out.stride(1), lse.stride(0), T, H, K, EK, nnz, e_nnz,
+        out.stride(0), out.stride(1), lse.stride(0), *rope_strides, T, H, K, EK, nnz, e_nnz,
         kv_cache.shape[0] * kv_cache.shape[1], ekv.shape[0] * ekv.shape[1],
         PAGE=kv_cache.shape[1], E_PAGE=ekv.shape[1], FMT=fmt, D_V=d_v, D_T=d_t, D_TP=max(16, d_t),
         BLOCK_H=block_h, N_HB=head_blocks, BLOCK_N=block_n, NUM_SPLITS=splits, RAGGED=ragged,
         HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra, E_RAGGED=e_ragged,
         E_HAS_LEN=extra_topk_length is not None,
-        HAS_SINK=attn_sink is not None, COMPUTE=compute, F16_DEQUANT=f16_dequant,
+        HAS_SINK=attn_sink is not None, HAS_ROPE=has_rope, ROPE=rope_dim, COMPUTE=compute, F16_DEQUANT=f16_dequant,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
         _sparse_mla_merge_fwd_kernel[(T, triton.cdiv(H, _MERGE_BLOCK_H))](
-            o_part, lse_part, attn_sink if attn_sink is not None else lse, out, lse, out.stride(0), out.stride(1),
-            lse.stride(0), T, H, S=splits, S_P=triton.next_power_of_2(splits), D_V=d_v, BLOCK_H=_MERGE_BLOCK_H,
-            BLOCK_D=min(_MERGE_BLOCK_D, dc * 4), HAS_SINK=attn_sink is not None, num_warps=4,
+            o_part, lse_part, attn_sink if attn_sink is not None else lse, out, lse, *rope_args, out.stride(0),
+            out.stride(1), lse.stride(0), *rope_strides, T, H, S=splits, S_P=triton.next_power_of_2(splits),
+            D_V=d_v, BLOCK_H=_MERGE_BLOCK_H, BLOCK_D=min(_MERGE_BLOCK_D, dc * 4), HAS_SINK=attn_sink is not None,
+            HAS_ROPE=has_rope, ROPE=rope_dim, num_warps=4,
         )  # fmt: skip
     return out, (lse if return_lse else None)

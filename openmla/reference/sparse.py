@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from openmla.reference.cache import dequantize_rows_ref
+from openmla.reference.v4 import dequantize_v4_cache_ref, inverse_rope_rows_ref
 
 
 def convert_req_index_to_global_index_ref(req_id, block_table, token_indices, block_size, topk_length=None):
@@ -72,12 +73,20 @@ def _dense_rows(indices, topk_length, T):
 
 def _keys(kv_cache, kv_cache_dtype, indices, topk_length, T):
     """Gathered fp32 keys ``[T, K, D]`` and their validity ``[T, K]`` for one source."""
-    flat = kv_cache.reshape(-1, kv_cache.shape[-1])
+    if kv_cache_dtype == "fp8_v4":  # block-split rows: every slot dequantised first (SPEC §2.4)
+        if kv_cache.dim() == 4:
+            kv_cache = kv_cache.squeeze(2)  # FlashMLA's [num_blocks, block_size, 1, 584]
+        flat = dequantize_v4_cache_ref(kv_cache.view(torch.uint8))
+    else:
+        flat = kv_cache.reshape(-1, kv_cache.shape[-1])
     num_slots = flat.shape[0]
     rows, counted = (x.to(flat.device) for x in _dense_rows(indices, topk_length, T))
     valid = counted & (rows >= 0) & (rows < num_slots)
     sel = torch.where(valid, rows, 0)
-    keys = dequantize_rows_ref(flat[sel.reshape(-1)], kv_cache_dtype).reshape(T, rows.shape[1], -1)
+    if kv_cache_dtype == "fp8_v4":
+        keys = flat[sel.reshape(-1)].reshape(T, rows.shape[1], -1)
+    else:
+        keys = dequantize_rows_ref(flat[sel.reshape(-1)], kv_cache_dtype).reshape(T, rows.shape[1], -1)
     if kv_cache_dtype != "auto":  # a NaN from dequantising a selected fp8 row counts as 0 (the V4 seed's rule)
         keys = torch.where(torch.isnan(keys), 0.0, keys)
     keys = torch.where(valid[..., None], keys, 0.0)  # never-selected rows never matter
@@ -97,12 +106,16 @@ def sparse_mla_ref(
     extra_kv_cache=None,
     extra_indices=None,
     extra_topk_length=None,
+    inv_rope_positions=None,
+    cos_sin_cache=None,
 ):
     """fp32 sparse MLA: ``(out [T, H, d_v] fp32, lse [T, H] fp32)``, the sink-free natural-log LSE.
 
     Keys of token t: the counted, in-range entries of its index row(s) in both sources (duplicates count
     twice); K = the dequantised row, V = its first ``d_v`` values. The sink multiplies out by
-    ``sigmoid(lse - sink)``. A row with no valid key gives out 0 and lse -inf. Computed on the cache's device.
+    ``sigmoid(lse - sink)``. A row with no valid key gives out 0 and lse -inf. With ``inv_rope_positions`` and
+    ``cos_sin_cache`` the finished output's last R dims are rotated by minus the token's angle (V4, SPEC §7.8).
+    ``kv_cache_dtype`` "fp8_v4" reads the block-split V4 layout (SPEC §2.4). Computed on the cache's device.
     """
     T = q.shape[0]
     qf = q.float().to(kv_cache.device)
@@ -118,6 +131,8 @@ def sparse_mla_ref(
     if attn_sink is not None:
         f = torch.sigmoid(lse - attn_sink.float().to(lse.device)[None, :])
         out = out * torch.where(torch.isneginf(lse), 0.0, f)[..., None]
+    if inv_rope_positions is not None:
+        out = inverse_rope_rows_ref(out, inv_rope_positions.to(out.device), cos_sin_cache.to(out.device))
     return out, lse
 
 
