@@ -188,7 +188,8 @@ def run(args) -> int:
             mod = load_family(fam)
             ctx.family = fam
             progress.line(f"## {fam}: {mod.OP}, {len(shapes)} points")
-            progress.line(report.HEADER)
+            width = max([26] + [len(str(s)) for s in shapes])
+            progress.line(report.header(width))
             for shape in shapes:
                 dtype = getattr(shape, "dtype", "")
                 progress.start(f"{fam} {shape} {dtype}")
@@ -200,7 +201,7 @@ def run(args) -> int:
                 failed += sum(1 for r in got if r["provider"] == "openmla" and r["error"])
                 rows += got
                 save()
-                for line in report.table_lines(got):
+                for line in report.table_lines(got, width):
                     progress.line(line)
                 progress.advance()
                 gc.collect()

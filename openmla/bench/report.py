@@ -69,18 +69,24 @@ def _f(x, fmt: str, width: int) -> str:
     return f"{x:{fmt}}".rjust(width)
 
 
+def header(width: int = 26) -> str:
+    """The table's header line; ``width``: the shape column's."""
+    return HEADER.replace(f"{'shape':<26}", f"{'shape':<{width}}", 1)
+
+
 HEADER = (f"{'shape':<26} {'dtype':>5} {'us':>9} {'GB/s':>6} {'TFLOPS':>6} {'%bw':>5} {'%peak':>5} | "
           f"{'peer':<16} {'peer_us':>9} {'peer_TF':>7} {'ratio':>6} {'check':>8}")  # fmt: skip
 
 
-def table_lines(rows: list[dict]) -> list[str]:
-    """One line per openmla row of one point, its peer's figures beside it (``ratio`` = peer us / openmla us)."""
+def table_lines(rows: list[dict], width: int = 26) -> list[str]:
+    """One line per openmla row of one point, its peer's figures beside it (``ratio`` = peer us / openmla us);
+    ``width``: the shape column's."""
     lines = []
     for r in rows:
         if r["provider"] != "openmla":
             continue
         peer = next((p for p in rows if r["peer"] and p["provider"] == r["peer"]), None)
-        line = (f"{r['shape']:<26} {r['dtype']:>5} {_f(r['p50_us'], '.1f', 9)} {_f(r['gbs'], '.0f', 6)} "
+        line = (f"{r['shape']:<{width}} {r['dtype']:>5} {_f(r['p50_us'], '.1f', 9)} {_f(r['gbs'], '.0f', 6)} "
                 f"{_f(r['tflops'], '.1f', 6)} {_f(r['frac_bw'] * 100 if r['frac_bw'] != '' else '', '.1f', 5)} "
                 f"{_f(r['frac_peak'] * 100 if r['frac_peak'] != '' else '', '.1f', 5)} | ")  # fmt: skip
         if peer is not None:
