@@ -473,3 +473,20 @@ def test_quantize_indexer_q(scale_fmt, device):
     _check_scores("fp8 q", ref, out, E4M3)
     with pytest.raises(TypeError, match="q"):
         openmla.ops.indexer.quantize_indexer_q(q_fp8)
+
+
+def test_concat_strided_k_and_refusals(device):
+    """Keys with a row stride (a slice of a wider projection) are written like contiguous ones; a key tensor that is
+    not contiguous in its last dimension is refused, naming the argument."""
+    T, D = 6, 16
+    wide = torch.randn(T, 3 * D, device=device)
+    cache = alloc_indexer_k_cache(4, 4, D, cache_dtype="fp8", device=device)
+    slots = torch.tensor([0, 5, -1, 9, 15, 2], device=device)
+    openmla.concat_and_cache_indexer_k(wide[:, D : 2 * D], cache, slots, cache_dtype="fp8")
+    want = concat_and_cache_indexer_k_ref(wide[:, D : 2 * D].contiguous(), torch.zeros_like(cache), slots,
+                                          cache_dtype="fp8")  # fmt: skip
+    assert torch.equal(cache, want)
+    with pytest.raises(ValueError, match="k must be contiguous in its last dimension"):
+        openmla.concat_and_cache_indexer_k(wide[:, ::3], cache, slots, cache_dtype="fp8")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        openmla.concat_and_cache_indexer_k(wide[:, :D], cache, slots[:4], cache_dtype="fp8")
