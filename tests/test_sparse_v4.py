@@ -1,0 +1,316 @@
+"""sparse_mla for DeepSeek V4 against the fp32 reference: D = d_v = 512, the SWA cache as the main source and
+the compressed cache as the extra one (fp8_v4 or bf16, own block sizes), windows and top-k longer and shorter
+than the context, all-invalid rows, sinks, NaN bytes in unused pages, the fused inverse RoPE (also through the
+split merge) against a torch rotation, any head count, prefill paged or over a gathered bf16 workspace, errors."""
+
+import pytest
+import torch
+
+import openmla
+from openmla.reference import sparse_mla_ref
+from openmla.reference.v4 import (
+    combine_topk_swa_indices_ref,
+    csa_topk_global_ref,
+    hca_indices_ref,
+    rope_cache_ref,
+    rope_rows_ref,
+    swa_indices_ref,
+    v4_block_bytes,
+    v4_encode_blocks_ref,
+)
+from openmla.utils.testing import TOLERANCES, assert_close, on_gpu, pick
+
+SCALE = 512**-0.5
+INF = float("inf")
+_LSE_TOL = {"auto": (1e-3, 1e-3, 1e-6), "fp8_v4": (1e-2, 1e-3, 1e-6)}
+
+
+def _rope_table(num_pos=64):
+    """V4's [cos | sin] table for 64 rope dims (fp32, transformers' angles)."""
+    return rope_cache_ref(1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)), num_pos)
+
+
+def _cache(num_blocks, block_size, kv_cache_dtype, used, device, gen):
+    """A V4 cache whose slots ``used`` hold random rows (~N(0, 1), a few groups scaled to spread the UE8M0
+    exponents); every other byte is NaN (0xFF in fp8_v4, NaN in bf16): those slots must never be read."""
+    rows = torch.randn(len(used), 512, generator=gen)
+    rows[:, 64:128] *= 1e-3
+    rows[:, 256:320] *= 50.0
+    if kv_cache_dtype == "auto":
+        cache = torch.full((num_blocks * block_size, 512), float("nan"), dtype=torch.bfloat16)
+        cache[used] = rows.bfloat16()
+        return cache.view(num_blocks, block_size, 512).to(device)
+    host = openmla.allocate_v4_cache(num_blocks, block_size, fill=0xFF, device="cpu")
+    v4_encode_blocks_ref(v4_block_bytes(host), block_size, used, rows)
+    cache = openmla.allocate_v4_cache(num_blocks, block_size, fill=0xFF, device=device)
+    v4_block_bytes(cache).copy_(v4_block_bytes(host))
+    return cache
+
+
+def _block_table(seq_lens, block_size, gen, extra_blocks=2):
+    """Distinct, shuffled blocks per request (a block past every request stays unused)."""
+    need = [max(1, -(-int(s) // block_size)) for s in seq_lens]
+    width = max(need)
+    perm = torch.randperm(sum(need) + extra_blocks, generator=gen)
+    bt = torch.full((len(need), width), -1, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        bt[b, :n] = perm[at : at + n].int()
+        at += n
+    return bt, sum(need) + extra_blocks
+
+
+def _scenario(seq_lens, qlens, window, ratio, topk, swa_bs, cmp_bs, kv_cache_dtype, device, seed=0, mode="csa",
+              invalid=()):  # fmt: skip
+    """A V4 batch: per-token SWA slot lists (main) and compressed slot lists (extra; CSA: a random top-k of the
+    visible entries, HCA: all of them), caches holding only the rows some list names, tokens ``invalid`` with
+    no key at all."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.zeros(len(qlens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(qlens), 0)
+    T = int(qsl[-1])
+    is_valid = torch.ones(T, dtype=torch.bool)
+    for t in invalid:
+        is_valid[t] = False
+    bt, nb = _block_table(seq_lens, swa_bs, g)
+    idx, lens = swa_indices_ref(qsl, seq_lens, bt, swa_bs, window, T, is_valid)
+    ebt, enb = _block_table(seq_lens // ratio, cmp_bs, g)
+    if mode == "csa":
+        local = torch.stack([torch.randperm(max(int(seq_lens.max()) // ratio, topk), generator=g)[:topk]
+                             for _ in range(T)]).int()  # fmt: skip
+        eidx, elens = csa_topk_global_ref(local, qsl, seq_lens, ebt, cmp_bs, ratio, is_valid)
+    else:
+        eidx, elens = hca_indices_ref(qsl, seq_lens, ebt, cmp_bs, ratio, topk, T, is_valid)
+    used = torch.unique(idx[idx >= 0]).long()
+    e_used = torch.unique(eidx[eidx >= 0]).long()
+    cache = _cache(nb, swa_bs, kv_cache_dtype, used, device, g)
+    ecache = _cache(enb, cmp_bs, kv_cache_dtype, e_used, device, g)
+    positions = torch.cat([torch.arange(int(s) - q, int(s)) for s, q in zip(seq_lens.tolist(), qlens)])
+    d = {"idx": idx, "lens": lens, "eidx": eidx, "elens": elens}
+    d = {k: v.to(device) for k, v in d.items()}
+    return dict(d, T=T, cache=cache, ecache=ecache, positions=positions.to(device), qsl=qsl, seq_lens=seq_lens,
+                bt=bt, ebt=ebt)  # fmt: skip
+
+
+def _run(sc, q, kv_cache_dtype, *, sink=None, rope=True, **kw):
+    cs = _rope_table(int(sc["seq_lens"].max()) + 1).to(q.device) if rope else None
+    args = dict(kv_cache_dtype=kv_cache_dtype, topk_length=sc["lens"], attn_sink=sink, extra_kv_cache=sc["ecache"],
+                extra_indices=sc["eidx"], extra_topk_length=sc["elens"],
+                inv_rope_positions=sc["positions"] if rope else None, cos_sin_cache=cs)  # fmt: skip
+    out, lse = openmla.sparse_mla(q, sc["cache"], sc["idx"], SCALE, **args, **kw)
+    ref_out, ref_lse = sparse_mla_ref(q, sc["cache"], sc["idx"], SCALE, **args)
+    assert out.shape == (q.shape[0], q.shape[1], 512) and out.dtype == q.dtype and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert_close("out", ref_out, out, *TOLERANCES[q.dtype])
+    assert_close("lse", ref_lse, lse, *_LSE_TOL[kv_cache_dtype])
+    return out, lse, ref_out
+
+
+def _q(T, H, device, seed=1):
+    return torch.randn(T, H, 512, generator=torch.Generator().manual_seed(seed)).bfloat16().to(device)
+
+
+# (seq_lens, qlens, window, ratio, top-k, swa block, compressed block, mode): decode / verify rows with windows
+# and top-k longer and shorter than the context (a 3-token request sees no compressed entry at all)
+CASES = [
+    ([3, 40], [1, 2], 8, 4, 6, 16, 64, "csa"),
+    ([70, 5], [2, 1], 16, 4, 32, 64, 2, "csa"),
+    ([50], [3], 128, 16, 8, 1, 1, "hca"),
+]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_v4", "auto"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_sparse_v4_decode(case, kv_cache_dtype, device):
+    seq_lens, qlens, window, ratio, topk, swa_bs, cmp_bs, mode = CASES[case]
+    sc = _scenario(seq_lens, qlens, window, ratio, topk, swa_bs, cmp_bs, kv_cache_dtype, device, seed=case,
+                   mode=mode, invalid=(0,))  # fmt: skip
+    H = pick(6, 64)
+    sink = torch.randn(H, generator=torch.Generator().manual_seed(3)).to(device)
+    sink[0] = -INF
+    out, lse, _ = _run(sc, _q(sc["T"], H, device), kv_cache_dtype, sink=sink)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()  # the all-invalid row
+    assert torch.isfinite(lse[1:]).all()
+
+
+@pytest.mark.parametrize("heads", pick([1, 5, 16, 20, 64], [1, 5, 16, 20, 64, 100, 128]))
+def test_sparse_v4_any_head_count(heads, device):
+    sc = _scenario([9, 30], [1, 1], 8, 4, 4, 16, 2, "fp8_v4", device, seed=heads)
+    sink = torch.linspace(-2.0, 2.0, heads).to(device)
+    _run(sc, _q(sc["T"], heads, device, seed=heads), "fp8_v4", sink=sink)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_v4", "auto"])
+def test_sparse_v4_splits_merge_rope_and_sink(kv_cache_dtype, device):
+    """With several splits the inverse RoPE and the sink run in the merge kernel: the same result."""
+    sc = _scenario([40, 3], [2, 1], 16, 4, 8, 16, 2, kv_cache_dtype, device, seed=5, invalid=(1,))
+    q = _q(sc["T"], 6, device)
+    sink = torch.tensor([0.5, -INF, INF, -1.0, 2.0, 0.0], device=device)
+    one, _, _ = _run(sc, q, kv_cache_dtype, sink=sink, _num_splits_override=1)
+    three, _, _ = _run(sc, q, kv_cache_dtype, sink=sink, _num_splits_override=3)
+    assert_close("splits", one.float(), three, *TOLERANCES[q.dtype])
+    assert (one[:, 2] == 0).all()  # a +inf sink gives 0
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_sparse_v4_inverse_rope_against_torch_rotation(splits, device):
+    """The fused epilogue equals the unrotated output rotated afterwards by a plain torch rotation and by the
+    standalone inverse_rope_rows; dims 0..447 pass through untouched; the rotation undoes a forward one."""
+    sc = _scenario([33, 12], [2, 1], 16, 4, 8, 16, 2, "fp8_v4", device, seed=11)
+    q = _q(sc["T"], 6, device)
+    cs = _rope_table(40).to(device)
+    kw = dict(kv_cache_dtype="fp8_v4", topk_length=sc["lens"], extra_kv_cache=sc["ecache"], extra_indices=sc["eidx"],
+              extra_topk_length=sc["elens"], _num_splits_override=splits)  # fmt: skip
+    plain, lse0 = openmla.sparse_mla(q, sc["cache"], sc["idx"], SCALE, **kw)
+    fused, lse1 = openmla.sparse_mla(q, sc["cache"], sc["idx"], SCALE, inv_rope_positions=sc["positions"],
+                                     cos_sin_cache=cs, **kw)  # fmt: skip
+    assert torch.equal(lse0, lse1) and torch.equal(fused[..., :448], plain[..., :448])
+    # a torch rotation by minus the angle: (a, b) -> (a c + b s, b c - a s) on the interleaved pairs
+    pos = sc["positions"].long().cpu()
+    c, s = cs.cpu()[pos, :32][:, None, :], cs.cpu()[pos, 32:][:, None, :]
+    a, b = plain.float().cpu()[..., 448::2], plain.float().cpu()[..., 449::2]
+    want = plain.float().cpu().clone()
+    want[..., 448::2], want[..., 449::2] = a * c + b * s, b * c - a * s
+    assert_close("fused vs torch", want, fused.cpu(), *TOLERANCES[q.dtype])
+    assert (fused[..., 448:].float() - plain[..., 448:].float()).abs().max() > 0.01  # it did rotate
+    standalone = openmla.inverse_rope_rows(plain.clone(), sc["positions"], cs)
+    assert_close("fused vs inverse_rope_rows", standalone.float(), fused, *TOLERANCES[q.dtype])
+    back = rope_rows_ref(fused, pos.to(device), cs)  # the forward rotation undoes it
+    assert_close("round trip", plain.float(), back, *TOLERANCES[q.dtype])
+
+
+def test_sparse_v4_nan_exponent_in_a_selected_row(device):
+    """A selected fp8_v4 row whose exponent byte is 255 (a NaN scale) counts as 0 in that group, like the
+    reference (SPEC §6: a NaN from dequantising counts as 0); the other rows are unaffected."""
+    sc = _scenario([20], [1], 16, 4, 4, 16, 2, "fp8_v4", device, seed=2)
+    slot = int(sc["idx"][0, 0])
+    bs = sc["cache"].shape[1]
+    v4_block_bytes(sc["cache"])[slot // bs, bs * 576 + (slot % bs) * 8 + 3] = 255
+    out, lse, _ = _run(sc, _q(1, 4, device), "fp8_v4")
+    assert torch.isfinite(lse).all() and torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_v4", "auto"])
+def test_sparse_v4_prefill_paged_and_gathered_workspace(kv_cache_dtype, device):
+    """Prefill through the same op, two ways: the paged caches as two sources, or both gathered into one bf16
+    workspace (compressed entries then the window, SPEC §7.6) as a single source; the same result."""
+    window, ratio, topk = 8, 4, 6
+    seq_lens, qlens = [24, 13], [10, 13]
+    sc = _scenario(seq_lens, qlens, window, ratio, topk, 16, 2, kv_cache_dtype, device, seed=9)
+    T = sc["T"]
+    q = _q(T, pick(4, 64), device)
+    paged, lse_p, ref = _run(sc, q, kv_cache_dtype)
+    # the workspace: per request N compressed entries at rows [0, N), then its last M - N tokens
+    sl = sc["seq_lens"]
+    N = int(sl.max()) // ratio
+    gather = torch.minimum(sl, torch.tensor(max(qlens) + window - 1, dtype=torch.int32))
+    M = N + int(gather.max())
+    ws = torch.zeros(len(seq_lens), M, 512, dtype=torch.bfloat16, device=device)
+    openmla.dequantize_and_gather_k_cache(ws, sc["ecache"], (sl // ratio).to(device), sc["ebt"].to(device),
+                                          kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    openmla.dequantize_and_gather_k_cache(ws, sc["cache"], sl.to(device), sc["bt"].to(device),
+                                          gather_lens=gather.to(device), offset=N, kv_cache_dtype=kv_cache_dtype)
+    # the top-k as request-local entry ids, read back from the global compressed slots
+    ebt, cbs = sc["ebt"], sc["ecache"].shape[1]
+    inv = {int(ebt[b, j]): (b, j) for b in range(ebt.shape[0]) for j in range(ebt.shape[1]) if ebt[b, j] >= 0}
+    eidx = sc["eidx"].cpu()
+    local = torch.full_like(eidx, -1)
+    for t in range(T):
+        for k in range(int(sc["elens"][t])):
+            b, j = inv[int(eidx[t, k]) // cbs]
+            local[t, k] = j * cbs + int(eidx[t, k]) % cbs
+    widx, wlens = combine_topk_swa_indices_ref(local, sc["qsl"], sl, gather, window, ratio, topk, M, N,
+                                               topk + window)  # fmt: skip
+    cs = _rope_table(int(sl.max()) + 1).to(device)
+    gathered, lse_g = openmla.sparse_mla(q, ws, widx.to(device), SCALE, topk_length=wlens.to(device),
+                                         inv_rope_positions=sc["positions"], cos_sin_cache=cs)  # fmt: skip
+    assert_close("workspace out", ref, gathered, *TOLERANCES[q.dtype])
+    assert_close("workspace lse", lse_p, lse_g, 1e-3, 1e-3, 1e-6)
+
+
+def test_sparse_v4_flashmla_views_and_buffers(device):
+    """FlashMLA's [num_blocks, block_size, 1, 584] float8_e4m3fn view of the same cache, and out / lse buffers."""
+    sc = _scenario([20, 9], [1, 1], 8, 4, 4, 16, 2, "fp8_v4", device, seed=4)
+    q = _q(sc["T"], 3, device)
+    out, lse, _ = _run(sc, q, "fp8_v4")
+    view = sc["cache"].view(torch.float8_e4m3fn).unsqueeze(2)
+    eview = sc["ecache"].view(torch.float8_e4m3fn).unsqueeze(2)
+    o_buf = torch.empty_like(out)
+    l_buf = torch.empty_like(lse)
+    cs = _rope_table(21).to(device)
+    o2, l2 = openmla.sparse_mla(q, view, sc["idx"], SCALE, kv_cache_dtype="fp8_v4", topk_length=sc["lens"],
+                                extra_kv_cache=eview, extra_indices=sc["eidx"], extra_topk_length=sc["elens"],
+                                inv_rope_positions=sc["positions"], cos_sin_cache=cs, out=o_buf, lse=l_buf)
+    assert o2 is o_buf and l2 is l_buf and torch.equal(o2, out) and torch.equal(l2, lse)
+
+
+def test_sparse_v4_errors(device):
+    sc = _scenario([20], [2], 8, 4, 4, 16, 2, "fp8_v4", device, seed=6)
+    q = _q(2, 2, device)
+    cache, idx = sc["cache"], sc["idx"]
+    cs = _rope_table(21).to(device)
+    pos = sc["positions"]
+
+    def call(q=q, cache=cache, **kw):
+        return openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype="fp8_v4", **kw)
+
+    with pytest.raises(ValueError, match="q must be \\[T, H, 512\\]"):
+        call(q=torch.zeros(2, 2, 576, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="584"):
+        call(cache=torch.zeros(2, 16, 656, dtype=torch.uint8, device=device))
+    with pytest.raises(TypeError, match="kv_cache"):
+        call(cache=torch.zeros(2, 16, 584, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="row stride 584"):
+        call(cache=torch.zeros(2, 16, 600, dtype=torch.uint8, device=device)[..., :584])
+    with pytest.raises(TypeError, match="extra_kv_cache"):
+        call(extra_kv_cache=torch.zeros(2, 16, 512, dtype=torch.bfloat16, device=device), extra_indices=idx)
+    with pytest.raises(ValueError, match="go together"):
+        call(inv_rope_positions=pos)
+    with pytest.raises(ValueError, match="go together"):
+        call(cos_sin_cache=cs)
+    with pytest.raises(ValueError, match="inv_rope_positions must have 2 entries"):
+        call(inv_rope_positions=pos[:1], cos_sin_cache=cs)
+    with pytest.raises(TypeError, match="inv_rope_positions"):
+        call(inv_rope_positions=pos.float(), cos_sin_cache=cs)
+    with pytest.raises(ValueError, match="span"):
+        call(inv_rope_positions=pos + 100, cos_sin_cache=cs)
+    with pytest.raises(ValueError, match="cos_sin_cache must be \\[P, R\\]"):
+        call(inv_rope_positions=pos, cos_sin_cache=torch.zeros(21, 256, device=device))
+    with pytest.raises(ValueError, match="cos_sin_cache must be \\[P, R\\]"):
+        call(inv_rope_positions=pos, cos_sin_cache=torch.zeros(21, 48, device=device))
+    with pytest.raises(TypeError, match="cos_sin_cache"):
+        call(inv_rope_positions=pos, cos_sin_cache=torch.zeros(21, 64, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype="fp8_v3")
+
+
+def test_sparse_v4_unvalidated_positions_leave_rows_unrotated(device):
+    """validate=False: a position outside the table leaves that row's rope dims as they are (nothing read
+    outside the table)."""
+    sc = _scenario([20], [2], 8, 4, 4, 16, 2, "fp8_v4", device, seed=8)
+    q = _q(2, 2, device)
+    cs = _rope_table(21).to(device)
+    kw = dict(kv_cache_dtype="fp8_v4", topk_length=sc["lens"])
+    plain, _ = openmla.sparse_mla(q, sc["cache"], sc["idx"], SCALE, **kw)
+    pos = torch.tensor([-3, 500], dtype=torch.int64, device=device)
+    out, _ = openmla.sparse_mla(q, sc["cache"], sc["idx"], SCALE, inv_rope_positions=pos, cos_sin_cache=cs,
+                                validate=False, **kw)  # fmt: skip
+    assert torch.equal(out, plain)
+
+
+@pytest.mark.skipif(not on_gpu(), reason="CUDA graphs need a GPU")
+def test_sparse_v4_in_a_cuda_graph(device):
+    sc = _scenario([40, 30], [2, 2], 16, 4, 8, 64, 2, "fp8_v4", device, seed=12)
+    q = _q(sc["T"], 64, device)
+    cs = _rope_table(41).to(device)
+    kw = dict(kv_cache_dtype="fp8_v4", topk_length=sc["lens"], extra_kv_cache=sc["ecache"], extra_indices=sc["eidx"],
+              extra_topk_length=sc["elens"], inv_rope_positions=sc["positions"], cos_sin_cache=cs)  # fmt: skip
+    want, _ = openmla.sparse_mla(q, sc["cache"], sc["idx"], SCALE, **kw)
+    out = torch.empty_like(want)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        openmla.sparse_mla(q, sc["cache"], sc["idx"], SCALE, out=out, **kw)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
