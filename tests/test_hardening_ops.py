@@ -291,3 +291,16 @@ def test_prefill_with_context_checks_fp8_scale(scale, device):
             torch.tensor([0, 2], dtype=torch.int32, device=device), torch.randn(H * (P + V), L, device=device), 0.2,
             chunk_size=8, kv_cache_dtype="fp8", kv_scale=scale,
         )  # fmt: skip
+
+
+def test_gather_cache_unchecked_stays_inside_out(device):
+    """validate=False: rows past a too-short ``out`` are not written, positions past the table read as 0."""
+    cache = torch.randn(2, 4, D_V + D_R, device=device)
+    bt = torch.tensor([[1]], dtype=torch.int32, device=device)
+    sl = torch.tensor([6], dtype=torch.int32, device=device)  # 6 positions, the table covers 4
+    buf = torch.full((7, D_V + D_R), 5.0, device=device)
+    openmla.gather_cache(cache, bt, sl, out=buf[:5], validate=False)
+    assert torch.equal(buf[:4], cache[1]) and torch.equal(buf[4], torch.zeros_like(buf[4]))
+    assert torch.equal(buf[5:], torch.full_like(buf[5:], 5.0))
+    with pytest.raises(ValueError, match="out has 5 rows"):
+        openmla.gather_cache(cache, torch.tensor([[1, 0]], dtype=torch.int32, device=device), sl, out=buf[:5])

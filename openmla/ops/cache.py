@@ -116,6 +116,7 @@ def _gather_cache_fwd_kernel(
     num_blocks,
     block_size,
     max_blocks,
+    out_rows,  # rows of out: nothing is written outside them, whatever unchecked seq_lens say
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -134,12 +135,12 @@ def _gather_cache_fwd_kernel(
     out_start = tl.load(cu_out + i_b).to(tl.int64)
 
     o_t = i_c * BLOCK_T + tl.arange(0, BLOCK_T)
-    m_t = o_t < n
+    m_t = (o_t < n) & (out_start + o_t >= 0) & (out_start + o_t < out_rows)  # rows written (zeros if unread)
     pos = (start + o_t).to(tl.int64)
     i_blk = pos // block_size
-    m_t = m_t & (i_blk < max_blocks) & (pos >= 0)
-    blk = tl.load(block_table + i_b * stride_bt_b + i_blk * stride_bt_w, mask=m_t, other=-1).to(tl.int64)
-    m_ok = m_t & (blk >= 0) & (blk < num_blocks)
+    m_in = m_t & (i_blk < max_blocks) & (pos >= 0)
+    blk = tl.load(block_table + i_b * stride_bt_b + i_blk * stride_bt_w, mask=m_in, other=-1).to(tl.int64)
+    m_ok = m_in & (blk >= 0) & (blk < num_blocks)
     row = tl.where(m_ok, blk * stride_cache_b + (pos % block_size) * stride_cache_o, 0)
     p_out = out + (out_start + o_t)[:, None] * stride_out_t
 
@@ -304,9 +305,10 @@ def gather_cache(
         out (torch.Tensor | None): `[sum(seq_lens), D]` of ``out_dtype`` to write into (avoids the host
             synchronisation that sizing the output needs). D = kv_cache.shape[-1], or 576 for fp8_ds_mla.
         out_dtype (torch.dtype): dtype of a newly allocated output (bf16 by default).
-        validate (bool): check the block table against the cache and a tensor ``scale`` (positive, finite)
-            on the host (a sync); callers that checked the whole batch once (chunked prefill) pass False.
-            Unchecked bad blocks read as zeros.
+        validate (bool): check the block table against the cache, a tensor ``scale`` (positive, finite) and
+            the rows of a given ``out`` on the host (a sync); callers that checked the whole batch once (chunked
+            prefill) pass False. Unchecked, bad blocks and positions past the block table read as zeros and
+            rows past ``out`` are not written.
 
     Returns:
         torch.Tensor: `[sum(seq_lens), D]`, dequantised rows ``[kv_c | k_pe]``.
@@ -338,7 +340,7 @@ def gather_cache(
         check_tensor("out", out, dtypes=_AUTO_DTYPES, ndim=2, device=dev)
         if out.shape[1] != D:
             raise ValueError(f"out must have {D} columns; got {describe(out)}")
-        if not capturing() and B and out.shape[0] < int(cu[-1]):
+        if validate and not capturing() and B and out.shape[0] < int(cu[-1]):
             raise ValueError(f"out has {out.shape[0]} rows but sum(seq_lens) is {int(cu[-1])}")
     if B == 0 or out.shape[0] == 0:
         return out
@@ -348,7 +350,7 @@ def gather_cache(
     _gather_cache_fwd_kernel[grid](
         kv_cache, c32, c16, block_table, seq_lens, seq_starts if seq_starts is not None else seq_lens, cu, out,
         scale_t, kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), block_table.stride(1),
-        out.stride(0), num_blocks, block_size, max_blocks,
+        out.stride(0), num_blocks, block_size, max_blocks, out.shape[0],
         D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=BLOCK_T, MODE=mode, HAS_STARTS=seq_starts is not None,
         EXACT_ROUND=INTERPRET,
     )  # fmt: skip
