@@ -1,10 +1,10 @@
 """Model loading: a built-in tiny random DeepSeek V3 (seeded), or a local HF checkpoint directory.
 
-A checkpoint directory holds an HF ``config.json`` (``model_type: deepseek_v3``) and ``*.safetensors``
-weights with the HF names. Routed experts may be stored per expert (``mlp.experts.{e}.gate_proj.weight``
-and friends, the on-disk layout of DeepSeek's and HF's checkpoints) or fused (``mlp.experts.gate_up_proj``
-/ ``down_proj``, the HF in-memory layout); both load. Multi-token-prediction layers past
-``num_hidden_layers`` are ignored.
+A checkpoint directory holds an HF ``config.json`` (``model_type: deepseek_v3`` or ``deepseek_v32``) and
+``*.safetensors`` weights with the HF names. Routed experts may be stored per expert
+(``mlp.experts.{e}.gate_proj.weight`` and friends, the on-disk layout of DeepSeek's and HF's checkpoints) or
+fused (``mlp.experts.gate_up_proj`` / ``down_proj``, the HF in-memory layout); both load.
+Multi-token-prediction layers past ``num_hidden_layers`` are ignored.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import re
 import torch
 
 from openmla.engine.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from openmla.engine.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM, tiny_v32_config
 
 __all__ = [
     "tiny_config",
@@ -104,7 +105,7 @@ def random_state_dict(
         dict[str, torch.Tensor]: CPU tensors.
     """
     g = torch.Generator().manual_seed(seed)
-    model = DeepseekV3ForCausalLM(cfg)  # only for the names and shapes
+    model = _model_class(cfg)(cfg)  # only for the names and shapes
     sd = {}
     for name, t in model.state_dict().items():
         shape = tuple(t.shape)
@@ -121,6 +122,11 @@ def random_state_dict(
         keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
         sd[name] = v.to(torch.float32 if keep_fp32 else dtype)
     return sd
+
+
+def _model_class(cfg: DeepseekV3Config) -> type:
+    """The engine model of a config: V3.2 (sparse attention) or V3."""
+    return DeepseekV32ForCausalLM if isinstance(cfg, DeepseekV32Config) else DeepseekV3ForCausalLM
 
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -200,7 +206,8 @@ def load_checkpoint(path: str) -> tuple[DeepseekV3Config, dict]:
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path!r} has no config.json")
     with open(cfg_path) as f:
-        cfg = DeepseekV3Config.from_dict(json.load(f))
+        d = json.load(f)
+    cfg = (DeepseekV32Config if d.get("model_type") == "deepseek_v32" else DeepseekV3Config).from_dict(d)
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{path!r} has no *.safetensors weights")
@@ -228,13 +235,14 @@ def build_model(
     Raises:
         RuntimeError: missing or unexpected weights (from ``load_state_dict``).
     """
-    model = DeepseekV3ForCausalLM(cfg, kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale)
+    model = _model_class(cfg)(cfg, kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale)
     sd = dict(state_dict)
     if cfg.tie_word_embeddings:
         sd.setdefault("lm_head.weight", sd.get("model.embed_tokens.weight"))
     model.load_state_dict(sd, strict=True)
     model.to(device=device)
     router = {id(t) for layer in model.model.layers if hasattr(layer.mlp, "gate") for t in layer.mlp.gate.parameters()}
+    router |= {id(t) for t in getattr(model, "fp32_parameters", list)()}  # e.g. V3.2's indexer weights_proj
     for p in model.parameters():
         if id(p) not in router and p.is_floating_point():
             p.data = p.data.to(dtype)
@@ -254,7 +262,8 @@ def load_model(
     config_overrides: dict | None = None,
     decisive_routing: bool = False,
 ) -> tuple[DeepseekV3ForCausalLM, dict]:
-    """Load a checkpoint directory, or build the tiny random model when ``path`` is None or "tiny".
+    """Load a checkpoint directory, or build the tiny random model when ``path`` is None or "tiny" ("tiny-v32":
+    the tiny DeepSeek V3.2, :func:`~openmla.engine.models.deepseek_v32.tiny_v32_config`).
 
     ``seed``, ``config_overrides`` and ``decisive_routing`` apply to the tiny model only
     (:func:`tiny_config`, :func:`random_state_dict`).
@@ -262,8 +271,9 @@ def load_model(
     Returns:
         (model, state dict it was built from, fused experts, CPU tensors: what an oracle loads).
     """
-    if path is None or path == "tiny":
-        cfg = tiny_config(**(config_overrides or {}))
+    if path is None or path in ("tiny", "tiny-v32"):
+        make = tiny_v32_config if path == "tiny-v32" else tiny_config
+        cfg = make(**(config_overrides or {}))
         sd = random_state_dict(cfg, seed=seed, decisive_routing=decisive_routing)
     else:
         cfg, sd = load_checkpoint(path)

@@ -34,6 +34,9 @@ LOGIT_TOLERANCES = {
     (torch.float32, "fp8"): (0.4, 0.1, 5e-3),
     (torch.bfloat16, "fp8"): (0.5, 0.1, 1e-2),
     (torch.float16, "fp8"): (0.5, 0.1, 1e-2),
+    # V3.2's fp8_ds_mla rows (one fp32 scale per 128 latent values, bf16 rope): no worse than per-tensor fp8
+    (torch.float32, "fp8_ds_mla"): (0.4, 0.1, 5e-3),
+    (torch.bfloat16, "fp8_ds_mla"): (0.5, 0.1, 1e-2),
 }
 
 
@@ -43,9 +46,16 @@ def logit_tolerance(dtype: torch.dtype, kv_cache_dtype: str) -> tuple[float, flo
 
 
 def build_hf_model(cfg: DeepseekV3Config, state_dict: dict, *, device: str | torch.device = "cpu"):
-    """HF ``DeepseekV3ForCausalLM`` (eager attention, fp32, eval) with ``state_dict`` loaded strictly."""
-    from transformers import DeepseekV3Config as HFConfig
-    from transformers import DeepseekV3ForCausalLM
+    """HF ``DeepseekV3ForCausalLM`` (``DeepseekV32ForCausalLM`` for a V3.2 config; eager attention, fp32, eval)
+    with ``state_dict`` loaded strictly."""
+    from openmla.engine.models.deepseek_v32 import DeepseekV32Config
+
+    if isinstance(cfg, DeepseekV32Config):
+        from transformers import DeepseekV32Config as HFConfig
+        from transformers import DeepseekV32ForCausalLM as DeepseekV3ForCausalLM
+    else:
+        from transformers import DeepseekV3Config as HFConfig
+        from transformers import DeepseekV3ForCausalLM
 
     d = cfg.to_dict()
     d.pop("architectures", None)

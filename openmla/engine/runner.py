@@ -79,25 +79,32 @@ class ModelRunner:
         self.num_spec_tokens = num_spec_tokens
         self.block_size = block_manager.block_size
         cfg = model.config
-        self.builder = MLAMetadataBuilder(
-            num_heads=cfg.num_attention_heads,
-            block_size=self.block_size,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
-            device=self.device,
-            decode_threshold=1 + num_spec_tokens,
-            dtype=dtype,
-            kv_entry=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-            kv_lora_rank=cfg.kv_lora_rank,
-            workspace_tokens=workspace_tokens,
-            kv_cache_dtype=model.attention_layers[0].kv_cache_dtype,
-        )
         num_blocks = block_manager.allocator.num_blocks
-        self.kv_caches = [
-            attn.make_kv_cache(num_blocks, self.block_size, dtype=dtype, device=self.device)
-            for attn in model.attention_layers
-        ]
+        if hasattr(model, "make_metadata_builder"):  # a model with its own attention backend (V3.2 sparse MLA)
+            self.builder = model.make_metadata_builder(
+                block_size=self.block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens, device=self.device, decode_threshold=1 + num_spec_tokens,
+            )  # fmt: skip
+            self.kv_caches = model.make_kv_caches(num_blocks, self.block_size, dtype=dtype, device=self.device)
+        else:
+            self.builder = MLAMetadataBuilder(
+                num_heads=cfg.num_attention_heads,
+                block_size=self.block_size,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+                device=self.device,
+                decode_threshold=1 + num_spec_tokens,
+                dtype=dtype,
+                kv_entry=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                kv_lora_rank=cfg.kv_lora_rank,
+                workspace_tokens=workspace_tokens,
+                kv_cache_dtype=model.attention_layers[0].kv_cache_dtype,
+            )
+            self.kv_caches = [
+                attn.make_kv_cache(num_blocks, self.block_size, dtype=dtype, device=self.device)
+                for attn in model.attention_layers
+            ]
         self.max_blocks_per_seq = self.builder.max_blocks_per_seq
         dev = self.device
         T, B, W = max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq

@@ -10,6 +10,7 @@ from openmla.metadata.dense import (
     split_decodes_and_prefills,
     uniform_padded_query_len,
 )
+from openmla.metadata.sparse import SparseMLAMetadata, SparseMLAMetadataBuilder
 
 __all__ = [
     "BatchSpec",
@@ -18,6 +19,8 @@ __all__ = [
     "MLAMetadata",
     "MLAMetadataBuilder",
     "MLAPrefillMetadata",
+    "SparseMLAMetadata",
+    "SparseMLAMetadataBuilder",
     "split_decodes_and_prefills",
     "uniform_padded_query_len",
 ]
