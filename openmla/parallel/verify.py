@@ -19,8 +19,6 @@ wrong there for ``W > 1``. Three routes give each row its exact local window (SP
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -44,7 +42,7 @@ def select_dcp_decode_route(causal: bool, max_query_len: int, route: str | None 
     Args:
         causal (bool): causal masking inside each request's query block.
         max_query_len (int): the batch's longest query (1 = plain decode).
-        route (str | None): "auto" (default; also when None, unless ``OPENMLA_DCP_ROUTE`` says otherwise),
+        route (str | None): "auto" (default; also when None),
             "plain", "segmented" or "masked". A forced "segmented"/"masked" on a batch that needs no
             per-row window is honoured (both are exact there too); a forced "plain" on a causal verify
             batch is an error (it would let rows see future keys).
@@ -56,7 +54,7 @@ def select_dcp_decode_route(causal: bool, max_query_len: int, route: str | None 
     Raises:
         ValueError: an unknown route, or "plain" for a causal multi-row batch.
     """
-    route = route or os.environ.get("OPENMLA_DCP_ROUTE", "auto")
+    route = route or "auto"
     if route not in ("auto",) + DCP_ROUTES:
         raise ValueError(f'route must be "auto", "plain", "segmented" or "masked"; got {route!r}')
     needs_window = causal and max_query_len > 1
