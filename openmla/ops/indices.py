@@ -33,7 +33,7 @@ def _expand_page_indices_fwd_kernel(
         return
     o_t = i_c * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     i_blk = o_t // block_size
-    m_t = (o_t < n) & (i_blk < max_blocks) & (start + o_t < capacity)
+    m_t = (o_t < n) & (i_blk < max_blocks) & (start + o_t >= 0) & (start + o_t < capacity)  # inside kv_indices
     blk = tl.load(block_table + i_b * stride_bt_b + i_blk * stride_bt_w, mask=m_t, other=-1).to(tl.int64)
     slot = tl.where(blk >= 0, blk * block_size + o_t % block_size, -1)
     slot = tl.where(slot <= 2147483647, slot, -1)  # a slot int32 cannot hold is -1, never a wrapped value
