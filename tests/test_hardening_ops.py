@@ -304,3 +304,14 @@ def test_gather_cache_unchecked_stays_inside_out(device):
     assert torch.equal(buf[5:], torch.full_like(buf[5:], 5.0))
     with pytest.raises(ValueError, match="out has 5 rows"):
         openmla.gather_cache(cache, torch.tensor([[1, 0]], dtype=torch.int32, device=device), sl, out=buf[:5])
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan")])
+def test_decode_checks_fp8_scales(scale, device):
+    q, cache, bt, sl, qsl = _decode_batch(device, dtype=torch.bfloat16)
+    fp8 = cache.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="kv_scale must be a positive finite"):
+        openmla.mla_decode(q, fp8, bt, sl, qsl, SCALE, d_v=D_V, kv_cache_dtype="fp8", kv_scale=scale)
+    with pytest.raises(ValueError, match="q_scale must be a positive finite"):
+        openmla.mla_decode(q.to(torch.float8_e4m3fn), fp8, bt, sl, qsl, SCALE, d_v=D_V, kv_cache_dtype="fp8",
+                           kv_scale=1.0, q_scale=scale)  # fmt: skip

@@ -22,6 +22,7 @@ from openmla.ops._validate import (
     FLOAT16_DTYPES,
     capturing,
     check_index,
+    check_scale_value,
     check_tensor,
     describe,
     kernel_backend,
@@ -508,9 +509,10 @@ def _check_batch(T: int, block_table, seq_lens, query_start_loc, page: int, num_
 
 
 def _host_scale(name: str, scale, device) -> float:
-    """A per-tensor scale as a Python float (a tensor is read once; not allowed while capturing)."""
-    if isinstance(scale, (int, float)):
-        return float(scale)
+    """A per-tensor scale as a Python float, positive and finite (a tensor is read once; not allowed while
+    capturing)."""
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return check_scale_value(name, float(scale))
     if capturing():
         raise ValueError(f"pass {name} as a float while a CUDA graph is captured")
     return float(scalar_scale(name, scale, device))
