@@ -177,11 +177,12 @@ SHAPES = {
 
 
 LOGIT_SHAPES = [("mixed", 1), ("mixed", 5), ("mixed", pick(16, 64)), ("decode", pick(16, 64)), ("tiled", pick(16, 64)),
-                ("tiled", pick(48, 192)), ("tma", pick(16, 64))]  # fmt: skip
+                ("tiled", pick(48, 192)), ("tma", pick(16, 64)), ("tiled2", pick(16, 64))]  # fmt: skip
 # "tiled": the mixed batch under a tiling with several key splits a request and tiles inside one page each (the
 # block numbers of a split loaded up front); block size 48 / 192: splits that start inside a page; "tma": the same
-# with key tiles loaded through TMA descriptors
+# with key tiles loaded through TMA descriptors; "tiled2": tiles of two pages (block numbers picked per key row)
 TILED = pick("16,32,4,3", "64,256,4,3")
+TILED2 = pick("32,64,4,3", "128,1024,4,3")
 
 
 # every dtype case at every shape on the GPU; on the CPU (the interpreter computes in fp32 whatever the dtype) the
@@ -196,8 +197,8 @@ LOGIT_CASES = [
 
 @pytest.mark.parametrize("cache_dtype,cdtype,qdtype,shape,block_size", LOGIT_CASES, ids=_ids)
 def test_indexer_logits(cache_dtype, cdtype, qdtype, shape, block_size, device, monkeypatch):
-    if shape in ("tiled", "tma"):
-        monkeypatch.setenv("OPENMLA_INDEXER_TILING", TILED)
+    if shape in ("tiled", "tma", "tiled2"):
+        monkeypatch.setenv("OPENMLA_INDEXER_TILING", TILED2 if shape == "tiled2" else TILED)
     if shape == "tma":  # key tiles by TMA descriptors (the interpreter runs them; sm90+ on the GPU)
         monkeypatch.setenv("OPENMLA_INDEXER_TMA", "1")
     lens, qlens, pad = SHAPES["decode" if shape == "decode" else "mixed"]

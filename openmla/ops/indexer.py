@@ -54,6 +54,7 @@ _BLOCK_N = 64
 _KEY_SPLIT = 1024
 _NUM_WARPS = 4
 _NUM_STAGES = 4  # offline sm90 compile: 3 key tiles in flight, 33 KB shared, 111 registers (4 programs an SM)
+_PRELOAD_MAX_PAGES = 32  # block numbers a program loads up front when its tiles cross pages (a [tile, pages] pick)
 _MAX_ROWS = 128  # query rows x heads per tl.dot (its N side)
 _QUERY_SPLIT = 128  # query rows per program when max_query_len is given (prefill parallelism)
 _WRITE_TOKENS = 16  # tokens per program of the cache writer
@@ -345,7 +346,8 @@ def _indexer_logits_fwd_kernel(
     Q_PER: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
-    PAGE_ALIGNED: tl.constexpr,
+    PAGE_ALIGNED: tl.constexpr,  # BLOCK_N divides block_size: no tile crosses a page
+    PRELOAD: tl.constexpr,  # the split's block numbers loaded before the key loop (PAGE_ALIGNED or few pages)
     MAX_PAGES: tl.constexpr,
     USE_TMA: tl.constexpr,  # key tiles by TMA (PAGE_ALIGNED and D == BLOCK_D only)
     FILL: tl.constexpr,  # write -inf past the visible keys too (False: the top-k reads only row_len columns)
@@ -380,9 +382,9 @@ def _indexer_logits_fwd_kernel(
     o_j = tl.arange(0, Q_PER)
     o_n0 = tl.arange(0, BLOCK_N)
     p_bt = block_table + i_b.to(tl.int64) * stride_bt_b
-    if PAGE_ALIGNED:
-        # no tile crosses a page (BLOCK_N divides block_size): the split's block numbers are loaded before the
-        # key loop, one per tile inside it (a block-table load inside the loop kept the pipeline one tile deep)
+    if PRELOAD:
+        # the split's block numbers are loaded before the key loop (a block-table load inside the loop kept the
+        # pipeline one tile deep): one per tile when no tile crosses a page, else picked per key row
         o_pg = tl.arange(0, MAX_PAGES)
         i_pg0 = n_lo // block_size
         m_pg = (i_pg0 + o_pg < max_blocks) & ((i_pg0 + o_pg) * block_size < tl.minimum(n_hi, L))
@@ -410,6 +412,11 @@ def _indexer_logits_fwd_kernel(
                 ok = (blk >= 0) & (blk < num_blocks)  # an unchecked bad block scores -inf, never read
                 m_n = (o_n < vis_hi) & ok
                 base = tl.where(ok, blk * stride_c_b, 0) + tl.zeros_like(o_n).to(tl.int64)
+            elif PRELOAD:
+                m_pg_n = o_pg[None, :] == (o_n // block_size - i_pg0)[:, None]  # [BLOCK_N, MAX_PAGES]
+                blk = tl.sum(tl.where(m_pg_n, b_pages[None, :], 0), axis=1)
+                m_n = (o_n < vis_hi) & (blk >= 0) & (blk < num_blocks)  # an unchecked bad block scores -inf
+                base = tl.where(m_n, blk * stride_c_b, 0)
             else:
                 i_pg = o_n // block_size
                 m_n = (o_n < vis_hi) & (i_pg < max_blocks)
@@ -539,6 +546,7 @@ def _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_
     block_size = k_cache.shape[1]
     aligned = block_size % block_n == 0
     pages = split // block_size if split % block_size == 0 else triton.cdiv(split, block_size) + 1
+    preload = aligned or triton.next_power_of_2(pages) <= _PRELOAD_MAX_PAGES
     k_desc = _key_descriptor(k_cache, cache_dtype, D, block_n) if aligned and _tma_wanted(k_cache) else None
     grid = (B + 1, triton.cdiv(S, split), n_q)
     _indexer_logits_fwd_kernel[grid](
@@ -547,7 +555,7 @@ def _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         out.stride(0), T, B, H, k_cache.shape[0], block_table.shape[1], S, k_cache.shape[1], split,
         D=D, BLOCK_D=max(32, triton.next_power_of_2(D)), BLOCK_H=BLOCK_H, Q_PER=q_per, BLOCK_N=block_n,
-        FP8=cache_dtype == "fp8", PAGE_ALIGNED=aligned, MAX_PAGES=triton.next_power_of_2(pages),
+        FP8=cache_dtype == "fp8", PAGE_ALIGNED=aligned, PRELOAD=preload, MAX_PAGES=triton.next_power_of_2(pages),
         USE_TMA=k_desc is not None, FILL=fill, COMPUTE=compute, DOT_PRECISION=precision, num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
