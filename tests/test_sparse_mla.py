@@ -367,40 +367,47 @@ from openmla.utils.sm90_report import resource_report
 
 kern = S._sparse_mla_fwd_kernel
 report = []
-for block_h, fmt, splits, extra, f16 in json.loads(sys.argv[1]):
+for block_h, fmt, splits, extra, f16, rope in json.loads(sys.argv[1]):
     block_n, warps, stages = S._GPU_TILING[(block_h, fmt)]
-    const = dict(PAGE=64, E_PAGE=2, FMT=fmt, D_V=512, D_T=64, D_TP=64, BLOCK_H=block_h, N_HB=2, BLOCK_N=block_n,
-                 NUM_SPLITS=splits, RAGGED=False, HAS_LEN=True, HAS_EXTRA=extra, E_RAGGED=extra, E_HAS_LEN=False,
-                 HAS_SINK=True, COMPUTE=tl.float16 if f16 else tl.bfloat16, F16_DEQUANT=f16, DOT_PRECISION="tf32")
+    d_t = 0 if fmt == 2 or rope else 64  # V4 (fp8_v4, or with the inverse RoPE): D = d_v = 512
+    const = dict(PAGE=64, E_PAGE=2, FMT=fmt, D_V=512, D_T=d_t, D_TP=max(16, d_t), BLOCK_H=block_h, N_HB=2,
+                 BLOCK_N=block_n, NUM_SPLITS=splits, RAGGED=False, HAS_LEN=True, HAS_EXTRA=extra, E_RAGGED=extra,
+                 E_HAS_LEN=extra, HAS_SINK=True, HAS_ROPE=rope, ROPE=64, COMPUTE=tl.float16 if f16 else tl.bfloat16,
+                 F16_DEQUANT=f16, DOT_PRECISION="tf32")
     cache = "*u8" if fmt else "*bf16"
-    ptrs = dict(q="*bf16", kv=cache, kv_f32="*fp32", kv_b16="*bf16", ekv=cache, ekv_f32="*fp32", ekv_b16="*bf16",
-                sink="*fp32", out="*bf16", lse="*fp32", o_part="*fp32", lse_part="*fp32", scale_log2="fp32")
+    scales = "*u8" if fmt == 2 else "*fp32"
+    ptrs = dict(q="*bf16", kv=cache, kv_f32=scales, kv_b16="*bf16", ekv=cache, ekv_f32=scales, ekv_b16="*bf16",
+                sink="*fp32", out="*bf16", lse="*fp32", o_part="*fp32", lse_part="*fp32", rope_pos="*i32",
+                cos_sin="*fp32", scale_log2="fp32")
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*i32" if "idx" in n or "ptr" in n or "lens" in n else "i32")
            for n in kern.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
              if n not in const and (n.startswith("stride") or sig[n].startswith("*"))}
     c = triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
-    report.append(dict(variant=[block_h, fmt, splits, extra, f16], **resource_report(c)))
+    report.append(dict(variant=[block_h, fmt, splits, extra, f16, rope], **resource_report(c)))
 print("REPORT" + json.dumps(report))
 """
 
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs compile the kernels for real")
 def test_sparse_mla_compiles_for_sm90():
-    """Offline sm90 compile (no GPU): the tiles the launcher picks compile, 64-head tiles run wgmma, and the fp8
-    tiles (dequantised in registers) do not spill."""
+    """Offline sm90 compile (no GPU): the tiles the launcher picks compile, 64-head tiles run wgmma, and none
+    spills (bf16 and fp8 rows, V3.2 and V4 shapes, fp8_v4 and bf16 with the fused inverse RoPE, splits)."""
     pytest.importorskip("triton.backends.nvidia")
     from openmla.utils.sm90_report import run_report_script
 
-    variants = [[16, 0, 1, True, False], [64, 1, 4, True, False], [64, 1, 1, False, True]]
+    # [BLOCK_H, FMT, NUM_SPLITS, extra source, fp16 dequant, inverse RoPE (V4 shapes with it or with fp8_v4)]
+    variants = [[16, 0, 1, True, False, False], [64, 1, 4, True, False, False], [64, 1, 1, False, True, False],
+                [64, 2, 1, True, False, True], [64, 2, 4, True, False, False], [16, 2, 1, True, False, True],
+                [32, 2, 1, True, False, True], [64, 0, 1, True, False, True],
+                [64, 0, 1, True, False, False]]  # fmt: skip
     for r in run_report_script(_SM90_SCRIPT, variants):
         block_h, fmt = r["variant"][:2]
         assert r["regs"] <= 255, r
         if block_h == 64:
             assert r["wgmma"] > 0, r
-        if fmt == 1:
-            assert r["stack"] == 0 and r["local"] == 0, r
+        assert r["stack"] == 0 and r["local"] == 0, r
 
 
 @pytest.mark.parametrize("seed", range(pick(4, 12)))

@@ -210,7 +210,8 @@ def test_sparse_v4_prefill_paged_and_gathered_workspace(kv_cache_dtype, device):
     openmla.dequantize_and_gather_k_cache(ws, sc["ecache"], (sl // ratio).to(device), sc["ebt"].to(device),
                                           kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     openmla.dequantize_and_gather_k_cache(ws, sc["cache"], sl.to(device), sc["bt"].to(device),
-                                          gather_lens=gather.to(device), offset=N, kv_cache_dtype=kv_cache_dtype)
+                                          gather_lens=gather.to(device), offset=N,
+                                          kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     # the top-k as request-local entry ids, read back from the global compressed slots
     ebt, cbs = sc["ebt"], sc["ecache"].shape[1]
     inv = {int(ebt[b, j]): (b, j) for b in range(ebt.shape[0]) for j in range(ebt.shape[1]) if ebt[b, j] >= 0}
@@ -241,7 +242,7 @@ def test_sparse_v4_flashmla_views_and_buffers(device):
     cs = _rope_table(21).to(device)
     o2, l2 = openmla.sparse_mla(q, view, sc["idx"], SCALE, kv_cache_dtype="fp8_v4", topk_length=sc["lens"],
                                 extra_kv_cache=eview, extra_indices=sc["eidx"], extra_topk_length=sc["elens"],
-                                inv_rope_positions=sc["positions"], cos_sin_cache=cs, out=o_buf, lse=l_buf)
+                                inv_rope_positions=sc["positions"], cos_sin_cache=cs, out=o_buf, lse=l_buf)  # fmt: skip
     assert o2 is o_buf and l2 is l_buf and torch.equal(o2, out) and torch.equal(l2, lse)
 
 
