@@ -425,8 +425,8 @@ import openmla.ops.indexer as I
 from openmla.utils.sm90_report import resource_report
 
 block_n, split, warps, stages = I._tiling()
-logits = dict(D=128, BLOCK_D=128, BLOCK_H=64, Q_PER=1, BLOCK_N=block_n, FP8=True, PAGE_ALIGNED=True, MAX_PAGES=16,
-              USE_TMA=False, FILL=False, COMPUTE=tl.float8e4nv, DOT_PRECISION=None, k_desc=None)
+logits = dict(D=128, BLOCK_D=128, BLOCK_H=64, Q_PER=1, BLOCK_N=block_n, FP8=True, PAGE_ALIGNED=True, PRELOAD=True,
+              MAX_PAGES=16, USE_TMA=False, FILL=False, COMPUTE=tl.float8e4nv, DOT_PRECISION=None, k_desc=None)
 ptrs = dict(q="*fp8e4nv", weights="*fp32", k_cache="*u8", k_scale="*fp32", out="*fp32", logits="*fp32", thr="*fp32")
 report = []
 for name in json.loads(sys.argv[1]):
