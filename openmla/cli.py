@@ -1,17 +1,18 @@
 """Command line: ``openmla generate`` and ``openmla demo`` (also ``python -m openmla ...``).
 
 ``openmla generate --model PATH --prompt-ids 5,6,7 [--prompt-ids ...] --max-new-tokens N [--device cpu|cuda]
-[--kv-cache-dtype auto|fp8] [--speculate K] [--json] [--dcp N [--dcp-interleave I]]``
+[--kv-cache-dtype auto|fp8|fp8_ds_mla] [--speculate K] [--json] [--dcp N [--dcp-interleave I]]``
     Greedy generation for a batch of token-id prompts. With ``--json`` the last line of stdout is a JSON
     list with one list of generated token ids per prompt (prompt excluded), in prompt order, exactly
-    ``N`` each. ``--model tiny`` (the default) is the built-in seeded tiny DeepSeek V3. ``--dcp N`` shards
+    ``N`` each. ``--model tiny`` (the default) is the built-in seeded tiny DeepSeek V3, ``--model tiny-v32`` the
+    tiny DeepSeek V3.2 (sparse attention; a checkpoint's ``model_type`` picks V3 or V3.2). ``--dcp N`` shards
     the KV cache over N ranks (decode context parallelism, ``openmla.parallel``): N local processes, or
     the ones ``torchrun --nproc-per-node N -m openmla generate --dcp N ...`` starts; rank 0 prints.
 
-``openmla demo [--device cpu|cuda] [--model PATH] [--kv-cache-dtype auto|fp8] [--speculate K]``
-    Builds the tiny DeepSeek V3 (or loads PATH), generates for a handful of prompts of different lengths
-    with continuous batching, chunked prefill and speculative verify, prints tokens/s and the acceptance
-    rate, checks each request's last step's logits against transformers and exits 1 on a mismatch.
+``openmla demo [--device cpu|cuda] [--model tiny|tiny-v32|PATH] [--kv-cache-dtype auto|fp8|fp8_ds_mla] [--speculate K]``
+    Builds the tiny DeepSeek V3 (V3.2 with ``tiny-v32``; or loads PATH), generates for a handful of prompts of
+    different lengths with continuous batching, chunked prefill and speculative verify, prints tokens/s and the
+    acceptance rate, checks each request's last step's logits against transformers and exits 1 on a mismatch.
 
 ``openmla bench [--family decode,prefill] [--shapes PRESET|SPECS] [--rep MS] [--out DIR] [--label L] [--no-peers]
 [--quick]``
@@ -74,9 +75,11 @@ def _non_negative(text: str) -> int:
 
 
 def _add_common(p: argparse.ArgumentParser, speculate_default: int) -> None:
-    p.add_argument("--model", default="tiny", help='checkpoint directory (HF config.json + safetensors) or "tiny"')
+    p.add_argument("--model", default="tiny",
+                   help='checkpoint directory (HF config.json + safetensors), "tiny" (V3) or "tiny-v32"')  # fmt: skip
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present, else cpu")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_ds_mla"), default="auto",
+                   help="fp8: per-tensor (V3); fp8_ds_mla: 656-byte rows (V3.2)")  # fmt: skip
     p.add_argument("--speculate", type=_non_negative, default=speculate_default, metavar="K",
                    help="draft tokens verified per step (n-gram prompt lookup)")  # fmt: skip
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
@@ -202,18 +205,17 @@ def _cmd_demo(args) -> int:
     device = _device(args.device)
     dtype = _dtype(args.dtype, device)
     # Low precision: pin the MoE expert choice so that a rounding-level near-tie cannot flip a route.
-    decisive = dtype != torch.float32 or args.kv_cache_dtype == "fp8"
-    print(f"openmla demo: DeepSeek V3 ({args.model}) on {device}, {str(dtype).replace('torch.', '')}, "
+    decisive = dtype != torch.float32 or args.kv_cache_dtype != "auto"
+    from openmla.engine.loader import load_checkpoint, tiny_config
+    from openmla.engine.models import DeepseekV32Config, tiny_v32_config
+
+    tiny = {"tiny": tiny_config, "tiny-v32": tiny_v32_config}.get(args.model)
+    mcfg = tiny() if tiny is not None else load_checkpoint(args.model)[0]
+    family = "DeepSeek V3.2" if isinstance(mcfg, DeepseekV32Config) else "DeepSeek V3"
+    print(f"openmla demo: {family} ({args.model}) on {device}, {str(dtype).replace('torch.', '')}, "
           f"kv cache {args.kv_cache_dtype}, speculate {args.speculate}")  # fmt: skip
     t0 = time.perf_counter()
-    from openmla.engine.loader import tiny_config
-
-    vocab = tiny_config().vocab_size if args.model == "tiny" else None
-    if vocab is None:
-        from openmla.engine.loader import load_checkpoint
-
-        vocab = load_checkpoint(args.model)[0].vocab_size
-    prompts = _demo_prompts(vocab)
+    prompts = _demo_prompts(mcfg.vocab_size)
     engine, sd, dtype = _make_engine(args, prompts, args.max_new_tokens, record=True, decisive=decisive)
     mc = engine.model.config
     print(f"  model: {mc.num_hidden_layers} layers, hidden {mc.hidden_size}, {mc.num_attention_heads} heads, "
@@ -245,7 +247,7 @@ def _cmd_demo(args) -> int:
     atol, rtol, cos_tol = logit_tolerance(dtype, args.kv_cache_dtype)
     hf = build_hf_model(engine.model.config, sd)
     check = check_records(hf, list(last.values()), atol, rtol, cos_tol)
-    print(f"  last steps vs transformers DeepseekV3ForCausalLM: {check.num_rows} rows, max |logit diff| "
+    print(f"  last steps vs transformers {type(hf).__name__}: {check.num_rows} rows, max |logit diff| "
           f"{check.max_abs_diff:.3e} (atol {atol}, rtol {rtol}), cos diff {check.max_cos_diff:.1e}")  # fmt: skip
     if not check.ok:
         print("MISMATCH:\n  " + "\n  ".join(check.failures), file=sys.stderr)
