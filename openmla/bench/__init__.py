@@ -41,6 +41,7 @@ FAMILIES: dict[str, str] = {
     "sparse": "openmla.bench.sparse",
     "indexer": "openmla.bench.indexer",
     "v4": "openmla.bench.v4",
+    "sparse_v4": "openmla.bench.sparse_v4",
 }
 
 __all__ = ["FAMILIES", "load_family", "main"]
