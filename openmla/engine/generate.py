@@ -121,7 +121,10 @@ class LLMEngine:
             enable_chunked_prefill=cfg.enable_chunked_prefill,
         )
         cuda_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else self.device.type == "cuda"
-        self.runner = ModelRunner(
+        runner_cls = ModelRunner
+        if getattr(model.config, "model_type", None) == "deepseek_v4":
+            from openmla.engine.runner_v4 import V4ModelRunner as runner_cls  # V4 caches, metadata, compressor state
+        self.runner = runner_cls(
             model,
             self.block_manager,
             max_num_seqs=cfg.max_num_seqs,

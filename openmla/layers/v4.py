@@ -1,0 +1,306 @@
+"""DeepSeek V4 attention (SWA, CSA, HCA) over paged caches, with transformers' ``deepseek_v4`` parameter names.
+
+Per token (SPEC §7): ``qr = RMSNorm(q_a_proj(x))``, ``q = q_b_proj(qr)`` per head ``[H, 512]`` with a weightless
+RMSNorm, GPT-J RoPE on dims 448..511; one KV row ``RMSNorm(kv_proj(x))`` (RoPE'd the same way) is both K and V
+and goes to the SWA cache. Compressed layers (ratio r) also run the compressor (:func:`openmla.compress_kv`:
+its entries go to a compressed cache, its partial windows to a per-request state ring) and see, besides the
+window, compressed entries ``i < (pos + 1) // r``: all of them (HCA) or the indexer's top-k (CSA; the indexer
+runs its own 128-wide compressor into an indexer key cache). One softmax over both sources with a per-head
+sink, scale ``512^-0.5``; the output's rope dims are rotated back by the token's angle; then the grouped
+output projection (``o_groups`` blocks to ``o_lora_rank`` each) and ``o_b_proj``.
+
+Sliding-window layers use the plain RoPE table, compressed layers (their q/kv, compressor, indexer and
+inverse RoPE) the "compress" table: the model passes each layer its ``[P, 64]`` ``[cos | sin]`` table.
+
+Attention runs :func:`openmla.sparse_mla` for bf16/fp16 (its kernel takes 16-bit q) and a gathered PyTorch
+softmax for fp32 (the CPU oracle path: same index sets, same caches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from openmla.metadata.v4 import V4Metadata
+from openmla.ops.cache_v4 import allocate_v4_cache, concat_and_cache_v4
+from openmla.ops.compressor import allocate_compressor_state, compress_kv
+from openmla.ops.indexer import indexer_topk
+from openmla.ops.rope import inverse_rope_rows
+from openmla.ops.sparse import sparse_mla
+from openmla.ops.v4_indices import csa_topk_indices
+
+__all__ = ["V4_KV_CACHE_DTYPES", "V4_LAYER_TYPES", "DeepseekV4Attention", "V4LayerCache", "V4RMSNorm"]
+
+V4_KV_CACHE_DTYPES = ("auto", "fp8_v4")
+V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+HEAD_DIM, ROPE_DIM = 512, 64
+
+
+class V4RMSNorm(nn.Module):
+    """transformers' V4 RMSNorm: normalise in fp32, multiply by the (fp32) weight in fp32, cast once."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def rope_tail(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """GPT-J RoPE on the last 64 dims of ``x [T, ..., D]`` at ``positions [T]`` (fp32 math, x's dtype out)."""
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache[positions]  # [T, 64]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cs[:, :half].reshape(shape), cs[:, half:].reshape(shape)
+    rope = x[..., -2 * half :].float()
+    a, b = rope[..., 0::2], rope[..., 1::2]
+    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat([x[..., : -2 * half], out.to(x.dtype)], dim=-1)
+
+
+@dataclass
+class V4LayerCache:
+    """One layer's paged state.
+
+    Attributes:
+        swa (torch.Tensor): the KV rows of every token (SWA cache, the main block size).
+        compressed (torch.Tensor | None): compressed entries (CSA/HCA), block size ``bs_c``.
+        indexer (torch.Tensor | None): CSA indexer keys ``[num_blocks, bs_c, index_head_dim]`` (model dtype).
+        state (torch.Tensor | None): compressor state ring ``[slots, 2, coff*r, coff*512]`` fp32.
+        indexer_state (torch.Tensor | None): the indexer compressor's ring (CSA).
+    """
+
+    swa: torch.Tensor
+    compressed: torch.Tensor | None = None
+    indexer: torch.Tensor | None = None
+    state: torch.Tensor | None = None
+    indexer_state: torch.Tensor | None = None
+
+
+class _Compressor(nn.Module):
+    """Compressor weights (transformers' names): ``coff * d`` wide projections, position bias, RMSNorm."""
+
+    def __init__(self, hidden_size: int, ratio: int, d: int, eps: float) -> None:
+        super().__init__()
+        self.ratio, self.d = ratio, d
+        self.coff = 2 if ratio == 4 else 1
+        self.kv_proj = nn.Linear(hidden_size, self.coff * d, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, self.coff * d, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(ratio, self.coff * d, dtype=torch.float32))
+        self.kv_norm = V4RMSNorm(d, eps)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # transformers adds the fp32 bias to the model-dtype gate (promoting to fp32).
+        return self.kv_proj(x), self.gate_proj(x) + self.position_bias[positions % self.ratio]
+
+
+class _Scorer(nn.Module):
+    def __init__(self, hidden_size: int, n_heads: int) -> None:
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False)
+
+
+class _Indexer(_Compressor):
+    """CSA's lightning indexer: its own compressor (``index_head_dim`` wide), query projection and scorer."""
+
+    def __init__(self, hidden_size: int, q_lora_rank: int, ratio: int, n_heads: int, head_dim: int, eps: float):
+        super().__init__(hidden_size, ratio, head_dim, eps)
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.scorer = _Scorer(hidden_size, n_heads)
+
+
+class _CSACompressor(_Compressor):
+    def __init__(self, hidden_size, q_lora_rank, ratio, index_n_heads, index_head_dim, eps) -> None:
+        super().__init__(hidden_size, ratio, HEAD_DIM, eps)
+        self.indexer = _Indexer(hidden_size, q_lora_rank, ratio, index_n_heads, index_head_dim, eps)
+
+
+class _GroupedLinear(nn.Linear):
+    """Block-diagonal ``[G * R, in/G]`` weight (transformers' ``o_a_proj``): group g maps its slice to R outputs."""
+
+    def __init__(self, in_per_group: int, out_features: int, n_groups: int) -> None:
+        super().__init__(in_per_group, out_features, bias=False)
+        self.n_groups = n_groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, G, in/G] -> [T, G, R]
+        w = self.weight.view(self.n_groups, -1, x.shape[-1])
+        return torch.einsum("tgd,grd->tgr", x, w)
+
+
+def gathered_attention(q, kv_cache, indices, lens, sm_scale, sinks, extra_kv_cache=None, extra_indices=None,
+                       extra_lens=None) -> torch.Tensor:  # fmt: skip
+    """PyTorch sparse attention with a sink over one or two "auto" sources (the fp32 path; SPEC §7.7).
+
+    ``q [T, H, 512]``; ``indices [T, K]`` global slots, the first ``lens[t]`` of row t count (and >= 0).
+    Returns ``[T, H, 512]`` in q's dtype: ``softmax([scores, sink])`` without the sink column, times V = K.
+    """
+    keys, masks = [], []
+    for cache, idx, n in ((kv_cache, indices, lens), (extra_kv_cache, extra_indices, extra_lens)):
+        if cache is None:
+            continue
+        flat = cache.reshape(-1, cache.shape[-1])
+        ok = (idx >= 0) & (idx < flat.shape[0])
+        ok &= torch.arange(idx.shape[1], device=idx.device)[None, :] < n[:, None]
+        keys.append(flat[torch.where(ok, idx, 0).long()].float())
+        masks.append(ok)
+    k, m = torch.cat(keys, 1), torch.cat(masks, 1)  # [T, K, D], [T, K]
+    s = torch.einsum("thd,tkd->thk", q.float(), k) * sm_scale
+    s = s.masked_fill(~m[:, None, :], float("-inf"))
+    s = torch.cat([s, sinks.float().view(1, -1, 1).expand(s.shape[0], -1, 1)], dim=-1)
+    p = torch.softmax(s - s.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", p, k).to(q.dtype)
+
+
+class DeepseekV4Attention(nn.Module):
+    r"""One V4 attention layer (transformers' ``DeepseekV4Attention`` parameter names).
+
+    Args:
+        hidden_size (int), num_heads (int), q_lora_rank (int): model shape (head dim 512: 448 nope + 64 rope).
+        o_groups (int), o_lora_rank (int): grouped output projection.
+        layer_type (str): one of :data:`V4_LAYER_TYPES`.
+        compress_ratio (int): tokens per compressed entry (CSA / HCA layers; ignored for sliding layers).
+        window (int): sliding window W.
+        index_n_heads (int), index_head_dim (int), index_topk (int): the CSA indexer.
+        eps (float): RMSNorm epsilon.
+        kv_cache_dtype (str): "auto" (model dtype rows) or "fp8_v4" (584-byte rows; needs bf16/fp16).
+
+    Raises:
+        ValueError: an unknown layer type or cache dtype.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int,
+        o_groups: int,
+        o_lora_rank: int,
+        layer_type: str,
+        compress_ratio: int,
+        window: int,
+        index_n_heads: int,
+        index_head_dim: int,
+        index_topk: int,
+        eps: float = 1e-6,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        super().__init__()
+        if layer_type not in V4_LAYER_TYPES:
+            raise ValueError(f"layer_type must be one of {V4_LAYER_TYPES}; got {layer_type!r}")
+        if kv_cache_dtype not in V4_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {V4_KV_CACHE_DTYPES}; got {kv_cache_dtype!r}")
+        if num_heads % o_groups:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of o_groups ({o_groups})")
+        self.layer_type, self.num_heads, self.window = layer_type, num_heads, window
+        self.kv_cache_dtype, self.eps = kv_cache_dtype, eps
+        self.ratio = 1 if layer_type == "sliding_attention" else int(compress_ratio)
+        self.index_topk = index_topk
+        self.scaling = HEAD_DIM**-0.5
+        self.o_groups = o_groups
+        self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
+        self.q_a_norm = V4RMSNorm(q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(q_lora_rank, num_heads * HEAD_DIM, bias=False)
+        self.kv_proj = nn.Linear(hidden_size, HEAD_DIM, bias=False)
+        self.kv_norm = V4RMSNorm(HEAD_DIM, eps)
+        self.o_a_proj = _GroupedLinear(num_heads * HEAD_DIM // o_groups, o_groups * o_lora_rank, o_groups)
+        self.o_b_proj = nn.Linear(o_groups * o_lora_rank, hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32))
+        if layer_type == "compressed_sparse_attention":
+            self.compressor = _CSACompressor(hidden_size, q_lora_rank, self.ratio, index_n_heads, index_head_dim, eps)
+        elif layer_type == "heavily_compressed_attention":
+            self.compressor = _Compressor(hidden_size, self.ratio, HEAD_DIM, eps)
+        else:
+            self.compressor = None
+        self.register_buffer("cos_sin_cache", torch.zeros(1, ROPE_DIM), persistent=False)
+
+    @property
+    def is_csa(self) -> bool:
+        return self.layer_type == "compressed_sparse_attention"
+
+    def make_cache(self, num_blocks: int, block_size: int, num_state_slots: int, *, dtype, device) -> V4LayerCache:
+        """Allocate this layer's caches (compressed caches share the main block table at ``bs_c``)."""
+        from openmla.metadata.v4 import compressed_block_size
+
+        kw = dict(kv_cache_dtype=self.kv_cache_dtype, device=device, dtype=dtype)
+        cache = V4LayerCache(swa=allocate_v4_cache(num_blocks, block_size, **kw))
+        if self.compressor is not None:
+            bs_c = compressed_block_size(block_size, self.ratio)
+            cache.compressed = allocate_v4_cache(num_blocks, bs_c, **kw)
+            cache.state = allocate_compressor_state(num_state_slots, self.ratio, HEAD_DIM,
+                                                    overlap=self.compressor.coff == 2, device=device)  # fmt: skip
+            if self.is_csa:
+                ix = self.compressor.indexer
+                cache.indexer = torch.zeros(num_blocks, bs_c, ix.head_dim, dtype=dtype, device=device)
+                cache.indexer_state = allocate_compressor_state(num_state_slots, self.ratio, ix.head_dim,
+                                                                overlap=ix.coff == 2, device=device)  # fmt: skip
+        return cache
+
+    def _compress(self, comp: _Compressor, x, md: V4Metadata, state, kv_cache, kv_cache_dtype: str) -> None:
+        cm = md.compressed[self.ratio]
+        kv, score = comp.project(x, md.positions)
+        compress_kv(
+            kv, score, state, md.state_slots, md.query_start_loc, md.seq_lens, comp.kv_norm.weight,
+            self.cos_sin_cache, kv_cache, md.block_table, ratio=self.ratio, eps=self.eps,
+            kv_cache_dtype=kv_cache_dtype, block_size=cm.block_size, validate=False,
+        )  # fmt: skip
+
+    def _csa_indices(self, x, qr, md: V4Metadata, cache: V4LayerCache):
+        """The indexer's top-k compressed entries of every row, as compressed-cache slots (and their count)."""
+        ix, cm = self.compressor.indexer, md.compressed[self.ratio]
+        self._compress(ix, x, md, cache.indexer_state, cache.indexer, "auto")
+        T = x.shape[0]
+        qi = rope_tail(ix.q_b_proj(qr).view(T, ix.n_heads, ix.head_dim), md.positions, self.cos_sin_cache)
+        w = ix.scorer.weights_proj(x).float() * (ix.head_dim**-0.5 * ix.n_heads**-0.5)
+        # Each row scores as its own request over the (pos + 1) // r entries it may see.
+        topk = indexer_topk(
+            qi.to(cache.indexer.dtype), w, cache.indexer, cm.row_block_table, cm.hca_lens, cm.row_query_start_loc,
+            self.index_topk, max_seq_len=cm.row_block_table.shape[1] * cm.block_size, validate=False,
+        )  # fmt: skip
+        return csa_topk_indices(topk, md.query_start_loc, md.seq_lens, md.block_table, block_size=cm.block_size,
+                                ratio=self.ratio, slot_mapping=md.slot_mapping, validate=False)  # fmt: skip
+
+    def forward(self, x: torch.Tensor, md: V4Metadata, cache: V4LayerCache) -> torch.Tensor:
+        """``x [T, hidden]`` (T = ``md.num_tokens``) -> ``[T, hidden]``; writes this step's rows into ``cache``."""
+        T, H = x.shape[0], self.num_heads
+        pos, table = md.positions, self.cos_sin_cache
+        qr = self.q_a_norm(self.q_a_proj(x))
+        q = _unweighted_rms_norm(self.q_b_proj(qr).view(T, H, HEAD_DIM), self.eps)
+        q = rope_tail(q, pos, table)
+        kv = rope_tail(self.kv_norm(self.kv_proj(x)), pos, table)
+        nope = HEAD_DIM - ROPE_DIM
+        concat_and_cache_v4(kv[:, :nope], kv[:, nope:], cache.swa, md.slot_mapping,
+                            kv_cache_dtype=self.kv_cache_dtype, validate=False)  # fmt: skip
+        extra = (None, None, None)
+        if self.compressor is not None:
+            self._compress(self.compressor, x, md, cache.state, cache.compressed, self.kv_cache_dtype)
+            if self.is_csa:
+                idx, lens = self._csa_indices(x, qr, md, cache)
+            else:
+                cm = md.compressed[self.ratio]
+                idx, lens = cm.hca_indices, cm.hca_lens
+            extra = (cache.compressed, idx, lens)
+        if q.dtype == torch.float32:
+            if self.kv_cache_dtype != "auto":
+                raise ValueError("fp32 attention reads 'auto' caches only (fp8_v4 runs the bf16/fp16 kernel)")
+            o = gathered_attention(q, cache.swa, md.swa_indices, md.swa_lens, self.scaling, self.sinks, *extra)
+        else:
+            o, _ = sparse_mla(
+                q, cache.swa, md.swa_indices, self.scaling, kv_cache_dtype=self.kv_cache_dtype,
+                topk_length=md.swa_lens, attn_sink=self.sinks.float(), d_v=HEAD_DIM, extra_kv_cache=extra[0],
+                extra_indices=extra[1], extra_topk_length=extra[2], return_lse=False, validate=False,
+            )  # fmt: skip
+        inverse_rope_rows(o, pos, table, validate=False)
+        o = self.o_a_proj(o.reshape(T, self.o_groups, -1)).flatten(1)
+        return self.o_b_proj(o)

@@ -1,0 +1,202 @@
+"""DeepSeek V4 step metadata: per-token positions, sliding-window and compressed index sets, compressor slots.
+
+One :class:`V4MetadataBuilder` serves every layer of a step. From a :class:`~openmla.metadata.BatchSpec` it
+derives, on the device and without a host synchronisation:
+
+* ``positions [T]``: ``seq_lens[b] - qlen_b + j`` for the j-th new token of request b (0 for padding rows);
+* the sliding-window slots of every token (``swa_indices``), read from the SWA cache (same block table);
+* per compression ratio r of the model: the compressed caches' block size ``bs_c = block_size // r`` (or 1
+  when ``r >= block_size``: compressed entry i of a request lives in slot
+  ``block_table[b, i // bs_c] * bs_c + i % bs_c`` of a cache with as many blocks as the main one), the HCA
+  index set (every visible entry ``i < (pos + 1) // r``), and the per-row view the CSA indexer scores with
+  (each query row its own "request" over the ``(pos + 1) // r`` entries it may see);
+* ``state_slots [B]``: each request's compressor-state slot, written by the runner into a persistent buffer.
+
+Every output is a view of a persistent buffer sized for ``max_num_batched_tokens`` rows and ``max_num_seqs``
+requests, so a decode step captured in a CUDA graph replays against the same addresses after ``build``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from openmla.metadata.batch import BatchSpec
+from openmla.ops.v4_indices import hca_indices, swa_indices
+
+__all__ = ["V4CompressedMetadata", "V4Metadata", "V4MetadataBuilder", "compressed_block_size"]
+
+
+def compressed_block_size(block_size: int, ratio: int) -> int:
+    """Block size of a ratio-``ratio`` compressed cache sharing the main cache's block table.
+
+    Raises:
+        ValueError: neither of ``block_size`` and ``ratio`` divides the other (entries would straddle blocks).
+    """
+    if ratio < 1 or block_size < 1:
+        raise ValueError(f"block_size ({block_size}) and ratio ({ratio}) must be >= 1")
+    if block_size % ratio and ratio % block_size:
+        raise ValueError(f"block_size {block_size} and compress ratio {ratio}: one must divide the other")
+    return max(1, block_size // ratio)
+
+
+@dataclass
+class V4CompressedMetadata:
+    """What the layers of one compression ratio read.
+
+    Attributes:
+        ratio (int), block_size (int): the ratio and the compressed caches' block size.
+        hca_indices (torch.Tensor): `[T, width]` int32 compressed slots of every visible entry, -1 after.
+        hca_lens (torch.Tensor): `[T]` int32 ``(pos + 1) // ratio`` (0 for padding rows).
+        row_query_start_loc (torch.Tensor): `[T + 1]` int32 ``0..T``: each row its own request (indexer).
+        row_block_table (torch.Tensor): `[T, max_blocks]` int32: the block table row of each token's request.
+    """
+
+    ratio: int
+    block_size: int
+    hca_indices: torch.Tensor
+    hca_lens: torch.Tensor
+    row_query_start_loc: torch.Tensor
+    row_block_table: torch.Tensor
+
+
+@dataclass
+class V4Metadata:
+    """One V4 step (views of the builder's persistent buffers; shapes use T = ``num_input_tokens``).
+
+    Attributes:
+        positions (torch.Tensor): `[T]` int64.
+        slot_mapping (torch.Tensor): `[T]` int64 SWA-cache slots, -1 for padding rows.
+        query_start_loc (torch.Tensor): `[B + 1]` int32. seq_lens (torch.Tensor): `[B]` int32.
+        block_table (torch.Tensor): `[B, max_blocks]` int32 (the SWA cache's and, with ``bs_c``, the
+            compressed caches').
+        state_slots (torch.Tensor): `[B]` int32 compressor-state slots.
+        swa_indices (torch.Tensor): `[T, window]` int32 SWA slots. swa_lens (torch.Tensor): `[T]` int32.
+        compressed (dict[int, V4CompressedMetadata]): per compression ratio.
+        block_size (int), window (int), num_tokens (int), num_reqs (int), max_query_len (int).
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    state_slots: torch.Tensor
+    swa_indices: torch.Tensor
+    swa_lens: torch.Tensor
+    compressed: dict[int, V4CompressedMetadata]
+    block_size: int
+    window: int
+    num_tokens: int
+    num_reqs: int
+    max_query_len: int
+
+
+class V4MetadataBuilder:
+    r"""Builds :class:`V4Metadata` into persistent buffers.
+
+    Args:
+        block_size (int): the SWA (main) cache's block size.
+        window (int): the sliding window W (keys ``[pos - W + 1, pos]``).
+        ratios (tuple[int, ...]): the model's compression ratios (CSA's and HCA's; empty for SWA-only models).
+        max_num_seqs (int), max_num_batched_tokens (int), max_model_len (int): engine limits.
+        device (torch.device | str): where the buffers live.
+        max_blocks_per_seq (int | None): block-table width (default ``ceil(max_model_len / block_size)``).
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        window: int,
+        ratios: tuple[int, ...],
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        device: torch.device | str,
+        max_blocks_per_seq: int | None = None,
+    ) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1; got {window}")
+        self.block_size, self.window = int(block_size), int(window)
+        self.ratios = tuple(sorted({int(r) for r in ratios}))
+        self.bs_c = {r: compressed_block_size(self.block_size, r) for r in self.ratios}
+        self.max_num_seqs, self.max_tokens = int(max_num_seqs), int(max_num_batched_tokens)
+        self.max_model_len = int(max_model_len)
+        self.device = torch.device(device)
+        self.max_blocks_per_seq = max_blocks_per_seq or -(-self.max_model_len // self.block_size)
+        T, B, dev = self.max_tokens, self.max_num_seqs, self.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        self._positions = torch.zeros(T, dtype=torch.int64, device=dev)
+        self._arange = torch.arange(T + 1, **i32)
+        self.state_slots = torch.arange(B, **i32)  # the runner writes each step's slots here
+        self._swa = torch.full((T, self.window), -1, **i32)
+        self._swa_lens = torch.zeros(T, **i32)
+        self._req = torch.zeros(T, dtype=torch.int64, device=dev)
+        self._row_bt = torch.zeros(T, self.max_blocks_per_seq, **i32)
+        self._hca = {}
+        for r in self.ratios:
+            width = max(1, -(-self.max_model_len // r))
+            self._hca[r] = (torch.full((T, width), -1, **i32), torch.zeros(T, **i32))
+
+    def build(self, spec: BatchSpec) -> V4Metadata:
+        """Fill the buffers for ``spec`` (device ops only; validation is the scheduler's job here).
+
+        Raises:
+            ValueError: more rows or requests than the buffers hold, or a block table wider than them.
+        """
+        T, B = spec.num_input_tokens, spec.num_reqs
+        if T > self.max_tokens or B > self.max_num_seqs:
+            raise ValueError(f"step of {T} rows / {B} requests exceeds the builder ({self.max_tokens} / "
+                             f"{self.max_num_seqs})")  # fmt: skip
+        if spec.block_table.shape[1] > self.max_blocks_per_seq:
+            raise ValueError(f"block_table width {spec.block_table.shape[1]} > {self.max_blocks_per_seq}")
+        qsl, seq_lens, bt = spec.query_start_loc, spec.seq_lens, spec.block_table
+        rows = self._arange[:T].to(torch.int64)
+        # token -> request: the last request whose first row is <= t (rows past qsl[B] are padding).
+        req = torch.searchsorted(qsl[1:].to(torch.int64), rows, right=True).clamp_(max=max(B - 1, 0))
+        valid = rows < qsl[B].to(torch.int64)
+        qlen = (qsl[1:] - qsl[:-1]).to(torch.int64)
+        pos = seq_lens.to(torch.int64)[req] - qlen[req] + rows - qsl[:-1].to(torch.int64)[req]
+        pos = torch.where(valid, pos, torch.zeros_like(pos))
+        self._positions[:T].copy_(pos)
+        self._req[:T].copy_(req)
+        if self.ratios:
+            self._row_bt[:T, : bt.shape[1]].copy_(bt[req])
+        slot_mapping = spec.slot_mapping[:T]
+        swa_indices(
+            qsl, seq_lens, bt, block_size=self.block_size, window=self.window, num_tokens=T,
+            slot_mapping=slot_mapping, out_indices=self._swa, out_lens=self._swa_lens, validate=False,
+        )  # fmt: skip
+        compressed = {}
+        for r in self.ratios:
+            idx, lens = self._hca[r]
+            hca_indices(
+                qsl, seq_lens, bt, block_size=self.bs_c[r], ratio=r, width=idx.shape[1], num_tokens=T,
+                slot_mapping=slot_mapping, out_indices=idx, out_lens=lens, validate=False,
+            )  # fmt: skip
+            compressed[r] = V4CompressedMetadata(
+                ratio=r,
+                block_size=self.bs_c[r],
+                hca_indices=idx[:T],
+                hca_lens=lens[:T],
+                row_query_start_loc=self._arange[: T + 1],
+                row_block_table=self._row_bt[:T, : bt.shape[1]],
+            )
+        return V4Metadata(
+            positions=self._positions[:T],
+            slot_mapping=slot_mapping,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_table=bt,
+            state_slots=self.state_slots[:B],
+            swa_indices=self._swa[:T],
+            swa_lens=self._swa_lens[:T],
+            compressed=compressed,
+            block_size=self.block_size,
+            window=self.window,
+            num_tokens=T,
+            num_reqs=B,
+            max_query_len=spec.max_query_len,
+        )
