@@ -315,3 +315,57 @@ def test_sparse_v4_in_a_cuda_graph(device):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+class _FakeFlashMLA:
+    """FlashMLA's MODEL1 sparse decode and its sparse prefill as their docstrings state them (q `[b, s_q, h, 512]`,
+    k_cache `[blocks, block_size, 1, 584]` fp8, indices `[b, s_q, topk]`, extra_topk_length `[b]`; prefill kv
+    `[s, 1, 512]`, indices `[t, 1, k]`), through the fp32 reference: the bench must hand the peer the same problem."""
+
+    @staticmethod
+    def get_mla_metadata(*args, **kwargs):
+        return object(), None
+
+    @staticmethod
+    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, softmax_scale=None,
+                               causal=False, is_fp8_kvcache=False, indices=None, attn_sink=None, extra_k_cache=None,
+                               extra_indices_in_kvcache=None, topk_length=None, extra_topk_length=None):  # fmt: skip
+        assert is_fp8_kvcache and not causal and head_dim_v == 512 and k_cache.dim() == 4 and q.shape[2] in (64, 128)
+        b, s_q, h, _ = q.shape
+        rows = b * s_q
+        el = None if extra_topk_length is None else extra_topk_length.repeat_interleave(s_q)
+        out, lse = sparse_mla_ref(q.reshape(rows, h, 512), k_cache, indices.reshape(rows, -1), softmax_scale,
+                                  kv_cache_dtype="fp8_v4", attn_sink=attn_sink, extra_kv_cache=extra_k_cache,
+                                  extra_indices=extra_indices_in_kvcache.reshape(rows, -1),
+                                  extra_topk_length=el)  # fmt: skip
+        return out.to(q.dtype).view(b, s_q, h, 512), lse.view(b, s_q, h).transpose(1, 2)
+
+    @staticmethod
+    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+        assert kv.dim() == 3 and kv.shape[1] == 1 and indices.dim() == 3 and indices.shape[1] == 1
+        out, lse = sparse_mla_ref(q, kv, indices[:, 0], sm_scale, topk_length=topk_length, attn_sink=attn_sink)
+        return out.to(q.dtype), lse, lse
+
+
+@pytest.mark.parametrize("spec", ["v4decode h3 b2 q2 w4 k6 wb16 eb2 elen", "v4decode h64 b1 q1 w8 k4 wb4 eb4",
+                                  "v4prefill h2 t5 k6 s40", "v4prefill h2 t6 k4 w4 paged",
+                                  "v4prefill h2 t6 k4 w4 paged gather"])  # fmt: skip
+def test_bench_sparse_v4_peer_side_by_side(monkeypatch, spec, device):
+    """The sparse_v4 bench family with a stand-in FlashMLA: the peer's row, the ratio and the output check."""
+    from openmla.bench import sparse_v4
+    from openmla.bench.context import BenchContext
+    from openmla.bench.timing import Timer
+
+    dev = torch.device(device)
+    ctx = BenchContext(dev, Timer(dev, rep=5, rounds=1), peers=True, quick=False, bw_gbs=1.0, peak_tflops=1.0,
+                       env=dict(gpu="cpu", torch="t", triton="tr", git="x", label=""))  # fmt: skip
+    ctx.family = "sparse_v4"
+    monkeypatch.setattr(ctx, "peer", lambda name: _FakeFlashMLA if name == "flash_mla" else None)
+    monkeypatch.setattr(ctx, "time", lambda fns, graph=True: ctx.timer.alternate(fns, graph=False))
+    notes = []
+    monkeypatch.setattr(ctx, "note", notes.append)
+    own, peer = sparse_v4.run(sparse_v4.parse(spec), ctx)
+    assert not notes, notes
+    assert (own["provider"], peer["provider"], own["peer"]) == ("openmla", "flashmla", "flashmla")
+    assert own["check"] > 0.999, own["check"]
+    assert own["ratio"] == peer["p50_us"] / own["p50_us"] and peer["flops"] == own["flops"] > 0
