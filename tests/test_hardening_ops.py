@@ -1,6 +1,8 @@
-"""Issue 28 defects 2-6: the ops' input validation, strided inputs, bad block ids and interpreter rounding.
+"""Issue 28 defects 1-6 at the op level: model widths in decode, input validation, strided inputs, bad block ids,
+unchecked inputs that must stay inside their tensors, and interpreter rounding.
 
-Every test here failed on main at 64c94cf; each names the defect it covers.
+Every test here failed on main at 64c94cf except ``test_decode_widths``, whose defect (latent widths below 64 and
+rope widths below 16 give a dot with K < 16) shows only when the kernel is compiled for a GPU.
 """
 
 from __future__ import annotations
