@@ -122,7 +122,7 @@ def test_v4_config_roundtrip_and_errors():
     with pytest.raises(ValueError, match="head_dim"):
         tiny_v4_config(head_dim=256)
     with pytest.raises(ValueError, match="layer_types"):
-        tiny_v4_config(layer_types=["full_attention"] * 4)
+        tiny_v4_config(layer_types=["full_attention"] * 3)
 
 
 def test_v4_spec_tokens_bounded_by_the_ring(tiny):

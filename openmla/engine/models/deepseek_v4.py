@@ -365,17 +365,16 @@ class DeepseekV4ForCausalLM(nn.Module):
 def tiny_v4_config(**overrides) -> DeepseekV4Config:
     """A tiny V4 with all three layer types: window 8, CSA ratio 4 with top-k 4, HCA ratio 16, 2 heads.
 
-    4 layers (sliding, CSA, HCA, CSA), hidden 64, q_lora 32, o_groups 2 x o_lora 16, 4 experts (top-2, the
+    3 layers (sliding, CSA, HCA), hidden 64, q_lora 32, o_groups 2 x o_lora 16, 4 experts (top-2, the
     first layer hash-routed), hc_mult 2, indexer 8 heads x 128, vocab 128, YaRN on the compress table.
     """
     cfg = dict(
-        vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
         q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4, routed_scaling_factor=1.5,
         max_position_embeddings=256, sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=8,
         index_head_dim=128, index_topk=4, hc_mult=2, hc_sinkhorn_iters=5,
-        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                     "compressed_sparse_attention"],
-        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                          "beta_fast": 32, "beta_slow": 1},
