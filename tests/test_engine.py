@@ -352,6 +352,19 @@ def test_engine_model_widths_match_hf(name):
     _assert_greedy(hf, prompts, outs, exact=DTYPE == torch.float32)
 
 
+def test_engine_small_width_fp8_cache_matches_hf():
+    """An fp8 cache at a padded width (latent 32, rope 16), with the fp8 tolerance of LOGIT_TOLERANCES."""
+    cfg = tiny_config(kv_lora_rank=32, qk_rope_head_dim=16)
+    sd = random_state_dict(cfg, seed=1, decisive_routing=True)
+    model = build_model(cfg, sd, device=testing.suite_device(), dtype=DTYPE, kv_cache_dtype="fp8")
+    eng = LLMEngine(model, EngineConfig(block_size=pick(16, 64), max_num_seqs=2, max_num_batched_tokens=16,
+                                        max_model_len=64, num_spec_tokens=1, record_logits=True))  # fmt: skip
+    eng.generate([PROMPTS[0][:18], PROMPTS[1]], 4)
+    assert eng.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    check = check_records(build_hf_model(cfg, sd), eng.records, *logit_tolerance(DTYPE, "fp8"))
+    assert check.ok, "\n".join(check.failures[:5])
+
+
 @pytest.mark.parametrize("field,value", [("kv_lora_rank", 384), ("kv_lora_rank", 2048), ("qk_rope_head_dim", 48)])
 def test_model_width_refused_at_load(field, value):
     with pytest.raises(ValueError, match=f"{field} {value}: "):
