@@ -227,15 +227,23 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     kv_cache_dtype: str = "auto",
     kv_scale: float = 1.0,
+    indexer_cache_dtype: str | None = None,
 ) -> DeepseekV3ForCausalLM:
     """Instantiate the model, load ``state_dict`` strictly, move it, build the absorbed matrices.
 
-    The router weight and bias stay fp32 whatever ``dtype`` is (HF keeps them fp32 too).
+    The router weight and bias stay fp32 whatever ``dtype`` is (HF keeps them fp32 too), as do V3.2's
+    indexer ``weights_proj``. ``indexer_cache_dtype`` ("auto" / "fp8", V3.2 only) picks the indexer key cache.
 
     Raises:
         RuntimeError: missing or unexpected weights (from ``load_state_dict``).
+        ValueError: ``indexer_cache_dtype`` for a model without an indexer.
     """
-    model = _model_class(cfg)(cfg, kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale)
+    extra = {}
+    if indexer_cache_dtype is not None:
+        if not isinstance(cfg, DeepseekV32Config):
+            raise ValueError(f"indexer_cache_dtype {indexer_cache_dtype!r}: only DeepSeek V3.2 has an indexer")
+        extra["indexer_cache_dtype"] = indexer_cache_dtype
+    model = _model_class(cfg)(cfg, kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale, **extra)
     sd = dict(state_dict)
     if cfg.tie_word_embeddings:
         sd.setdefault("lm_head.weight", sd.get("model.embed_tokens.weight"))
