@@ -128,7 +128,7 @@ def enable_dcp(model, group=None, interleave: int = 1):
     """
     check_dcp_args(group_info(group)[0], None, interleave)
     for attn in model.attention_layers:
-        if not isinstance(attn, MLAAttention):
+        if type(attn) not in (MLAAttention, DCPMLAAttention):  # exact: V3.2's SparseMLAAttention subclasses it
             raise TypeError(f"DCP supports the V3 MLA layers only; got {type(attn).__name__}")
         attn.__class__ = DCPMLAAttention
         attn.dcp_group, attn.dcp_interleave = group, interleave
