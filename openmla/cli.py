@@ -5,11 +5,13 @@
     Greedy generation for a batch of token-id prompts. With ``--json`` the last line of stdout is a JSON
     list with one list of generated token ids per prompt (prompt excluded), in prompt order, exactly
     ``N`` each. ``--model tiny`` (the default) is the built-in seeded tiny DeepSeek V3, ``--model tiny-v32`` the
-    tiny DeepSeek V3.2 (sparse attention; a checkpoint's ``model_type`` picks V3 or V3.2). ``--dcp N`` shards
+    tiny DeepSeek V3.2 (sparse attention), ``--model tiny-v4`` the tiny DeepSeek V4 (a checkpoint's ``model_type``
+    picks V3, V3.2 or V4). ``--dcp N`` shards
     the KV cache over N ranks (decode context parallelism, ``openmla.parallel``): N local processes, or
     the ones ``torchrun --nproc-per-node N -m openmla generate --dcp N ...`` starts; rank 0 prints.
 
-``openmla demo [--device cpu|cuda] [--model tiny|tiny-v32|PATH] [--kv-cache-dtype auto|fp8|fp8_ds_mla] [--speculate K]``
+``openmla demo [--device cpu|cuda] [--model tiny|tiny-v32|tiny-v4|PATH] [--kv-cache-dtype auto|fp8|fp8_ds_mla|fp8_v4]
+[--speculate K]``
     Builds the tiny DeepSeek V3 (V3.2 with ``tiny-v32``; or loads PATH), generates for a handful of prompts of
     different lengths with continuous batching, chunked prefill and speculative verify, prints tokens/s and the
     acceptance rate, checks each request's last step's logits against transformers and exits 1 on a mismatch.
@@ -76,10 +78,11 @@ def _non_negative(text: str) -> int:
 
 def _add_common(p: argparse.ArgumentParser, speculate_default: int) -> None:
     p.add_argument("--model", default="tiny",
-                   help='checkpoint directory (HF config.json + safetensors), "tiny" (V3) or "tiny-v32"')  # fmt: skip
+                   help='checkpoint directory (HF config.json + safetensors), "tiny" (V3), "tiny-v32", '
+                   '"tiny-v4"')  # fmt: skip
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present, else cpu")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_ds_mla"), default="auto",
-                   help="fp8: per-tensor (V3); fp8_ds_mla: 656-byte rows (V3.2)")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_ds_mla", "fp8_v4"), default="auto",
+                   help="fp8: per-tensor (V3); fp8_ds_mla: 656-byte rows (V3.2); fp8_v4: 584 bytes (V4)")  # fmt: skip
     p.add_argument("--speculate", type=_non_negative, default=speculate_default, metavar="K",
                    help="draft tokens verified per step (n-gram prompt lookup)")  # fmt: skip
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
@@ -208,10 +211,12 @@ def _cmd_demo(args) -> int:
     decisive = dtype != torch.float32 or args.kv_cache_dtype != "auto"
     from openmla.engine.loader import load_checkpoint, tiny_config
     from openmla.engine.models import DeepseekV32Config, tiny_v32_config
+    from openmla.engine.models.deepseek_v4 import DeepseekV4Config, tiny_v4_config
 
-    tiny = {"tiny": tiny_config, "tiny-v32": tiny_v32_config}.get(args.model)
+    tiny = {"tiny": tiny_config, "tiny-v32": tiny_v32_config, "tiny-v4": tiny_v4_config}.get(args.model)
     mcfg = tiny() if tiny is not None else load_checkpoint(args.model)[0]
     family = "DeepSeek V3.2" if isinstance(mcfg, DeepseekV32Config) else "DeepSeek V3"
+    family = "DeepSeek V4" if isinstance(mcfg, DeepseekV4Config) else family
     print(f"openmla demo: {family} ({args.model}) on {device}, {str(dtype).replace('torch.', '')}, "
           f"kv cache {args.kv_cache_dtype}, speculate {args.speculate}")  # fmt: skip
     t0 = time.perf_counter()
@@ -219,7 +224,9 @@ def _cmd_demo(args) -> int:
     engine, sd, dtype = _make_engine(args, prompts, args.max_new_tokens, record=True, decisive=decisive)
     mc = engine.model.config
     print(f"  model: {mc.num_hidden_layers} layers, hidden {mc.hidden_size}, {mc.num_attention_heads} heads, "
-          f"latent {mc.kv_lora_rank}+{mc.qk_rope_head_dim}, {mc.n_routed_experts} experts; "
+          + (f"latent {mc.kv_lora_rank}+{mc.qk_rope_head_dim}, " if hasattr(mc, "kv_lora_rank") else
+             f"layer types {'/'.join(t.split('_')[0] for t in mc.layer_types)}, window {mc.sliding_window}, ")
+          + f"{mc.n_routed_experts} experts; "
           f"block size {engine.config.block_size}, budget {engine.config.max_num_batched_tokens} tokens/step, "
           f"{engine.config.max_num_seqs} seqs; cuda graphs {'on' if engine.runner.cuda_graphs else 'off'} "
           f"(setup {time.perf_counter() - t0:.1f} s)")  # fmt: skip

@@ -17,6 +17,7 @@ import re
 import torch
 
 from openmla.engine.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from openmla.engine.models.deepseek_v4 import DeepseekV4Config, build_v4_model, random_v4_state_dict, tiny_v4_config
 from openmla.engine.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM, tiny_v32_config
 
 __all__ = [
@@ -207,7 +208,8 @@ def load_checkpoint(path: str) -> tuple[DeepseekV3Config, dict]:
         raise FileNotFoundError(f"{path!r} has no config.json")
     with open(cfg_path) as f:
         d = json.load(f)
-    cfg = (DeepseekV32Config if d.get("model_type") == "deepseek_v32" else DeepseekV3Config).from_dict(d)
+    kinds = {"deepseek_v32": DeepseekV32Config, "deepseek_v4": DeepseekV4Config}
+    cfg = kinds.get(d.get("model_type"), DeepseekV3Config).from_dict(d)
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{path!r} has no *.safetensors weights")
@@ -238,6 +240,8 @@ def build_model(
         RuntimeError: missing or unexpected weights (from ``load_state_dict``).
         ValueError: ``indexer_cache_dtype`` for a model without an indexer.
     """
+    if isinstance(cfg, DeepseekV4Config):  # its own fp32 rules (transformers' _keep_in_fp32_modules_strict)
+        return build_v4_model(cfg, state_dict, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     extra = {}
     if indexer_cache_dtype is not None:
         if not isinstance(cfg, DeepseekV32Config):
@@ -279,7 +283,10 @@ def load_model(
     Returns:
         (model, state dict it was built from, fused experts, CPU tensors: what an oracle loads).
     """
-    if path is None or path in ("tiny", "tiny-v32"):
+    if path == "tiny-v4":
+        cfg = tiny_v4_config(**(config_overrides or {}))
+        sd = random_v4_state_dict(cfg, seed=seed, decisive_routing=decisive_routing)
+    elif path is None or path in ("tiny", "tiny-v32"):
         make = tiny_v32_config if path == "tiny-v32" else tiny_config
         cfg = make(**(config_overrides or {}))
         sd = random_state_dict(cfg, seed=seed, decisive_routing=decisive_routing)

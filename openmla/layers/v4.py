@@ -12,8 +12,8 @@ output projection (``o_groups`` blocks to ``o_lora_rank`` each) and ``o_b_proj``
 Sliding-window layers use the plain RoPE table, compressed layers (their q/kv, compressor, indexer and
 inverse RoPE) the "compress" table: the model passes each layer its ``[P, 64]`` ``[cos | sin]`` table.
 
-Attention runs :func:`openmla.sparse_mla` for bf16/fp16 (its kernel takes 16-bit q) and a gathered PyTorch
-softmax for fp32 (the CPU oracle path: same index sets, same caches).
+Attention runs :func:`openmla.sparse_mla` for bf16/fp16 (its kernel takes 16-bit q; the inverse RoPE fused in its
+epilogue) and a gathered PyTorch softmax for fp32 (the CPU oracle path: same index sets, same caches).
 """
 
 from __future__ import annotations
@@ -295,12 +295,13 @@ class DeepseekV4Attention(nn.Module):
             if self.kv_cache_dtype != "auto":
                 raise ValueError("fp32 attention reads 'auto' caches only (fp8_v4 runs the bf16/fp16 kernel)")
             o = gathered_attention(q, cache.swa, md.swa_indices, md.swa_lens, self.scaling, self.sinks, *extra)
-        else:
+            inverse_rope_rows(o, pos, table, validate=False)
+        else:  # the inverse RoPE fused into the kernel's epilogue
             o, _ = sparse_mla(
                 q, cache.swa, md.swa_indices, self.scaling, kv_cache_dtype=self.kv_cache_dtype,
                 topk_length=md.swa_lens, attn_sink=self.sinks.float(), d_v=HEAD_DIM, extra_kv_cache=extra[0],
-                extra_indices=extra[1], extra_topk_length=extra[2], return_lse=False, validate=False,
+                extra_indices=extra[1], extra_topk_length=extra[2], inv_rope_positions=pos, cos_sin_cache=table,
+                return_lse=False, validate=False,
             )  # fmt: skip
-        inverse_rope_rows(o, pos, table, validate=False)
         o = self.o_a_proj(o.reshape(T, self.o_groups, -1)).flatten(1)
         return self.o_b_proj(o)

@@ -30,7 +30,15 @@ from openmla.layers.rope import rope_inv_freq
 from openmla.layers.v4 import V4_LAYER_TYPES, DeepseekV4Attention, V4LayerCache, V4RMSNorm
 from openmla.metadata.v4 import V4Metadata
 
-__all__ = ["DeepseekV4Config", "DeepseekV4ForCausalLM", "rope_table"]
+__all__ = [
+    "DeepseekV4Config",
+    "DeepseekV4ForCausalLM",
+    "build_hf_v4_model",
+    "build_v4_model",
+    "random_v4_state_dict",
+    "rope_table",
+    "tiny_v4_config",
+]
 
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 _LEGACY_RATIO = {0: "sliding_attention", 1: "sliding_attention", 4: "compressed_sparse_attention",
@@ -383,10 +391,12 @@ def tiny_v4_config(**overrides) -> DeepseekV4Config:
     return DeepseekV4Config(**cfg)
 
 
-def random_v4_state_dict(cfg: DeepseekV4Config, seed: int = 0) -> dict:
+def random_v4_state_dict(cfg: DeepseekV4Config, seed: int = 0, *, decisive_routing: bool = False) -> dict:
     """Seeded random fp32 weights with the HF names; sinks, position biases, router bias and ``tid2eid`` random.
 
     transformers initialises sinks, position biases and ``tid2eid`` to zeros, which would check nothing.
+    ``decisive_routing``: the correction bias ``2 * (E - 1 - e)`` outweighs the scores' spread, so bf16 / fp8
+    rounding cannot flip a top-k expert choice (the weights still come from the scores; hash layers unchanged).
     """
     g = torch.Generator().manual_seed(seed)
     model = DeepseekV4ForCausalLM(cfg)
@@ -399,6 +409,8 @@ def random_v4_state_dict(cfg: DeepseekV4Config, seed: int = 0) -> dict:
             v = 1.0 + 0.1 * torch.randn(shape, generator=g)
         elif name.endswith("sinks") or name.endswith("e_score_correction_bias"):
             v = 0.5 * torch.randn(shape, generator=g)
+            if decisive_routing and name.endswith("e_score_correction_bias"):
+                v = 2.0 * torch.arange(shape[0] - 1, -1, -1, dtype=torch.float32)
         elif name.endswith("position_bias"):
             v = torch.randn(shape, generator=g)
         elif name.endswith(".scale") or name.endswith("hc_scale"):
