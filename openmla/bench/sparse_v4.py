@@ -21,8 +21,8 @@ TFLOPS = 2 * h * (attended keys) * (512 + 512) (FlashMLA's count for MODEL1); by
 + q + out. Decode's peer is ``flash_mla_with_kvcache`` with ``indices`` / ``extra_k_cache`` /
 ``extra_indices_in_kvcache`` / ``extra_topk_length`` / ``attn_sink`` on the same fp8_v4 bytes; it takes 64 or 128
 heads only, so h < 64 runs on q padded to 64 heads (the ratio is against that padded call). FlashMLA applies no
-inverse RoPE: ``check`` is the cosine similarity with an openmla call without it. Decode points are CUDA-graph
-replays, prefill points ``do_bench`` medians.
+inverse RoPE: ``check`` is the cosine similarity with an openmla call without it. openmla is timed with
+``validate=False``; decode points are CUDA-graph replays, prefill points ``do_bench`` medians.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def _rope(rows: int, dev, gen):
 
 
 def _priv(shape: V4AttnShape) -> dict:
-    priv = {}
+    """validate=False (the engine's hot path: no host sync a call) and the shape's private tuning variants."""
+    priv = {"validate": False}
     if shape.tile:
         priv["_tiling_override"] = shape.tile
     if shape.split:
