@@ -180,6 +180,50 @@ def test_sparse_v4_inverse_rope_against_torch_rotation(splits, device):
     assert_close("round trip", plain.float(), back, *TOLERANCES[q.dtype])
 
 
+@pytest.mark.parametrize("seed", range(pick(10, 16)))
+def test_sparse_v4_random_configs(seed, device):
+    """Random mixes of heads, tokens, widths, block sizes, dtypes, sentinels (-1, out of range, duplicates), lengths,
+    a dense or ragged extra source, sinks, splits and the inverse RoPE against the reference."""
+    g = torch.Generator().manual_seed(300 + seed)
+
+    def r(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    def source(T, K, bs):
+        blocks = max(1, r(8, 96) // bs)
+        n = blocks * bs
+        idx = torch.randint(-2, n + 2, (T, K), generator=g, dtype=torch.int32)  # -1, -2 and past the cache
+        if K >= 3:
+            idx[:, 1] = idx[:, 2]  # a duplicate counts twice
+        lens = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32)
+        counted = torch.arange(K)[None, :] < lens[:, None]
+        used = torch.unique(idx[counted & (idx >= 0) & (idx < n)]).long()
+        return _cache(blocks, bs, kv_dtype, used, device, g), idx, lens
+
+    kv_dtype = ["fp8_v4", "auto"][r(0, 1)]
+    T, H = r(1, pick(5, 40)), r(1, pick(24, 128))
+    cache, idx, lens = source(T, r(1, pick(48, 1024)), [1, 3, 16, 64, 256][r(0, 4)])
+    kw = {"kv_cache_dtype": kv_dtype, "topk_length": lens.to(device)}
+    if r(0, 1):
+        kw["extra_kv_cache"], eidx, elens = source(T, r(1, pick(24, 512)), [1, 2, 64][r(0, 2)])
+        if r(0, 1):
+            kw["extra_indices"] = tuple(x.to(device) for x in openmla.build_ragged_indices_from_dense(eidx, elens))
+        else:
+            kw["extra_indices"], kw["extra_topk_length"] = eidx.to(device), elens.to(device)
+    if r(0, 1):
+        kw["attn_sink"] = (torch.randn(H, generator=g) * 2).to(device)
+    if r(0, 1):
+        kw["inv_rope_positions"] = torch.randint(0, 50, (T,), generator=g).to(device)
+        kw["cos_sin_cache"] = _rope_table(50).to(device)
+    split = {"_num_splits_override": r(2, 5)} if r(0, 1) else {}
+    q = _q(T, H, device, seed=seed)
+    out, lse = openmla.sparse_mla(q, cache, idx.to(device), SCALE, **kw, **split)
+    ref_out, ref_lse = sparse_mla_ref(q, cache, idx.to(device), SCALE, **kw)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert_close("out", ref_out, out, *TOLERANCES[q.dtype])
+    assert_close("lse", ref_lse, lse, *_LSE_TOL[kv_dtype])
+
+
 def test_sparse_v4_nan_exponent_in_a_selected_row(device):
     """A selected fp8_v4 row whose exponent byte is 255 (a NaN scale) counts as 0 in that group, like the
     reference (SPEC §6: a NaN from dequantising counts as 0); the other rows are unaffected."""
