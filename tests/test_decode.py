@@ -126,7 +126,7 @@ def test_tma_tiles(heads, qlens, causal, dtype, device):
     bad = bt.clone()
     bad[2, 1] = cache.shape[0] + 5  # keys 64..127 of request 2 name a block past the cache
     kv = {"kv_cache_dtype": "fp8", "kv_scale": KV_SCALE} if dtype == torch.float8_e4m3fn else {}
-    out_bad, _ = openmla.mla_decode(q, cache, bad, sl, qsl, SCALE, causal=causal, plan=plan, **kv)
+    out_bad, _ = openmla.mla_decode(q, cache, bad, sl, qsl, SCALE, causal=causal, plan=plan, validate=False, **kv)
     assert not torch.isnan(out_bad).any()
     rows = slice(int(qsl[2]), int(qsl[3]))
     assert torch.equal(out_bad[: rows.start], out[: rows.start])  # other requests are untouched

@@ -536,7 +536,7 @@ def mla_decode(
     return_lse: bool = True,
     d_v: int = 512,
     backend: str | None = None,
-    validate: bool | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Paged MLA decode and speculative verify (absorbed MQA form; V = kv_cache[..., :d_v]).
 
@@ -566,11 +566,11 @@ def mla_decode(
             :mod:`openmla.ops.gluon.decode`; an error where it does not apply) or "auto" (Gluon on sm90
             for the shapes where it measured faster, else Triton). None reads ``OPENMLA_DECODE_BACKEND``
             (default "auto").
-        validate (bool | None): check the batch on the host (a device sync): ``query_start_loc`` starts at 0,
+        validate (bool): check the batch on the host (a device sync): ``query_start_loc`` starts at 0,
             does not decrease and ends at T; ``seq_lens`` are non-negative and covered by ``block_table``; the
-            block ids of the columns each request reads lie in ``[0, num_blocks)``. None (the default)
-            validates when no ``plan`` is given (a plan stands for a step checked once, e.g. by
-            :class:`~openmla.metadata.MLAMetadataBuilder`); skipped while a CUDA graph is captured. Unchecked,
+            block ids of the columns each request reads lie in ``[0, num_blocks)``. Skipped while a CUDA graph
+            is captured; pass False for a step already checked (e.g. by
+            :class:`~openmla.metadata.MLAMetadataBuilder`, as the layers do). Unchecked,
             these are trusted, but no kernel reads outside a tensor: block ids outside the cache and
             positions past the block table count as no key, rows outside ``[0, T)`` are not touched.
 
@@ -622,8 +622,6 @@ def mla_decode(
     compute = compute_dtype(torch.float16 if kv_cache_dtype == "fp8" else out_dtype)
     kv_s = _host_scale("kv_scale", kv_scale, dev) if kv_cache_dtype == "fp8" else 1.0
     q_s = _host_scale("q_scale", q_scale, dev) if q_scale is not None else 1.0
-    if validate is None:
-        validate = plan is None
     if validate and not capturing() and B:
         _check_batch(T, block_table, seq_lens, query_start_loc, kv_cache.shape[1], kv_cache.shape[0])
     if plan is None:

@@ -71,11 +71,15 @@ def dcp_local_decode(
         else:
             row_lens = dcp_local_seq_lens(seq_lens, W, rank, I, validate=sync_ok)[req]
         qsl_rows = torch.arange(T + 1, dtype=torch.int32, device=q.device)
-        out, lse = mla_decode(q, kv_cache, block_table[req], row_lens, qsl_rows, sm_scale, causal=False, **kw)
+        out, lse = mla_decode(
+            q, kv_cache, block_table[req], row_lens, qsl_rows, sm_scale, causal=False, validate=sync_ok, **kw
+        )
     else:
         local = dcp_local_seq_lens(seq_lens, W, rank, I, validate=sync_ok)
         # qlen 1 sees all its keys whether causal or not; a non-causal block sees every local key
-        out, lse = mla_decode(q, kv_cache, block_table, local, query_start_loc, sm_scale, causal=False, **kw)
+        out, lse = mla_decode(
+            q, kv_cache, block_table, local, query_start_loc, sm_scale, causal=False, validate=sync_ok, **kw
+        )
     return out, lse, route
 
 
