@@ -181,8 +181,8 @@ LOGIT_SHAPES = [("mixed", 1), ("mixed", 5), ("mixed", pick(16, 64)), ("decode", 
 # "tiled": the mixed batch under a tiling with several key splits a request and tiles inside one page each (the
 # block numbers of a split loaded up front); block size 48 / 192: splits that start inside a page; "tma": the same
 # with key tiles loaded through TMA descriptors; "tiled2": tiles of two pages (block numbers picked per key row)
-TILED = pick("16,32,4,3", "64,256,4,3")
-TILED2 = pick("32,64,4,3", "128,1024,4,3")
+TILED = pick((16, 32, 4, 3), (64, 256, 4, 3))
+TILED2 = pick((32, 64, 4, 3), (128, 1024, 4, 3))
 
 
 # every dtype case at every shape on the GPU; on the CPU (the interpreter computes in fp32 whatever the dtype) the
@@ -196,16 +196,17 @@ LOGIT_CASES = [
 
 
 @pytest.mark.parametrize("cache_dtype,cdtype,qdtype,shape,block_size", LOGIT_CASES, ids=_ids)
-def test_indexer_logits(cache_dtype, cdtype, qdtype, shape, block_size, device, monkeypatch):
+def test_indexer_logits(cache_dtype, cdtype, qdtype, shape, block_size, device):
+    variant = {}
     if shape in ("tiled", "tma", "tiled2"):
-        monkeypatch.setenv("OPENMLA_INDEXER_TILING", TILED2 if shape == "tiled2" else TILED)
+        variant["_tiling"] = TILED2 if shape == "tiled2" else TILED
     if shape == "tma":  # key tiles by TMA descriptors (the interpreter runs them; sm90+ on the GPU)
-        monkeypatch.setenv("OPENMLA_INDEXER_TMA", "1")
+        variant["_tma"] = True
     lens, qlens, pad = SHAPES["decode" if shape == "decode" else "mixed"]
     H, D = pick(3, 64), pick(20 if cache_dtype == "auto" else 32, 128)  # D 20: a masked column tail
     args = _batch(lens, qlens, H, D, block_size, cache_dtype, cdtype, qdtype, device, pad_rows=pad)
     ref = indexer_logits_ref(*args, cache_dtype=cache_dtype)
-    out = openmla.indexer_logits(*args, cache_dtype=cache_dtype)
+    out = openmla.indexer_logits(*args, cache_dtype=cache_dtype, **variant)
     _check_scores("logits", ref, out, qdtype)
     if shape != "mixed":
         return
@@ -217,15 +218,15 @@ def test_indexer_logits(cache_dtype, cdtype, qdtype, shape, block_size, device, 
 @pytest.mark.parametrize("cache_dtype,cdtype,qdtype", [SCORE_CASES[0], SCORE_CASES[5]], ids=_ids)
 @pytest.mark.parametrize("topk", pick([6], [64, 2048]))
 @pytest.mark.parametrize("topk_impl", ["triton", "torch", "triton-split"])
-def test_indexer_topk(cache_dtype, cdtype, qdtype, topk, topk_impl, device, monkeypatch):
+def test_indexer_topk(cache_dtype, cdtype, qdtype, topk, topk_impl, device):
+    split = None
     if topk_impl == "triton-split":  # rows split over 2 programs, row lengths from the scores pass
-        monkeypatch.setenv("OPENMLA_INDEXER_TOPK_SPLIT", "2")
-        topk_impl = "triton"
+        split, topk_impl = 2, "triton"
     lens, qlens, pad = SHAPES["mixed"]
     H, D = pick(4, 64), pick(32, 128)
     args = _batch(lens, qlens, H, D, pick(5, 64), cache_dtype, cdtype, qdtype, device, pad_rows=pad)
     ref = indexer_logits_ref(*args, cache_dtype=cache_dtype)
-    idx = openmla.indexer_topk(*args, topk, cache_dtype=cache_dtype, topk_impl=topk_impl)
+    idx = openmla.indexer_topk(*args, topk, cache_dtype=cache_dtype, topk_impl=topk_impl, _topk_split=split)
     assert idx.dtype == torch.int32 and idx.shape == (args[0].shape[0], topk)
     _check_topk(idx, ref, topk)
     # given the kernel's own scores the choice is exact (ties to lower positions, increasing order)
@@ -238,10 +239,8 @@ def test_indexer_topk(cache_dtype, cdtype, qdtype, topk, topk_impl, device, monk
 @pytest.mark.parametrize(
     "S,topk", [(pick(150, 5000), 7), (pick(150, 5000), pick(64, 2048)), (12, 12), (9, 40), (70, 1)]
 )
-@pytest.mark.parametrize("split", [None, "3"])
-def test_logits_topk_ties(S, topk, topk_impl, split, device, monkeypatch):
-    if split:  # each row split over 3 programs (the GPU splits rows when there are few of them)
-        monkeypatch.setenv("OPENMLA_INDEXER_TOPK_SPLIT", split)
+@pytest.mark.parametrize("split", [None, 3])  # 3: each row split over 3 programs (the GPU splits few rows)
+def test_logits_topk_ties(S, topk, topk_impl, split, device):
     T = 7
     x = torch.randn(T, S, device=device)
     x[0] = 0.0  # every score tied
@@ -253,7 +252,7 @@ def test_logits_topk_ties(S, topk, topk_impl, split, device, monkeypatch):
     x[5, ::3] = float("nan")  # NaN never chosen
     x[6, :5] = float("inf")
     x[6, 5:] = 1.0
-    idx = logits_topk(x, topk, topk_impl=topk_impl)
+    idx = logits_topk(x, topk, topk_impl=topk_impl, _topk_split=split)
     want = topk_from_logits_ref(x, topk)
     assert torch.equal(idx, want), (idx[:, :12], want[:, :12])
     assert bool((idx[4] == -1).all())
@@ -354,6 +353,27 @@ def test_errors(device):
         openmla.indexer_topk(q, w, cache, bt, sl, qsl, 0)
     with pytest.raises(ValueError, match="topk_impl"):
         openmla.indexer_topk(q, w, cache, bt, sl, qsl, 4, topk_impl="heap")
+    with pytest.raises(ValueError, match="topk_impl"):  # no default from elsewhere: None is not an implementation
+        openmla.indexer_topk(q, w, cache, bt, sl, qsl, 4, topk_impl=None)
+    # the private variants are checked as strictly as the public arguments
+    for bad in ((48, 96, 4, 3), (64, 96, 4, 3), (8, 64, 4, 3), (64, 1024, 4), "64,1024,4,4", (64, 1024, 0, 4),
+                (64, 1024, 4.0, 4), (64, 1024, True, 4)):  # fmt: skip
+        with pytest.raises(ValueError, match="_tiling"):
+            openmla.indexer_logits(q, w, cache, bt, sl, qsl, _tiling=bad)
+        with pytest.raises(ValueError, match="_tiling"):
+            openmla.indexer_topk(q, w, cache, bt, sl, qsl, 4, _tiling=bad)
+    for bad in (1, "1", None):
+        with pytest.raises(ValueError, match="_tma"):
+            openmla.indexer_logits(q, w, cache, bt, sl, qsl, _tma=bad)
+    logits = torch.zeros(2, 8, device=device)
+    for bad in ((48, 4), (8, 4), (64,), (64, 0), "64,4", (64.0, 4)):
+        with pytest.raises(ValueError, match="_topk_tiling"):
+            logits_topk(logits, 4, _topk_tiling=bad)
+        with pytest.raises(ValueError, match="_topk_tiling"):
+            openmla.indexer_topk(q, w, cache, bt, sl, qsl, 4, _topk_tiling=bad)
+    for bad in (0, -2, 2.0, "2", True):
+        with pytest.raises(ValueError, match="_topk_split"):
+            logits_topk(logits, 4, _topk_split=bad)
     with pytest.raises(ValueError, match="out"):
         openmla.indexer_topk(q, w, cache, bt, sl, qsl, 4, out=torch.zeros(3, 5, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="slot_mapping holds slot"):
@@ -424,7 +444,7 @@ from triton.compiler import ASTSource
 import openmla.ops.indexer as I
 from openmla.utils.sm90_report import resource_report
 
-block_n, split, warps, stages = I._tiling()
+block_n, split, warps, stages = I._BLOCK_N, I._KEY_SPLIT, I._NUM_WARPS, I._NUM_STAGES
 logits = dict(D=128, BLOCK_D=128, BLOCK_H=64, Q_PER=1, BLOCK_N=block_n, FP8=True, PAGE_ALIGNED=True, PRELOAD=True,
               MAX_PAGES=16, USE_TMA=False, FILL=False, COMPUTE=tl.float8e4nv, DOT_PRECISION=None, k_desc=None)
 ptrs = dict(q="*fp8e4nv", weights="*fp32", k_cache="*u8", k_scale="*fp32", out="*fp32", logits="*fp32", thr="*fp32")

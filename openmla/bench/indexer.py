@@ -5,10 +5,9 @@ A shape spec is space-separated fields: ``decode b<batch> s<keys> [q<qlen>] [h<h
 of s keys whose last t are queries, ``max_query_len=t``). Defaults: h64 d128 k2048, fp8 cache (block-split, 64-token
 blocks, scattered over a shuffled block table) and an e4m3 q (vLLM's contract: q's per-head scale folded into the
 weights); ``qbf16`` scores a bf16 q against the fp8 cache, ``bf16`` keeps a bf16 cache (and q).
-An optional ``tile<block_n>x<split>x<warps>x<stages>`` times a scores tiling (``OPENMLA_INDEXER_TILING``), and
-``ttile<block>x<warps>`` a top-k tiling (``OPENMLA_INDEXER_TOPK_TILING``), ``tma`` key tiles by TMA
-(``OPENMLA_INDEXER_TMA=1``), ``tsplit<n>`` top-k rows split over n programs (``OPENMLA_INDEXER_TOPK_SPLIT``);
-tuning only.
+An optional ``tile<block_n>x<split>x<warps>x<stages>`` times a scores tiling (the private ``_tiling=`` argument of
+``indexer_logits`` / ``indexer_topk``), and ``ttile<block>x<warps>`` a top-k tiling (``_topk_tiling=``), ``tma`` key
+tiles by TMA (``_tma=True``), ``tsplit<n>`` top-k rows split over n programs (``_topk_split=n``); tuning only.
 
 Each point gives four rows: ``indexer_logits`` (the scores pass; bytes = keys read once per request + q + weights
 + the fp32 logits written, so ``frac_bw`` is the fraction of the read bandwidth measured in the same run; FLOPs =
@@ -20,7 +19,6 @@ Decode points are CUDA-graph replays, prefill ``do_bench``.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +109,8 @@ def parse(spec: str) -> IndexerShape:
         raise bad from None
     if min(shape.s, shape.b, shape.q, shape.h, shape.d, shape.k) < 1 or shape.qlen > shape.s or shape.d % 4:
         raise bad
+    if shape.tsplit < 0 or min(shape.tile + shape.ttile, default=1) < 1:
+        raise bad
     if shape.mode == "prefill" and (shape.t < 1 or shape.b != 1):
         raise bad
     return shape
@@ -144,27 +144,16 @@ def _inputs(shape: IndexerShape, dev):
 def run(shape: IndexerShape, ctx: BenchContext) -> list[dict]:
     """Time one point: the scores pass, the top-k pass (radix select and torch.topk) and the whole call."""
     dev = ctx.device
-    env = {"OPENMLA_INDEXER_TILING": shape.tile, "OPENMLA_INDEXER_TOPK_TILING": shape.ttile}
-    env = {k: ",".join(map(str, v)) for k, v in env.items() if v}
-    if shape.tma:
-        env["OPENMLA_INDEXER_TMA"] = "1"
-    if shape.tsplit:
-        env["OPENMLA_INDEXER_TOPK_SPLIT"] = str(shape.tsplit)
-    os.environ.update(env)
-    try:
-        return _run(shape, ctx, dev)
-    finally:
-        for k in env:
-            del os.environ[k]
-
-
-def _run(shape: IndexerShape, ctx: BenchContext, dev) -> list[dict]:
+    # the shape's variant, through the ops' private arguments, passed only when set (the module constants
+    # otherwise; a copy of this bench run against an older openmla then passes none)
+    skw = {k: v for k, v in (("_tiling", shape.tile), ("_tma", shape.tma)) if v}
+    tkw = {k: v for k, v in (("_topk_tiling", shape.ttile), ("_topk_split", shape.tsplit)) if v}
     args, cache_dtype = _inputs(shape, dev)
     q = args[0]
     T, H, D = q.shape
     S, K = shape.s, shape.k
     mql = shape.qlen  # the engine knows it: verify rows share a dot, prefill rows spread over programs
-    kw = dict(cache_dtype=cache_dtype, max_query_len=mql, validate=False)
+    kw = dict(cache_dtype=cache_dtype, max_query_len=mql, validate=False, **skw)
     logits = torch.empty(T, args[3].shape[1] * BLOCK, dtype=torch.float32, device=dev)
     idx = torch.empty(T, K, dtype=torch.int32, device=dev)
     idx2 = torch.empty_like(idx)
@@ -174,12 +163,12 @@ def _run(shape: IndexerShape, ctx: BenchContext, dev) -> list[dict]:
         openmla.indexer_logits(*args, out=logits, **kw)
 
     def select(impl, out):
-        return lambda: logits_topk(logits, K, out=out, topk_impl=impl)
+        return lambda: logits_topk(logits, K, out=out, topk_impl=impl, **tkw)
 
     def whole():
-        openmla.indexer_topk(*args, K, out=idx, **kw)
+        openmla.indexer_topk(*args, K, out=idx, **kw, **tkw)
 
-    openmla.indexer_logits(*args, out=logits, cache_dtype=cache_dtype, max_query_len=mql)  # validated once
+    openmla.indexer_logits(*args, out=logits, cache_dtype=cache_dtype, max_query_len=mql, **skw)  # validated once
     select("triton", idx)()
     select("torch", idx2)()
     same = 1.0 if torch.equal(idx, idx2) else 0.0  # both passes pick the same positions

@@ -19,7 +19,6 @@ the chosen positions in increasing order (ties at the threshold: lower positions
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -48,8 +47,8 @@ FP8_SCALE_BYTES = 4  # one fp32 scale per token
 _AUTO_DTYPES = FLOAT16_DTYPES + (torch.float32,)
 _Q_DTYPES = _AUTO_DTYPES + (torch.float8_e4m3fn,)
 
-# Scores pass tiling: keys per tile, keys per program (a multiple of the tile), warps, pipeline stages.
-# OPENMLA_INDEXER_TILING="block_n,split,num_warps,num_stages" overrides it (tuning only).
+# Scores pass tiling: keys per tile, keys per program (a multiple of the tile), warps, pipeline stages. Tests and the
+# benchmark try others through the private ``_tiling=(block_n, split, num_warps, num_stages)`` argument.
 _BLOCK_N = 64
 _KEY_SPLIT = 1024
 _NUM_WARPS = 4
@@ -59,23 +58,38 @@ _MAX_ROWS = 128  # query rows x heads per tl.dot (its N side)
 _QUERY_SPLIT = 128  # query rows per program when max_query_len is given (prefill parallelism)
 _WRITE_TOKENS = 16  # tokens per program of the cache writer
 # Top-k pass: logits per chunk of the row scan (one program per row; a big chunk keeps 32 KB of loads in flight,
-# the row's passes being sequential), warps per row program. OPENMLA_INDEXER_TOPK_TILING="block,num_warps".
+# the row's passes being sequential), warps per row program. Private ``_topk_tiling=(block, num_warps)`` overrides it.
 _TOPK_BLOCK = 8192
 _TOPK_WARPS = 16
 _TOPK_BLOCK_INTERPRET = 64  # CPU: tiny rows
 _TOPK_MIN_PART = 4096  # fewest scores a program of a split row scans (rows split only when there are few of them)
+# topk_impl choices; the default "triton" (the radix select) is not yet measured against torch.topk on the H200
 _TOPK_IMPLS = ("triton", "torch")
-_TOPK_DEFAULT = "triton"  # the radix select (not yet measured against torch.topk on the H200)
+_USE_TMA = False  # TMA key tiles (private ``_tma=True``): off until measured against the pointer loads on the H200
 
 
-def _tiling() -> tuple[int, int, int, int]:
-    env = os.environ.get("OPENMLA_INDEXER_TILING")
-    if not env:
+def _int_tuple(name: str, value, n: int) -> tuple[int, ...]:
+    """``value`` as a tuple of ``n`` positive ints, else a ValueError naming ``name``."""
+    ok = isinstance(value, (tuple, list)) and len(value) == n
+    if not ok or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
+        raise ValueError(f"{name} must be {n} positive ints; got {value!r}")
+    return tuple(value)
+
+
+def _scores_tiling(tiling) -> tuple[int, int, int, int]:
+    """(block_n, split, num_warps, num_stages): the module constants, or the private ``_tiling`` checked."""
+    if tiling is None:
         return _BLOCK_N, _KEY_SPLIT, _NUM_WARPS, _NUM_STAGES
-    block_n, split, warps, stages = (int(v) for v in env.split(","))
+    block_n, split, warps, stages = _int_tuple("_tiling (block_n, split, num_warps, num_stages)", tiling, 4)
     if block_n < 16 or block_n & (block_n - 1) or split % block_n:
-        raise ValueError(f"OPENMLA_INDEXER_TILING: block_n must be a power of two >= 16 dividing split; got {env!r}")
+        raise ValueError(f"_tiling: block_n must be a power of two >= 16 dividing split; got {tiling!r}")
     return block_n, split, warps, stages
+
+
+def _check_tma(tma) -> bool:
+    if not isinstance(tma, bool):
+        raise ValueError(f"_tma must be a bool; got {tma!r}")
+    return tma
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -510,10 +524,10 @@ def _validate_batch(T, B, S, k_cache, block_table, seq_lens, query_start_loc):
     check_block_table(block_table, seq_lens, None, k_cache.shape[1], k_cache.shape[0])
 
 
-def _tma_wanted(k_cache) -> bool:
-    """OPENMLA_INDEXER_TMA=1 asks for TMA key tiles (sm90+; the interpreter runs them too). Off by default until
-    measured against the pointer loads on the H200."""
-    if os.environ.get("OPENMLA_INDEXER_TMA", "0") != "1":
+def _tma_wanted(k_cache, tma: bool) -> bool:
+    """TMA key tiles when asked for (``_tma``, default _USE_TMA) and the device has them (sm90+; the interpreter
+    runs them too)."""
+    if not tma:
         return False
     return k_cache.device.type != "cuda" or torch.cuda.get_device_capability(k_cache.device) >= (9, 0)
 
@@ -533,10 +547,11 @@ def _key_descriptor(k_cache, cache_dtype, D, block_n):
 
 
 def _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype, S,
-                        max_query_len, out, row_len, fill=True):  # fmt: skip
+                        max_query_len, out, row_len, tiling, tma, fill=True):  # fmt: skip
+    """The scores pass; ``tiling`` a checked (block_n, split, num_warps, num_stages), ``tma`` a bool."""
     T, H, D = q.shape
     B = block_table.shape[0]
-    block_n, split, warps, stages = _tiling()
+    block_n, split, warps, stages = tiling
     BLOCK_H = max(16, triton.next_power_of_2(H))
     q_per = 1
     if max_query_len is not None and BLOCK_H < _MAX_ROWS:
@@ -547,7 +562,7 @@ def _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_
     aligned = block_size % block_n == 0
     pages = split // block_size if split % block_size == 0 else triton.cdiv(split, block_size) + 1
     preload = aligned or triton.next_power_of_2(pages) <= _PRELOAD_MAX_PAGES
-    k_desc = _key_descriptor(k_cache, cache_dtype, D, block_n) if aligned and _tma_wanted(k_cache) else None
+    k_desc = _key_descriptor(k_cache, cache_dtype, D, block_n) if aligned and _tma_wanted(k_cache, tma) else None
     grid = (B + 1, triton.cdiv(S, split), n_q)
     _indexer_logits_fwd_kernel[grid](
         q, weights, k_cache, _scale_view(k_cache, cache_dtype), k_desc, block_table, seq_lens, query_start_loc, out,
@@ -574,6 +589,8 @@ def indexer_logits(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     validate: bool = True,
+    _tiling: tuple[int, int, int, int] | None = None,
+    _tma: bool = _USE_TMA,
 ) -> torch.Tensor:
     r"""Lightning-indexer scores of every query row against its request's causal keys.
 
@@ -598,12 +615,15 @@ def indexer_logits(
         out (torch.Tensor | None): `[T, max_seq_len]` fp32 to write into (CUDA-graph buffers).
         validate (bool): check the batch (query_start_loc, seq_lens <= max_seq_len, the block table) with a
             host synchronisation. Unchecked bad blocks score -inf and are never read.
+        _tiling, _tma: private, for tests and the benchmark (docs/indexer.md): a scores tiling
+            ``(block_n, split, num_warps, num_stages)`` instead of the module constants; TMA key tiles.
 
     Returns:
         torch.Tensor: `[T, max_seq_len]` fp32.
     """
     T, H, D, B, S = _check_scores_args(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype,
                                        max_seq_len, max_query_len)  # fmt: skip
+    tiling, tma = _scores_tiling(_tiling), _check_tma(_tma)
     if out is None:
         out = torch.empty(T, S, dtype=torch.float32, device=q.device)
     else:
@@ -614,7 +634,7 @@ def indexer_logits(
         return out
     row_len = torch.empty(T, dtype=torch.int32, device=q.device)
     _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype, S, max_query_len,
-                        out, row_len)  # fmt: skip
+                        out, row_len, tiling, tma)  # fmt: skip
     return out
 
 
@@ -858,19 +878,26 @@ def _indexer_topk_fwd_kernel(
         tl.store(p_out + o, tl.full([BLOCK], -1, dtype=tl.int32), mask=o < K)
 
 
-def _topk_tiling() -> tuple[int, int]:
-    env = os.environ.get("OPENMLA_INDEXER_TOPK_TILING")
-    if not env:
+def _check_topk_tiling(tiling) -> tuple[int, int]:
+    """(block, num_warps): the module constants, or the private ``_topk_tiling`` checked."""
+    if tiling is None:
         return (_TOPK_BLOCK_INTERPRET if INTERPRET else _TOPK_BLOCK), _TOPK_WARPS
-    block, warps = (int(v) for v in env.split(","))
+    block, warps = _int_tuple("_topk_tiling (block, num_warps)", tiling, 2)
     if block < 16 or block & (block - 1):
-        raise ValueError(f"OPENMLA_INDEXER_TOPK_TILING: block must be a power of two >= 16; got {env!r}")
+        raise ValueError(f"_topk_tiling: block must be a power of two >= 16; got {tiling!r}")
     return block, warps
 
 
-def _topk_fwd(logits, row_len, topk, out, impl):
+def _check_topk_split(split) -> int | None:
+    if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
+        raise ValueError(f"_topk_split must be a positive int or None; got {split!r}")
+    return split
+
+
+def _topk_fwd(logits, row_len, topk, out, impl, tiling, split):
+    """The top-k pass; ``tiling`` a checked (block, num_warps), ``split`` None (by the row count) or parts."""
     T, S = logits.shape
-    block, warps = _topk_tiling()
+    block, warps = tiling
     radix = impl == "triton"
     if radix:
         thr = logits
@@ -880,7 +907,7 @@ def _topk_fwd(logits, row_len, topk, out, impl):
         finite = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"))  # torch.topk ranks NaN first
         thr = torch.topk(finite, topk, dim=1, sorted=False).values.amin(dim=1)
     lens = row_len if row_len is not None else logits
-    parts = _topk_parts(T, S, block, logits.device)
+    parts = _topk_parts(T, S, block, logits.device, split)
     if parts == 1:
         _indexer_topk_fwd_kernel[(T,)](
             logits, lens, thr, out, logits.stride(0), out.stride(0), S, topk,
@@ -911,13 +938,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _topk_parts(T: int, S: int, block: int, dev) -> int:
+def _topk_parts(T: int, S: int, block: int, dev, split: int | None = None) -> int:
     """Programs a row's top-k is split over: 1 when the rows fill about half the SMs or more (one program a row),
     else enough for about two programs an SM, each at least _TOPK_MIN_PART scores (a split row costs 6 launches
-    instead of 1). OPENMLA_INDEXER_TOPK_SPLIT forces it (tuning)."""
-    env = os.environ.get("OPENMLA_INDEXER_TOPK_SPLIT")
-    if env:
-        return max(1, min(int(env), triton.cdiv(S, block)))
+    instead of 1). ``split`` (the private ``_topk_split``) forces it, at most one program a block of scores."""
+    if split is not None:
+        return max(1, min(split, triton.cdiv(S, block)))
     if dev.type != "cuda":
         return 1
     sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
@@ -929,7 +955,6 @@ def _topk_parts(T: int, S: int, block: int, dev) -> int:
 def _check_topk(topk, impl, out, T, dev):
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk must be a positive int; got {topk!r}")
-    impl = impl or os.environ.get("OPENMLA_INDEXER_TOPK", _TOPK_DEFAULT)
     if impl not in _TOPK_IMPLS:
         raise ValueError(f"topk_impl must be one of {_TOPK_IMPLS}; got {impl!r}")
     if out is None:
@@ -940,18 +965,27 @@ def _check_topk(topk, impl, out, T, dev):
 
 
 def logits_topk(
-    logits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None, topk_impl: str | None = None
+    logits: torch.Tensor,
+    topk: int,
+    *,
+    out: torch.Tensor | None = None,
+    topk_impl: str = "triton",
+    _topk_tiling: tuple[int, int] | None = None,
+    _topk_split: int | None = None,
 ) -> torch.Tensor:
     """Per row, the positions of the ``topk`` largest scores of ``logits`` `[T, S]` fp32 (-inf and NaN never
     chosen), in increasing position order (ties at the threshold: lower positions first), then -1:
-    int32 `[T, topk]`. ``topk_impl``: "triton" (radix select) or "torch" (``torch.topk`` for the threshold)."""
+    int32 `[T, topk]`. ``topk_impl``: "triton" (radix select, the default) or "torch" (``torch.topk`` for the
+    threshold). Private, for tests and the benchmark: ``_topk_tiling=(block, num_warps)`` instead of the module
+    constants, ``_topk_split=parts`` a row split over that many programs (1: never) instead of by the row count."""
     check_tensor("logits", logits, dtypes=(torch.float32,), ndim=2)
     impl, out = _check_topk(topk, topk_impl, out, logits.shape[0], logits.device)
+    tiling, split = _check_topk_tiling(_topk_tiling), _check_topk_split(_topk_split)
     if logits.shape[0]:
         if logits.shape[1] == 0:
             out.fill_(-1)
         else:
-            _topk_fwd(logits, None, topk, out, impl)
+            _topk_fwd(logits, None, topk, out, impl, tiling, split)
     return out
 
 
@@ -968,8 +1002,12 @@ def indexer_topk(
     max_seq_len: int | None = None,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
-    topk_impl: str | None = None,
+    topk_impl: str = "triton",
     validate: bool = True,
+    _tiling: tuple[int, int, int, int] | None = None,
+    _tma: bool = _USE_TMA,
+    _topk_tiling: tuple[int, int] | None = None,
+    _topk_split: int | None = None,
 ) -> torch.Tensor:
     r"""The lightning indexer's causal top-k: per query row the request-local positions of its ``topk``
     best keys under :func:`indexer_logits`' scores.
@@ -981,8 +1019,10 @@ def indexer_topk(
     Args:
         topk (int): entries per row (2048 for V3.2).
         out (torch.Tensor | None): `[T, topk]` int32 to write into (e.g. the engine's shared buffer).
-        topk_impl (str | None): "triton" (a radix select per row, the default) or "torch" (``torch.topk``
-            finds each row's threshold); the same result. Default from ``OPENMLA_INDEXER_TOPK``.
+        topk_impl (str): "triton" (a radix select per row, the default) or "torch" (``torch.topk`` finds each
+            row's threshold); the same result.
+        _tiling, _tma, _topk_tiling, _topk_split: private, for tests and the benchmark: those of
+            :func:`indexer_logits` and :func:`logits_topk`.
 
     Returns:
         torch.Tensor: `[T, topk]` int32. (The scores are an internal fp32 `[T, max_seq_len]` buffer.)
@@ -990,6 +1030,8 @@ def indexer_topk(
     T, H, D, B, S = _check_scores_args(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype,
                                        max_seq_len, max_query_len)  # fmt: skip
     impl, out = _check_topk(topk, topk_impl, out, T, q.device)
+    tiling, tma = _scores_tiling(_tiling), _check_tma(_tma)
+    topk_tiling, split = _check_topk_tiling(_topk_tiling), _check_topk_split(_topk_split)
     if validate and not capturing():
         _validate_batch(T, B, S, k_cache, block_table, seq_lens, query_start_loc)
     if T == 0:
@@ -1000,5 +1042,5 @@ def indexer_topk(
     row_len = torch.empty(T, dtype=torch.int32, device=q.device)
     # the top-k scans each row's first row_len columns only: the kernel skips the -inf fill past them
     _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_loc, cache_dtype, S, max_query_len,
-                        logits, row_len, fill=impl == "torch")  # fmt: skip
-    return _topk_fwd(logits, row_len, topk, out, impl)
+                        logits, row_len, tiling, tma, fill=impl == "torch")  # fmt: skip
+    return _topk_fwd(logits, row_len, topk, out, impl, topk_tiling, split)
