@@ -404,6 +404,7 @@ def test_bench_sparse_v4_peer_side_by_side(monkeypatch, spec, device):
     ctx = BenchContext(dev, Timer(dev, rep=5, rounds=1), peers=True, quick=False, bw_gbs=1.0, peak_tflops=1.0,
                        env=dict(gpu="cpu", torch="t", triton="tr", git="x", label=""))  # fmt: skip
     ctx.family = "sparse_v4"
+    monkeypatch.setattr(sparse_v4, "POOL_GIB", 2**-14)  # small caches on a GPU too (the stand-in reads them all)
     monkeypatch.setattr(ctx, "peer", lambda name: _FakeFlashMLA if name == "flash_mla" else None)
     monkeypatch.setattr(ctx, "time", lambda fns, graph=True: ctx.timer.alternate(fns, graph=False))
     notes = []
