@@ -9,10 +9,11 @@ token's key list). It loads q once, streams the selected rows in tiles of ``BLOC
 slot; invalid entries are masked and never read), computes q k^T over the first ``d_v`` columns as four
 column chunks plus the tail (V3.2: 512 latent + 64 rope), keeps the online softmax in fp32 registers and
 accumulates P V. The extra source runs through the same loop into the same state. The cache format is a
-constexpr branch of :func:`_load_kv_rows` (bf16/fp16 rows, or the 656-byte ``fp8_ds_mla`` row dequantised in
-registers). The epilogue normalises, applies the sink to ``out`` only and writes ``out`` and the sink-free
-LSE, or, with several splits, a normalised fp32 partial + LSE that :func:`_sparse_mla_merge_fwd_kernel`
-merges. The split count comes from :func:`_num_splits` (fill the SMs when tokens x head blocks cannot).
+constexpr branch of :func:`_load_kv_rows` (bf16/fp16 rows, the 656-byte ``fp8_ds_mla`` row or V4's block-split
+584-byte ``fp8_v4`` row, dequantised in registers). The epilogue normalises, applies the sink to ``out`` only,
+rotates V4's rope dims back by the token's angle (optional) and writes ``out`` and the sink-free LSE, or, with
+several splits, a normalised fp32 partial + LSE that :func:`_sparse_mla_merge_fwd_kernel` merges (sink and
+rotation there). The split count comes from :func:`_num_splits` (fill the SMs when tokens x head blocks cannot).
 """
 
 from __future__ import annotations
@@ -686,9 +687,8 @@ def sparse_mla(
         indices: `[T, K]` int32 global slots (``block * block_size + offset``; any K >= 1), or the ragged pair
             ``(indptr [T + 1] int32, flat [nnz] int32)`` of :func:`openmla.build_ragged_indices_from_dense`.
         sm_scale (float): softmax scale (required; model specific).
-        kv_cache_dtype (str): ``"auto"``, ``"fp8_ds_mla"`` or ``"fp8_v4"``, for both sources (a V4 caller with
-            a bf16 compressed cache beside an fp8_v4 window passes both as one dtype). With fp8, a NaN produced by
-            dequantising a selected row counts as 0.
+        kv_cache_dtype (str): ``"auto"``, ``"fp8_ds_mla"`` or ``"fp8_v4"``, one layout for both sources (V4:
+            both caches fp8_v4, or both bf16). With fp8, a NaN produced by dequantising a selected row counts as 0.
         topk_length (torch.Tensor | None): `[T]` int32 in ``[0, K]``: only the first ``topk_length[t]`` entries
             of row t count (dense indices only).
         attn_sink (torch.Tensor | None): `[H]` fp32: an extra logit with a zero value in each head's
