@@ -25,20 +25,28 @@ from openmla.utils.testing import on_gpu, pick
 
 pytest.importorskip("transformers")
 
+_G = torch.Generator().manual_seed(3)
 PROMPTS = [
     [7, 3, 9, 27, 101, 4, 8, 15, 16, 23, 42, 99, 12, 5, 77, 31, 64, 2, 90, 11, 3, 3, 58, 71, 19, 24, 36, 6, 13, 8],
     [5, 6],
     [40, 41, 42, 40, 41, 42, 40, 41, 42, 40, 41],  # repetitive: the n-gram drafter proposes from it
     [100, 17, 33, 120, 64, 7, 7, 7, 80, 81, 82, 83, 3],
-]
+] + pick(cpu=[], gpu=[torch.randint(2, 128, (n,), generator=_G).tolist() for n in (200, 90)])
 MAX_NEW = 5
 DTYPE = pick(cpu=torch.float32, gpu=torch.bfloat16)
 DECISIVE = DTYPE != torch.float32  # pin the MoE routes in low precision (see random_state_dict)
+# GPU: V3.2's index heads (64 x 128), top-k 32 of up to 200 keys, 64-token blocks
+INDEX = pick(cpu={}, gpu=dict(index_n_heads=64, index_head_dim=128, index_topk=32))
+ENGINE = pick(cpu=dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64),
+              gpu=dict(block_size=64, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256))  # fmt: skip
+# bf16: the indexer's scores carry bf16 rounding, and where two keys nearly tie at the k-th score one swaps, moving
+# that row by O(1) (no attention error); fp32 reproduces HF's selection exactly, so every row must match there
+MIN_ROWS_WITHIN = 1.0 if DTYPE == torch.float32 else 0.9
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = tiny_v32_config()
+    cfg = tiny_v32_config(**INDEX)
     sd = random_state_dict(cfg, seed=0, decisive_routing=DECISIVE)
     return cfg, sd, build_hf_model(cfg, sd)
 
@@ -47,10 +55,28 @@ def make_engine(tiny, *, kv_cache_dtype="auto", state_dict=None, **kw):
     cfg, sd, _ = tiny
     model = build_model(cfg, state_dict or sd, device=testing.suite_device(), dtype=DTYPE,
                         kv_cache_dtype=kv_cache_dtype)  # fmt: skip
-    opts = dict(block_size=pick(cpu=4, gpu=64), max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
-                record_logits=True, num_spec_tokens=2, cuda_graphs=False)  # fmt: skip
+    opts = dict(ENGINE, record_logits=True, num_spec_tokens=2, cuda_graphs=False)
     opts.update(kw)
     return LLMEngine(model, EngineConfig(**opts))
+
+
+@torch.no_grad()
+def _row_errors(hf, records) -> torch.Tensor:
+    """Per recorded row: (max |logit diff| vs HF, HF's max |logit|)."""
+    errs = []
+    for r in records:
+        ref = hf(torch.tensor([r.context_ids + r.token_ids])).logits[0, -len(r.token_ids) :].double()
+        errs.append(torch.stack([(r.logits.double() - ref).abs().amax(-1), ref.abs().amax(-1)], -1))
+    return torch.cat(errs)
+
+
+def _assert_logits(hf, records, kv_cache_dtype: str, min_within: float) -> None:
+    """At least ``min_within`` of the rows within the logit tolerance, every row finite and within 1.5."""
+    atol, rtol, _ = logit_tolerance(DTYPE, kv_cache_dtype)
+    err = _row_errors(hf, records)
+    within = err[:, 0] <= atol + rtol * err[:, 1]
+    assert bool(torch.isfinite(err).all()) and float(err[:, 0].max()) < 1.5, err[:, 0].max()
+    assert float(within.double().mean()) >= min_within, f"{int(within.sum())} of {len(within)} rows within tolerance"
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +101,10 @@ def test_v32_engine_logits_match_hf(tiny, run):
     }
     assert all(kinds.values()), kinds
     assert max(len({r.req_id for r in recs if r.step == s}) for s in range(eng.stats.num_steps)) > 1
-    check = check_records(tiny[2], recs, *logit_tolerance(DTYPE, "auto"))
-    assert check.ok, "\n".join(check.failures[:5])
+    if DTYPE == torch.float32:
+        check = check_records(tiny[2], recs, *logit_tolerance(DTYPE, "auto"))
+        assert check.ok, "\n".join(check.failures[:5])
+    _assert_logits(tiny[2], recs, "auto", MIN_ROWS_WITHIN)
     if DTYPE == torch.float32:
         assert outs == hf_greedy(tiny[2], PROMPTS, MAX_NEW)
 
@@ -85,21 +113,11 @@ def test_v32_selection_is_real(tiny, run):
     """The same weights with a top-k covering every key (dense attention) give other logits: the engine's
     agreement with HF depends on selecting HF's keys."""
     cfg, sd, _ = tiny
-    dense_hf = build_hf_model(dataclasses.replace(cfg, index_topk=64), sd)
+    dense_hf = build_hf_model(dataclasses.replace(cfg, index_topk=ENGINE["max_model_len"]), sd)
     late = [r for r in run[0].records if len(r.context_ids) >= 2 * cfg.index_topk][:4]
     assert late
     check = check_records(dense_hf, late, 1e-2, 0.0, 1.0)
     assert not check.ok and check.max_abs_diff > 0.05, check.max_abs_diff
-
-
-@torch.no_grad()
-def _row_errors(hf, records) -> torch.Tensor:
-    """Per recorded row: (max |logit diff| vs HF, HF's max |logit|)."""
-    errs = []
-    for r in records:
-        ref = hf(torch.tensor([r.context_ids + r.token_ids])).logits[0, -len(r.token_ids) :].double()
-        errs.append(torch.stack([(r.logits.double() - ref).abs().amax(-1), ref.abs().amax(-1)], -1))
-    return torch.cat(errs)
 
 
 def test_v32_fp8_ds_mla_cache_matches_hf(tiny):
@@ -115,12 +133,8 @@ def test_v32_fp8_ds_mla_cache_matches_hf(tiny):
     eng = make_engine(tiny, kv_cache_dtype="fp8_ds_mla", state_dict=sd)
     eng.generate(PROMPTS[:3], 3)
     assert eng.runner.kv_caches[0][0].dtype == torch.uint8 and eng.runner.kv_caches[0][0].shape[-1] == 656
-    atol, rtol, _ = logit_tolerance(DTYPE, "fp8_ds_mla")
-    err = _row_errors(hf, eng.records)
-    within = err[:, 0] <= atol + rtol * err[:, 1]
-    assert bool(torch.isfinite(err).all()) and float(err[:, 0].max()) < 1.5, err[:, 0].max()
-    assert float(within.double().mean()) >= 0.85, f"{int(within.sum())} of {len(within)} rows within tolerance"
-    assert float(err[:, 0].min()) > 1e-4  # the cache really is quantised
+    _assert_logits(hf, eng.records, "fp8_ds_mla", 0.85)
+    assert float(_row_errors(hf, eng.records)[:, 0].min()) > 1e-4  # the cache really is quantised
 
 
 def _eager_graphs(runner, sizes):
@@ -152,18 +166,25 @@ def test_v32_padded_graph_steps_match_hf(tiny):
     _eager_graphs(eng.runner, [(4, 1), (4, 3)])  # 3 requests padded to 4
     eng.generate(PROMPTS[1:4], MAX_NEW)
     assert eng.stats.num_graph_replays > 0
-    check = check_records(tiny[2], eng.records, *logit_tolerance(DTYPE, "auto"))
-    assert check.ok, "\n".join(check.failures[:5])
+    _assert_logits(tiny[2], eng.records, "auto", MIN_ROWS_WITHIN)
 
 
 @pytest.mark.skipif(not on_gpu(), reason="CUDA graphs need a CUDA device")
 def test_v32_cuda_graph_decode_matches_hf(tiny):
     """Decode and verify steps replay captured graphs (batch padded to a captured size) with HF's logits."""
-    eng = make_engine(tiny, cuda_graphs=True, max_num_batched_tokens=64)
+    eng = make_engine(tiny, cuda_graphs=True)
     eng.generate(PROMPTS, 8)
     assert eng.stats.num_graph_replays > 0
-    check = check_records(tiny[2], eng.records, *logit_tolerance(DTYPE, "auto"))
-    assert check.ok, "\n".join(check.failures[:5])
+    _assert_logits(tiny[2], eng.records, "auto", MIN_ROWS_WITHIN)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
+def test_v32_demo_cuda(capsys, kv):
+    """`openmla demo --model tiny-v32` on the GPU: bf16, CUDA graphs, checked against transformers."""
+    assert cli_main(["demo", "--device", "cuda", "--model", "tiny-v32", "--kv-cache-dtype", kv]) == 0
+    out = capsys.readouterr().out
+    assert "DeepSeek V3.2" in out and "cuda graphs on" in out and out.strip().endswith("OK")
 
 
 def test_v32_checkpoint_and_cli_generate(tiny, run, tmp_path, capsys):
@@ -179,7 +200,7 @@ def test_v32_checkpoint_and_cli_generate(tiny, run, tmp_path, capsys):
     assert type(load_model("tiny")[0]).__name__ == "DeepseekV3ForCausalLM"
     with pytest.raises(ValueError, match="deepseek_v32"):
         DeepseekV32Config.from_dict({"model_type": "deepseek_v3"})
-    argv = ["generate", "--model", str(tmp_path), "--device", testing.suite_device().type, "--block-size", "4",
+    argv = ["generate", "--model", str(tmp_path), "--device", testing.suite_device().type, "--block-size", "16",
             "--max-new-tokens", str(MAX_NEW), "--json", "--dtype", str(DTYPE).replace("torch.", "")]  # fmt: skip
     for p in PROMPTS[1:3]:
         argv += ["--prompt-ids", ",".join(map(str, p))]
