@@ -233,6 +233,8 @@ class DeepseekV4Attention(nn.Module):
         """Allocate this layer's caches (compressed caches share the main block table at ``bs_c``)."""
         from openmla.metadata.v4 import compressed_block_size
 
+        if self.kv_cache_dtype == "fp8_v4" and dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"kv_cache_dtype fp8_v4 needs a bf16/fp16 model (sparse_mla's q); got {dtype}")
         kw = dict(kv_cache_dtype=self.kv_cache_dtype, device=device, dtype=dtype)
         cache = V4LayerCache(swa=allocate_v4_cache(num_blocks, block_size, **kw))
         if self.compressor is not None:

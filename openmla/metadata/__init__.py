@@ -11,6 +11,7 @@ from openmla.metadata.dense import (
     uniform_padded_query_len,
 )
 from openmla.metadata.sparse import SparseMLAMetadata, SparseMLAMetadataBuilder
+from openmla.metadata.v4 import V4CompressedMetadata, V4Metadata, V4MetadataBuilder
 
 __all__ = [
     "BatchSpec",
@@ -21,6 +22,9 @@ __all__ = [
     "MLAPrefillMetadata",
     "SparseMLAMetadata",
     "SparseMLAMetadataBuilder",
+    "V4CompressedMetadata",
+    "V4Metadata",
+    "V4MetadataBuilder",
     "split_decodes_and_prefills",
     "uniform_padded_query_len",
 ]

@@ -1,0 +1,186 @@
+"""The V4 attention layer and its metadata: index sets against the references, the fp32 gathered attention
+against the sparse reference, the kernel path (bf16, ``sparse_mla`` with the fused inverse RoPE; bf16 and
+fp8_v4 caches) against the fp32 path, step by step across prefill, chunked prefill and decode, and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from openmla.engine.models.deepseek_v4 import DeepseekV4ForCausalLM, rope_table
+from openmla.layers.rope import rope_inv_freq
+from openmla.layers.v4 import V4_LAYER_TYPES, DeepseekV4Attention, gathered_attention
+from openmla.metadata import BatchSpec, V4MetadataBuilder
+from openmla.metadata.v4 import compressed_block_size
+from openmla.reference.sparse import sparse_mla_ref
+from openmla.reference.v4 import hca_indices_ref, swa_indices_ref
+from openmla.utils import testing
+
+DEV = testing.suite_device()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_topk_on_cpu():
+    # torch.topk for the indexer's threshold under the interpreter: the same result, faster on 2 CPU cores.
+    mp = pytest.MonkeyPatch()
+    if DEV.type == "cpu":
+        mp.setenv("OPENMLA_INDEXER_TOPK", "torch")
+    yield
+    mp.undo()
+
+
+BS, WINDOW, MAX_LEN = 8, 8, 64
+
+
+def _spec(steps, tables, num_input_tokens=None, block_size=BS):
+    """BatchSpec for ``steps = [(context_len, query_len), ...]`` with per-request block lists."""
+    qsl, slots = [0], []
+    for (c, q), t in zip(steps, tables, strict=True):
+        qsl.append(qsl[-1] + q)
+        slots += [t[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
+    T = num_input_tokens or qsl[-1]
+    slots += [-1] * (T - len(slots))
+    W = max(len(t) for t in tables)
+    bt = torch.zeros(len(steps), W, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t)
+    qsl_t = torch.tensor(qsl, dtype=torch.int32)
+    sl = torch.tensor([c + q for c, q in steps], dtype=torch.int32)
+    return BatchSpec(
+        query_start_loc=qsl_t.to(DEV), query_start_loc_cpu=qsl_t, seq_lens=sl.to(DEV), block_table=bt.to(DEV),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEV), num_reqs=len(steps),
+        num_actual_tokens=qsl[-1], max_query_len=max(q for _, q in steps), max_seq_len=int(sl.max()),
+        seq_lens_cpu=sl, num_input_tokens=T,
+    )  # fmt: skip
+
+
+def _builder(ratios=(4, 16), **kw):
+    opts = dict(block_size=BS, window=WINDOW, ratios=ratios, max_num_seqs=4, max_num_batched_tokens=48,
+                max_model_len=MAX_LEN, device=DEV)  # fmt: skip
+    opts.update(kw)
+    return V4MetadataBuilder(**opts)
+
+
+TABLES = [[3, 1, 6, 0, 2], [5, 7, 4, 8, 9]]
+
+
+def test_builder_matches_references():
+    """Positions, SWA and HCA sets of a ragged step (decode + chunk) with CUDA-graph padding rows."""
+    spec = _spec([(20, 1), (29, 6)], TABLES, num_input_tokens=10)
+    md = _builder().build(spec)
+    qsl, sl, bt = spec.query_start_loc.cpu(), spec.seq_lens.cpu(), spec.block_table.cpu()
+    assert md.positions.tolist() == [20, 29, 30, 31, 32, 33, 34, 0, 0, 0]
+    ref_i, ref_l = swa_indices_ref(qsl, sl, bt, BS, WINDOW, 10)
+    assert torch.equal(md.swa_lens.cpu(), ref_l) and torch.equal(md.swa_indices.cpu(), ref_i)
+    for r in (4, 16):
+        cm = md.compressed[r]
+        assert cm.block_size == compressed_block_size(BS, r) == max(1, BS // r)
+        ref_i, ref_l = hca_indices_ref(qsl, sl, bt, cm.block_size, r, cm.hca_indices.shape[1], 10)
+        assert torch.equal(cm.hca_lens.cpu(), ref_l) and torch.equal(cm.hca_indices.cpu(), ref_i)
+        assert torch.equal(cm.row_block_table[:7].cpu(), bt[[0, 1, 1, 1, 1, 1, 1]])
+    assert md.swa_lens[7:].eq(0).all() and md.compressed[4].hca_lens[7:].eq(0).all()
+
+
+def test_builder_rejects_bad_geometry():
+    with pytest.raises(ValueError, match="divide"):
+        compressed_block_size(12, 8)
+    with pytest.raises(ValueError, match="window"):
+        _builder(window=0)
+    with pytest.raises(ValueError, match="exceeds"):
+        _builder(max_num_batched_tokens=4).build(_spec([(0, 6)], TABLES[:1]))
+
+
+def test_gathered_attention_matches_reference():
+    """The fp32 path: two sources, -1 entries, per-row lengths, sinks; equals the sparse reference."""
+    torch.manual_seed(42)
+    T, H, K1, K2 = 5, 3, 6, 4
+    q = torch.randn(T, H, 512, device=DEV)
+    c1, c2 = torch.randn(4, 8, 512, device=DEV), torch.randn(3, 2, 512, device=DEV)
+    i1 = torch.randint(-1, 32, (T, K1), dtype=torch.int32, device=DEV)
+    i2 = torch.randint(-1, 6, (T, K2), dtype=torch.int32, device=DEV)
+    l1 = torch.tensor([6, 3, 0, 1, 6], dtype=torch.int32, device=DEV)
+    l2 = torch.tensor([4, 0, 0, 2, 1], dtype=torch.int32, device=DEV)
+    sinks = torch.randn(H, device=DEV)
+    out = gathered_attention(q, c1, i1, l1, 0.05, sinks, c2, i2, l2)
+    ref, _ = sparse_mla_ref(q, c1, i1, 0.05, topk_length=l1, attn_sink=sinks, extra_kv_cache=c2, extra_indices=i2,
+                            extra_topk_length=l2)  # fmt: skip
+    testing.assert_close("gathered_attention", ref, out, 1e-5, 1e-5, 1e-10)
+
+
+def _layer(layer_type, kv_cache_dtype="auto", index_topk=16, seed=0):
+    torch.manual_seed(seed)
+    layer = DeepseekV4Attention(
+        hidden_size=64, num_heads=4, q_lora_rank=32, o_groups=2, o_lora_rank=16, layer_type=layer_type,
+        compress_ratio=4 if layer_type == "compressed_sparse_attention" else 16, window=WINDOW, index_n_heads=4,
+        index_head_dim=128, index_topk=index_topk, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("sinks") or name.endswith("position_bias"):
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+    theta = 1e4 if layer_type == "sliding_attention" else 16e4
+    inv_freq, _ = rope_inv_freq(64, {"rope_type": "default", "rope_theta": theta}, MAX_LEN)
+    layer.cos_sin_cache = rope_table(inv_freq, MAX_LEN)
+    return layer.to(DEV).eval()
+
+
+def _run_steps(layer, dtype, kv_cache_dtype, schedule, xs):
+    """Run the layer through ``schedule`` (a list of steps ``[(context, query), ...]`` over two requests)."""
+    for name, p in layer.named_parameters():  # the engine's rule: norms, sinks, biases stay fp32
+        p.data = p.data.to(torch.float32 if any(k in name for k in DeepseekV4ForCausalLM.FP32_KEYS) else dtype)
+    cache = layer.make_cache(10, BS, 4, dtype=dtype, device=DEV)
+    builder = _builder(ratios=(layer.ratio,) if layer.compressor is not None else ())
+    outs = [[], []]
+    with torch.inference_mode():
+        for step in schedule:
+            reqs = [i for i, s in enumerate(step) if s[1] > 0]
+            spec = _spec([step[i] for i in reqs], [TABLES[i] for i in reqs])
+            builder.state_slots[: len(reqs)] = torch.tensor(reqs, dtype=torch.int32)
+            md = builder.build(spec)
+            x = torch.cat([xs[i][step[i][0] : step[i][0] + step[i][1]] for i in reqs]).to(dtype)
+            y = layer(x, md, cache).float()
+            row = 0
+            for i in reqs:
+                outs[i].append(y[row : row + step[i][1]])
+                row += step[i][1]
+    return [torch.cat(o) for o in outs]
+
+
+# Two requests: a prefill of 21, then decodes; chunks of 7 and 12, then a decode closing a ratio-4 entry.
+SCHEDULE = [[(0, 21), (0, 7)], [(21, 1), (7, 12)], [(22, 1), (19, 1)]]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_v4"])
+@pytest.mark.parametrize("layer_type", V4_LAYER_TYPES, ids=lambda t: t.split("_")[0])
+def test_kernel_path_matches_fp32_path(layer_type, kv_cache_dtype):
+    """bf16 through ``sparse_mla`` (bf16 or fp8_v4 caches) vs the fp32 gathered path, same weights and steps."""
+    torch.manual_seed(1)
+    xs = [torch.randn(24, 64, device=DEV), torch.randn(21, 64, device=DEV)]
+    ref = _run_steps(_layer(layer_type), torch.float32, "auto", SCHEDULE, xs)
+    out = _run_steps(_layer(layer_type, kv_cache_dtype), torch.bfloat16, kv_cache_dtype, SCHEDULE, xs)
+    # bf16 weights and activations (~2^-8 relative per op through ~10 ops); fp8_v4 adds e4m3 rounding of the
+    # nope dims (2^-4 relative) in every cached row and entry.
+    # Measured on CPU: max |diff| 0.015 / cos 2e-5 (bf16), 0.07 / 6e-4 (fp8_v4), outputs up to ~2.
+    tol = (0.04, 0.02, 1e-4) if kv_cache_dtype == "auto" else (0.15, 0.05, 2e-3)
+    for r, o in zip(ref, out, strict=True):
+        testing.assert_close(f"{layer_type} {kv_cache_dtype}", r, o, *tol)
+
+
+def test_layer_rejects_bad_arguments():
+    kw = dict(hidden_size=64, num_heads=4, q_lora_rank=32, o_groups=2, o_lora_rank=16, compress_ratio=4, window=8,
+              index_n_heads=4, index_head_dim=128, index_topk=4)  # fmt: skip
+    with pytest.raises(ValueError, match="layer_type"):
+        DeepseekV4Attention(layer_type="full_attention", **kw)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        DeepseekV4Attention(layer_type="sliding_attention", kv_cache_dtype="fp8", **kw)
+    with pytest.raises(ValueError, match="o_groups"):
+        DeepseekV4Attention(layer_type="sliding_attention", **{**kw, "o_groups": 3})
+    layer = _layer("sliding_attention", "fp8_v4")
+    with pytest.raises(ValueError, match="fp8_v4"):
+        layer.make_cache(4, BS, 2, dtype=torch.float32, device=DEV)
