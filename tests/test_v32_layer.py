@@ -118,7 +118,7 @@ def _run_two_steps(pair, dtype, kv_cache_dtype="auto", indexer_cache_dtype="auto
     cache = layer.make_kv_cache(num_blocks, BS, dtype=dtype, device=DEV)
     icache = layer.make_indexer_k_cache(num_blocks, BS, dtype=dtype, device=DEV)
     builder = SparseMLAMetadataBuilder(index_topk=TOPK, block_size=BS, max_num_seqs=4, max_model_len=MAX_LEN,
-                                       max_num_batched_tokens=512, device=DEV, decode_threshold=4)  # fmt: skip
+                                       max_num_batched_tokens=1024, device=DEV, decode_threshold=4)  # fmt: skip
     results = []
     md = None
     for step in range(2):
