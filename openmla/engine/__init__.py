@@ -11,7 +11,13 @@ from openmla.engine.loader import (
     save_checkpoint,
     tiny_config,
 )
-from openmla.engine.models import DeepseekV3Config, DeepseekV3ForCausalLM
+from openmla.engine.models import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
+    tiny_v32_config,
+)
 from openmla.engine.runner import ModelRunner
 from openmla.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
@@ -20,6 +26,8 @@ __all__ = [
     "BlockManager",
     "DeepseekV3Config",
     "DeepseekV3ForCausalLM",
+    "DeepseekV32Config",
+    "DeepseekV32ForCausalLM",
     "EngineConfig",
     "EngineStats",
     "LLMEngine",
@@ -36,4 +44,5 @@ __all__ = [
     "random_state_dict",
     "save_checkpoint",
     "tiny_config",
+    "tiny_v32_config",
 ]
