@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import openmla.layers.v4 as v4_layer
 from openmla.engine import EngineConfig, LLMEngine
 from openmla.engine.models.deepseek_v4 import (
     DeepseekV4Config,
@@ -46,7 +47,8 @@ PROMPTS = _prompts((45, 13, 30))
 @pytest.fixture(scope="module")
 def tiny(monkeypatch_module):
     cfg = tiny_v4_config()
-    sd = random_v4_state_dict(cfg, seed=0)
+    # bf16 (GPU): pin the top-k expert choice so that rounding cannot flip a route (hash layers are fixed anyway)
+    sd = random_v4_state_dict(cfg, seed=0, decisive_routing=DTYPE != torch.float32)
     return cfg, sd, build_hf_v4_model(cfg, sd)
 
 
@@ -55,7 +57,7 @@ def monkeypatch_module():
     # torch.topk for the indexer's threshold under the interpreter: the same result, faster on 2 CPU cores.
     mp = pytest.MonkeyPatch()
     if testing.suite_device().type == "cpu":
-        mp.setenv("OPENMLA_INDEXER_TOPK", "torch")
+        mp.setattr(v4_layer, "INDEXER_TOPK_IMPL", "torch")
     yield mp
     mp.undo()
 
@@ -94,18 +96,20 @@ def test_v4_engine_matches_transformers(tiny, hf_tokens):
     _check(tiny, eng)
     if DTYPE == torch.float32:
         assert outs == hf_tokens
+    if testing.suite_device().type == "cuda":  # decode steps replay CUDA graphs (metadata rebuilt in place)
+        assert eng.stats.num_graph_replays > 0
 
 
 def test_v4_verify_and_preemption(tiny, hf_tokens):
     """Speculative verify (rejected drafts roll the compressor ring back) under preemption and recompute."""
-    eng = make_engine(tiny, block_size=4, num_blocks=20, num_spec_tokens=2, max_num_batched_tokens=24)
-    outs = eng.generate(PROMPTS, MAX_NEW)
+    eng = make_engine(tiny, block_size=4, num_blocks=10, num_spec_tokens=2, max_num_batched_tokens=24)
+    outs = eng.generate(PROMPTS[1:], MAX_NEW)
     assert eng.stats.num_preemptions > 0
     assert any(r.is_verify for r in eng.records)
     assert eng.stats.num_accepted_tokens < eng.stats.num_draft_tokens  # some drafts were rejected
     _check(tiny, eng)
     if DTYPE == torch.float32:
-        assert outs == hf_tokens
+        assert outs == hf_tokens[1:]
 
 
 def test_v4_config_roundtrip_and_errors():

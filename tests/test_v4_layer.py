@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+import openmla.layers.v4 as v4_layer
 from openmla.engine.models.deepseek_v4 import DeepseekV4ForCausalLM, rope_table
 from openmla.layers.rope import rope_inv_freq
 from openmla.layers.v4 import V4_LAYER_TYPES, DeepseekV4Attention, gathered_attention
@@ -26,7 +27,7 @@ def _torch_topk_on_cpu():
     # torch.topk for the indexer's threshold under the interpreter: the same result, faster on 2 CPU cores.
     mp = pytest.MonkeyPatch()
     if DEV.type == "cpu":
-        mp.setenv("OPENMLA_INDEXER_TOPK", "torch")
+        mp.setattr(v4_layer, "INDEXER_TOPK_IMPL", "torch")
     yield
     mp.undo()
 

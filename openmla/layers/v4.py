@@ -36,6 +36,8 @@ __all__ = ["V4_KV_CACHE_DTYPES", "V4_LAYER_TYPES", "DeepseekV4Attention", "V4Lay
 V4_KV_CACHE_DTYPES = ("auto", "fp8_v4")
 V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 HEAD_DIM, ROPE_DIM = 512, 64
+#: ``indexer_topk``'s top-k pass ("triton" radix select or "torch"; the same result). Read at call time.
+INDEXER_TOPK_IMPL = "triton"
 
 
 class V4RMSNorm(nn.Module):
@@ -268,7 +270,8 @@ class DeepseekV4Attention(nn.Module):
         # Each row scores as its own request over the (pos + 1) // r entries it may see.
         topk = indexer_topk(
             qi.to(cache.indexer.dtype), w, cache.indexer, cm.row_block_table, cm.hca_lens, cm.row_query_start_loc,
-            self.index_topk, max_seq_len=cm.row_block_table.shape[1] * cm.block_size, validate=False,
+            self.index_topk, max_seq_len=cm.row_block_table.shape[1] * cm.block_size, topk_impl=INDEXER_TOPK_IMPL,
+            validate=False,
         )  # fmt: skip
         return csa_topk_indices(topk, md.query_start_loc, md.seq_lens, md.block_table, block_size=cm.block_size,
                                 ratio=self.ratio, slot_mapping=md.slot_mapping, validate=False)  # fmt: skip
