@@ -56,9 +56,12 @@ PRESETS = {
               "v4prefill h64 t4096 k512 w128 paged gather"],
     "tiny": ["v4decode h2 b2 q2 w8 k8 wb16 eb4", "v4decode h3 b1 q1 w4 k6 eb2 elen bf16",
              "v4prefill h2 t6 k8 s32", "v4prefill h2 t6 k8 w4 paged gather"],  # CPU (interpreter)
-    # tuning: tiles (32x8x2 spills 8-16 bytes at 64 heads offline, the others none) and split counts
+    # tuning: tiles (32x8x2 spills 8-16 bytes at 64 heads offline, the others none; 16-key tiles at 16 heads take
+    # 61 KB of shared memory instead of 107: 3 programs an SM) and split counts
     "sweep": [f"v4decode h{h} b128 q2 w128 k{k} tile{t}" for h, k in ((64, 512), (128, 1024))
               for t in ("32x8x3", "16x8x2", "32x8x2")]
+             + [f"v4decode h{h} b128 q2 w128 k512 tile{t}" for h in (16, 32)
+                for t in ("32x4x2", "16x4x2", "16x4x3", "32x8x2", "16x8x2")]
              + [f"v4decode h64 b{b} q2 w128 k512 split{n}" for b in (1, 8) for n in (1, 4, 8, 16)],
 }  # fmt: skip
 
