@@ -42,6 +42,9 @@ ENGINE = pick(cpu=dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=16, 
 # bf16: the indexer's scores carry bf16 rounding, and where two keys nearly tie at the k-th score one swaps, moving
 # that row by O(1) (no attention error); fp32 reproduces HF's selection exactly, so every row must match there
 MIN_ROWS_WITHIN = 1.0 if DTYPE == torch.float32 else 0.9
+# the largest row difference a swapped key may cause (logits of |4|; CPU measures up to 1.0 in bf16 and fp8_ds_mla;
+# a GPU run has more rows and two lower-precision effects at once); a wrong row layout or scale moves every row
+MAX_ROW_DIFF = pick(cpu=1.5, gpu=3.0)
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +74,11 @@ def _row_errors(hf, records) -> torch.Tensor:
 
 
 def _assert_logits(hf, records, kv_cache_dtype: str, min_within: float) -> None:
-    """At least ``min_within`` of the rows within the logit tolerance, every row finite and within 1.5."""
+    """At least ``min_within`` of the rows within the logit tolerance, every row finite and within MAX_ROW_DIFF."""
     atol, rtol, _ = logit_tolerance(DTYPE, kv_cache_dtype)
     err = _row_errors(hf, records)
     within = err[:, 0] <= atol + rtol * err[:, 1]
-    assert bool(torch.isfinite(err).all()) and float(err[:, 0].max()) < 1.5, err[:, 0].max()
+    assert bool(torch.isfinite(err).all()) and float(err[:, 0].max()) < MAX_ROW_DIFF, err[:, 0].max()
     assert float(within.double().mean()) >= min_within, f"{int(within.sum())} of {len(within)} rows within tolerance"
 
 
