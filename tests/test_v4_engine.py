@@ -112,6 +112,20 @@ def test_v4_verify_and_preemption(tiny, hf_tokens):
         assert outs == hf_tokens[1:]
 
 
+def test_v4_checkpoint_served_by_the_cli(tiny, hf_tokens, tmp_path, capsys):
+    """transformers' save_pretrained (DeepSeek names, per-expert w1/w2/w3) -> ``openmla generate --model DIR``."""
+    import json
+
+    from openmla.cli import main
+
+    tiny[2].save_pretrained(str(tmp_path))
+    ids = ",".join(map(str, PROMPTS[1]))
+    args = ["generate", "--model", str(tmp_path), "--prompt-ids", ids, "--max-new-tokens", "4", "--json"]
+    assert main(args + ["--device", testing.suite_device().type, "--dtype", "float32"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out == [hf_tokens[1][:4]]
+
+
 def test_v4_config_roundtrip_and_errors():
     cfg = tiny_v4_config()
     again = DeepseekV4Config.from_dict(cfg.to_dict())

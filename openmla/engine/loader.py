@@ -17,7 +17,13 @@ import re
 import torch
 
 from openmla.engine.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from openmla.engine.models.deepseek_v4 import DeepseekV4Config, build_v4_model, random_v4_state_dict, tiny_v4_config
+from openmla.engine.models.deepseek_v4 import (
+    DeepseekV4Config,
+    build_v4_model,
+    hf_v4_state_dict,
+    random_v4_state_dict,
+    tiny_v4_config,
+)
 from openmla.engine.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM, tiny_v32_config
 
 __all__ = [
@@ -216,6 +222,8 @@ def load_checkpoint(path: str) -> tuple[DeepseekV3Config, dict]:
     sd = {}
     for name in files:
         sd.update(load_file(os.path.join(path, name)))
+    if isinstance(cfg, DeepseekV4Config):  # DeepSeek or transformers names, per-expert w1/w2/w3
+        return cfg, hf_v4_state_dict(sd, cfg.num_hidden_layers)
     layer_re = re.compile(r"^model\.layers\.(\d+)\.")
     sd = {k: v for k, v in sd.items() if not ((m := layer_re.match(k)) and int(m.group(1)) >= cfg.num_hidden_layers)}
     return cfg, fuse_experts(sd)

@@ -20,6 +20,7 @@ data-dependent shapes (CUDA graphs), and meant for the small models this engine 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "DeepseekV4ForCausalLM",
     "build_hf_v4_model",
     "build_v4_model",
+    "hf_v4_state_dict",
     "random_v4_state_dict",
     "rope_table",
     "tiny_v4_config",
@@ -468,3 +470,61 @@ def build_hf_v4_model(cfg: DeepseekV4Config, state_dict: dict, *, device: str | 
         sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
     model.load_state_dict(sd, strict=True)
     return model.to(device).float().eval()
+
+
+# DeepSeek's checkpoint names -> transformers' (the renames of transformers' conversion_mapping["deepseek_v4"],
+# applied in order to keys without their "model." prefix; save_pretrained writes the DeepSeek names back).
+_V4_RENAMES = [
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "embed_tokens.weight"), (r"^head\.weight", "lm_head.weight"),
+    (r"^hc_head_fn", "hc_head.hc_fn"), (r"^hc_head_base", "hc_head.hc_base"), (r"^hc_head_scale", "hc_head.hc_scale"),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_fn", ".attn_hc.fn"), (r"\.hc_attn_base", ".attn_hc.base"), (r"\.hc_attn_scale", ".attn_hc.scale"),
+    (r"\.hc_ffn_fn", ".ffn_hc.fn"), (r"\.hc_ffn_base", ".ffn_hc.base"), (r"\.hc_ffn_scale", ".ffn_hc.scale"),
+    (r"\.attn_sink", ".sinks"), (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."), (r"\.ape", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."), (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+]  # fmt: skip
+_V4_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def hf_v4_state_dict(sd: dict, num_hidden_layers: int) -> dict:
+    """A V4 checkpoint's tensors (DeepSeek or transformers names, per-expert or fused) -> this model's names.
+
+    Per-expert ``w1`` (gate) / ``w3`` (up) / ``w2`` (down) are fused into ``gate_up_proj [E, 2I, H]`` and
+    ``down_proj [E, H, I]``; multi-token-prediction weights (``mtp.*``) and layers past ``num_hidden_layers``
+    are dropped.
+
+    Raises:
+        ValueError: an expert is missing one of its matrices.
+    """
+    out, experts = {}, {}
+    for key, v in sd.items():
+        k = key[len("model.") :] if key.startswith("model.") else key
+        if k.startswith("mtp."):
+            continue
+        for pat, rep in _V4_RENAMES:
+            k = re.sub(pat, rep, k)
+        m = re.match(r"^layers\.(\d+)\.", k)
+        if m and int(m.group(1)) >= num_hidden_layers:
+            continue
+        k = k if k.startswith("lm_head.") else "model." + k
+        em = _V4_EXPERT.match(k)
+        if em:
+            kind = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}.get(em.group(3), "down")
+            experts.setdefault(em.group(1), {}).setdefault(int(em.group(2)), {})[kind] = v
+        else:
+            out[k] = v
+    for prefix, per in experts.items():
+        n = max(per) + 1
+        try:
+            gate_up = [torch.cat([per[e]["gate"], per[e]["up"]], 0) for e in range(n)]
+            out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+            out[f"{prefix}.down_proj"] = torch.stack([per[e]["down"] for e in range(n)])
+        except KeyError as err:
+            raise ValueError(f"{prefix}: expert weights incomplete ({err})") from None
+    return out
