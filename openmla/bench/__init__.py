@@ -42,6 +42,7 @@ FAMILIES: dict[str, str] = {
     "indexer": "openmla.bench.indexer",
     "v4": "openmla.bench.v4",
     "sparse_v4": "openmla.bench.sparse_v4",
+    "v4_layer": "openmla.bench.v4_layer",
 }
 
 __all__ = ["FAMILIES", "load_family", "main"]

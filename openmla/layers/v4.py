@@ -276,8 +276,13 @@ class DeepseekV4Attention(nn.Module):
         return csa_topk_indices(topk, md.query_start_loc, md.seq_lens, md.block_table, block_size=cm.block_size,
                                 ratio=self.ratio, slot_mapping=md.slot_mapping, validate=False)  # fmt: skip
 
-    def forward(self, x: torch.Tensor, md: V4Metadata, cache: V4LayerCache) -> torch.Tensor:
-        """``x [T, hidden]`` (T = ``md.num_tokens``) -> ``[T, hidden]``; writes this step's rows into ``cache``."""
+    def prepare(self, x: torch.Tensor, md: V4Metadata, cache: V4LayerCache):
+        """Everything before the attention: writes this step's rows (SWA, compressor, indexer) into ``cache``.
+
+        Returns:
+            (q `[T, H, 512]` normed and RoPE'd, (compressed cache, its slots `[T, K]` int32, lens `[T]` int32),
+            all None for a sliding-window layer).
+        """
         T, H = x.shape[0], self.num_heads
         pos, table = md.positions, self.cos_sin_cache
         qr = self.q_a_norm(self.q_a_proj(x))
@@ -287,15 +292,20 @@ class DeepseekV4Attention(nn.Module):
         nope = HEAD_DIM - ROPE_DIM
         concat_and_cache_v4(kv[:, :nope], kv[:, nope:], cache.swa, md.slot_mapping,
                             kv_cache_dtype=self.kv_cache_dtype, validate=False)  # fmt: skip
-        extra = (None, None, None)
-        if self.compressor is not None:
-            self._compress(self.compressor, x, md, cache.state, cache.compressed, self.kv_cache_dtype)
-            if self.is_csa:
-                idx, lens = self._csa_indices(x, qr, md, cache)
-            else:
-                cm = md.compressed[self.ratio]
-                idx, lens = cm.hca_indices, cm.hca_lens
-            extra = (cache.compressed, idx, lens)
+        if self.compressor is None:
+            return q, (None, None, None)
+        self._compress(self.compressor, x, md, cache.state, cache.compressed, self.kv_cache_dtype)
+        if self.is_csa:
+            idx, lens = self._csa_indices(x, qr, md, cache)
+        else:
+            cm = md.compressed[self.ratio]
+            idx, lens = cm.hca_indices, cm.hca_lens
+        return q, (cache.compressed, idx, lens)
+
+    def forward(self, x: torch.Tensor, md: V4Metadata, cache: V4LayerCache) -> torch.Tensor:
+        """``x [T, hidden]`` (T = ``md.num_tokens``) -> ``[T, hidden]``; writes this step's rows into ``cache``."""
+        T, pos, table = x.shape[0], md.positions, self.cos_sin_cache
+        q, extra = self.prepare(x, md, cache)
         if q.dtype == torch.float32:
             if self.kv_cache_dtype != "auto":
                 raise ValueError("fp32 attention reads 'auto' caches only (fp8_v4 runs the bf16/fp16 kernel)")
