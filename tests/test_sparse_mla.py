@@ -82,6 +82,8 @@ def _tol(q_dtype):
 # (e4m3 x fp32 scale) to bf16 before its dot, 2^-9 relative, about 1e-3 in a score of size 1; the reference keeps
 # the fp32 product, so a row with one key differs by up to a few 1e-3.
 _LSE_TOL = {"auto": (1e-3, 1e-3, 1e-6), "fp8_ds_mla": (1e-2, 1e-3, 1e-6)}
+# fp32 q: fp32 operands and IEEE dots on every cache layout, the same arithmetic as the reference up to order
+_LSE_TOL_FP32 = (1e-5, 1e-5, 1e-9)
 
 
 def _check(q, cache, idx, kv_cache_dtype="auto", **kw):
@@ -93,7 +95,7 @@ def _check(q, cache, idx, kv_cache_dtype="auto", **kw):
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     atol, rtol, cos = _tol(q.dtype)
     assert_close("out", ref_out, out, atol, rtol, cos)
-    assert_close("lse", ref_lse, lse, *_LSE_TOL[kv_cache_dtype])
+    assert_close("lse", ref_lse, lse, *(_LSE_TOL_FP32 if q.dtype == torch.float32 else _LSE_TOL[kv_cache_dtype]))
     return out, lse
 
 
@@ -248,6 +250,37 @@ def test_sparse_mla_v4_shape_and_fp16(device):
     _check(q16, _cache(device, 6, 16, "fp8_ds_mla"), idx, "fp8_ds_mla", topk_length=lens)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("heads,block_size", [(6, 16), (16, 1)])
+def test_sparse_mla_fp32(heads, block_size, kv_cache_dtype, device):
+    """fp32 q with an fp32 "auto" cache (the CPU oracle configuration of the V3.2 layer and engine) or fp8_ds_mla
+    rows: the kernel against the reference at fp32 tolerances, with sentinels, lengths and poisoned slots."""
+    T, K = 4, 40
+    num_blocks = -(-200 // block_size)
+    cache = _cache(device, num_blocks, block_size, kv_cache_dtype, dtype=torch.float32)
+    idx, lens = _indices(T, K, num_blocks * block_size, device)
+    _poison_unused(cache, kv_cache_dtype, _counted(idx, lens))
+    q = torch.randn(T, heads, 576, device=device)
+    out, lse = _check(q, cache, idx, kv_cache_dtype, topk_length=lens)
+    assert bool((out[1:3] == 0).all()) and bool(torch.isneginf(lse[1:3]).all())
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sparse_mla_fp32_extra_source_sink_v4_shape(splits, device):
+    """fp32 at V4's shape (D = d_v = 512): two fp32 sources, ragged extra indices, a sink and the split merge."""
+    T, H = 3, 6
+    main = _cache(device, 8, 16, "auto", dtype=torch.float32, width=512)
+    extra = _cache(device, 5, 4, "auto", dtype=torch.float32, width=512)
+    idx, lens = _indices(T, 30, 128, device)
+    eidx, elens = _indices(T, 10, 20, device, gen=torch.Generator().manual_seed(5))
+    _poison_unused(main, "auto", _counted(idx, lens))
+    _poison_unused(extra, "auto", _counted(eidx, elens))
+    sink = torch.linspace(-1, 1, H, device=device)
+    q = torch.randn(T, H, 512, device=device)
+    _check(q, main, idx, topk_length=lens, d_v=512, attn_sink=sink, extra_kv_cache=extra,
+           extra_indices=openmla.build_ragged_indices_from_dense(eidx, elens), _num_splits_override=splits)  # fmt: skip
+
+
 def test_sparse_mla_buffers_and_strides(device):
     """out= / lse= buffers are written in place; q with a head stride, a cache that is a slice of a larger one;
     return_lse=False."""
@@ -308,7 +341,11 @@ def test_sparse_mla_errors(device):
     idx = torch.zeros(T, 8, dtype=torch.int32, device=device)
     f = openmla.sparse_mla
     with pytest.raises(TypeError, match="q must have dtype"):
-        f(q.float(), cache, idx, SCALE)
+        f(q.double(), cache, idx, SCALE)
+    with pytest.raises(TypeError, match="kv_cache must have dtype"):
+        f(q.float(), cache, idx, SCALE)  # an fp32 q takes an fp32 "auto" cache
+    with pytest.raises(TypeError, match="extra_kv_cache must have dtype"):
+        f(q.float(), cache.float(), idx, SCALE, extra_kv_cache=cache, extra_indices=idx)
     with pytest.raises(TypeError, match="kv_cache must have dtype"):
         f(q, cache.half(), idx, SCALE)
     with pytest.raises(ValueError, match="kv_cache rows must be 576"):

@@ -20,9 +20,8 @@ What transformers computes (the oracle, SPEC §13.1) and this layer follows: no 
 unquantised with ``indexer_cache_dtype="auto"``. ``indexer_cache_dtype="fp8"`` is vLLM's fast path instead: keys
 stored e4m3 with a UE8M0 scale per token and q_I quantised per head (UE8M0 scale folded into the weights).
 
-The sparse MLA kernel takes bf16/fp16; an fp32 model (the CPU oracle tests) runs the same attention through its
-fp32 reference, :func:`openmla.reference.sparse.sparse_mla_ref` (everything else, indexer included, runs the
-kernels in fp32).
+Every model dtype runs the kernels: an fp32 model (the CPU oracle tests) runs the sparse MLA kernel in fp32 (fp32
+operands, IEEE dots) like everything else, indexer included.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from openmla.ops.cache import concat_and_cache_mla
 from openmla.ops.indexer import alloc_indexer_k_cache, concat_and_cache_indexer_k, indexer_topk, quantize_indexer_q
 from openmla.ops.sparse import sparse_mla
 from openmla.ops.sparse_indices import convert_req_index_to_global_index
-from openmla.reference.sparse import sparse_mla_ref
 
 __all__ = ["INDEXER_CACHE_DTYPES", "SPARSE_MLA_KV_CACHE_DTYPES", "LightningIndexer", "SparseMLAAttention"]
 
@@ -227,12 +225,7 @@ class SparseMLAAttention(MLAAttention):
         W_UK, W_UV = self._absorbed()
         ql_nope = torch.bmm(q[..., :P].transpose(0, 1), W_UK).transpose(0, 1)  # [T, H, L]
         q_mqa = torch.cat([ql_nope, q_pe], dim=-1)  # [T, H, L + R]
-        if q_mqa.dtype in (torch.bfloat16, torch.float16):
-            o_lat, _ = sparse_mla(q_mqa, kv_cache, slots, self.sm_scale, kv_cache_dtype=self.kv_cache_dtype,
-                                  topk_length=md.sparse_lens, d_v=L, return_lse=False, validate=False)  # fmt: skip
-        else:  # fp32 model: the kernel's fp32 reference (the kernel takes bf16/fp16 only)
-            o_lat, _ = sparse_mla_ref(q_mqa, kv_cache, slots, self.sm_scale, kv_cache_dtype=self.kv_cache_dtype,
-                                      topk_length=md.sparse_lens, d_v=L)  # fmt: skip
-            o_lat = o_lat.to(q_mqa.dtype)
+        o_lat, _ = sparse_mla(q_mqa, kv_cache, slots, self.sm_scale, kv_cache_dtype=self.kv_cache_dtype,
+                              topk_length=md.sparse_lens, d_v=L, return_lse=False, validate=False)  # fmt: skip
         out = torch.bmm(o_lat.transpose(0, 1), W_UV).transpose(0, 1)  # [T, H, V]
         return self.o_proj(out.reshape(T, H * self.v_head_dim))

@@ -9,11 +9,13 @@ token's key list). It loads q once, streams the selected rows in tiles of ``BLOC
 slot; invalid entries are masked and never read), computes q k^T over the first ``d_v`` columns as four
 column chunks plus the tail (V3.2: 512 latent + 64 rope), keeps the online softmax in fp32 registers and
 accumulates P V. The extra source runs through the same loop into the same state. The cache format is a
-constexpr branch of :func:`_load_kv_rows` (bf16/fp16 rows, the 656-byte ``fp8_ds_mla`` row or V4's block-split
-584-byte ``fp8_v4`` row, dequantised in registers). The epilogue normalises, applies the sink to ``out`` only,
-rotates V4's rope dims back by the token's angle (optional) and writes ``out`` and the sink-free LSE, or, with
-several splits, a normalised fp32 partial + LSE that :func:`_sparse_mla_merge_fwd_kernel` merges (sink and
-rotation there). The split count comes from :func:`_num_splits` (fill the SMs when tokens x head blocks cannot).
+constexpr branch of :func:`_load_kv_rows` (bf16/fp16/fp32 rows, the 656-byte ``fp8_ds_mla`` row or V4's
+block-split 584-byte ``fp8_v4`` row, dequantised in registers). The compute dtype is q's (fp32 q: fp32 operands and
+``ieee`` dots, the CPU oracle configuration; fp32 for bf16 under the interpreter, where bf16 is raw uint16). The
+epilogue normalises, applies the sink to ``out`` only, rotates V4's rope dims back by the token's angle (optional)
+and writes ``out`` and the sink-free LSE, or, with several splits, a normalised fp32 partial + LSE that
+:func:`_sparse_mla_merge_fwd_kernel` merges (sink and rotation there). The split count comes from
+:func:`_num_splits` (fill the SMs when tokens x head blocks cannot).
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ _GPU_TILING = {
 }
 _MAX_BLOCK_H = 64  # heads per program at most (H = 128 runs two head blocks over the same rows)
 _INTERPRET_BLOCK_N = 16
+# fp32 q (tests, the CPU oracle engine) on the GPU: half-length key tiles and at most 2 stages, since fp32 rows are
+# twice as wide in shared memory (untuned; the 16-bit tiles above are unchanged)
+_FP32_MIN_BLOCK_N = 16
+_FP32_MAX_STAGES = 2
 # the interpreter: NaN e4m3 bytes need an explicit test, fp32 -> bf16 an explicit round to nearest even
 _INTERPRET_FIX = tl.constexpr(INTERPRET)
 # split planner: with fewer than _SPLIT_WAVE x SMs programs (tokens x head blocks), cut each token's key list
@@ -537,13 +543,16 @@ def _num_splits(T: int, head_blocks: int, max_keys: int, num_sms: int) -> int:
     return max(1, min(want, max_keys // _MIN_SPLIT_KEYS, _MAX_SPLITS))
 
 
-def _tiling(H: int, fmt: int) -> tuple[int, int, int, int]:
+def _tiling(H: int, fmt: int, fp32: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages): heads padded to a power of two from 16 (tl.dot's minimum)
-    up to 64 per program."""
+    up to 64 per program; ``fp32`` (fp32 q) halves the GPU key tile and caps its stages."""
     block_h = min(_MAX_BLOCK_H, max(16, triton.next_power_of_2(H)))
     if INTERPRET:
         return block_h, _INTERPRET_BLOCK_N, 4, 1
-    return (block_h,) + _GPU_TILING[(block_h, fmt)]
+    block_n, num_warps, num_stages = _GPU_TILING[(block_h, fmt)]
+    if fp32:
+        block_n, num_stages = max(_FP32_MIN_BLOCK_N, block_n // 2), min(num_stages, _FP32_MAX_STAGES)
+    return block_h, block_n, num_warps, num_stages
 
 
 def _check_cache(name: str, cache, kv_cache_dtype: str, q, dev) -> tuple[torch.Tensor, int]:
@@ -675,15 +684,18 @@ def sparse_mla(
     read (slot 0 is a real slot); an entry listed twice counts twice.
 
     Args:
-        q (torch.Tensor): `[T, H, D]` bf16/fp16, last dim contiguous; any H >= 1 (no padding needed).
-            V3.2: D = 576 (512 latent + 64 rope), d_v = 512. V4: D = d_v = 512.
-        kv_cache (torch.Tensor): ``"auto"``: `[num_blocks, block_size, D]` of q's dtype; ``"fp8_ds_mla"``:
-            uint8 `[num_blocks, block_size, 656]` (SPEC §2.3: 512 e4m3 in 4 groups of 128, 4 fp32 group scales,
-            64 bf16 rope; value = e4m3 * scale), D = 576. Any block size >= 1, any strides of the first two dims.
+        q (torch.Tensor): `[T, H, D]` bf16/fp16/fp32, last dim contiguous; any H >= 1 (no padding needed).
+            V3.2: D = 576 (512 latent + 64 rope), d_v = 512. V4: D = d_v = 512. The products run in q's dtype
+            (fp32: fp32 operands, IEEE dots: the CPU oracle configuration; slower on the GPU, tiles untuned).
+        kv_cache (torch.Tensor): ``"auto"``: `[num_blocks, block_size, D]` of q's dtype (bf16/fp16/fp32);
+            ``"fp8_ds_mla"``: uint8 `[num_blocks, block_size, 656]` (SPEC §2.3: 512 e4m3 in 4 groups of 128, 4 fp32
+            group scales, 64 bf16 rope; value = e4m3 * scale), D = 576. Any block size >= 1, any strides of the
+            first two dims.
             ``"fp8_v4"`` (DeepSeek V4, SPEC §2.4): uint8 or float8_e4m3fn `[num_blocks, block_size, 584]` (or
             FlashMLA's `[num_blocks, block_size, 1, 584]`) in the block-split MODEL1 layout of
             :func:`openmla.allocate_v4_cache` (448 e4m3 with a UE8M0 exponent per 64 + 64 bf16 rope per token,
-            the exponents after the block's rows), D = d_v = 512.
+            the exponents after the block's rows), D = d_v = 512. The fp8 layouts take any q dtype (rows are
+            dequantised to q's compute dtype).
         indices: `[T, K]` int32 global slots (``block * block_size + offset``; any K >= 1), or the ragged pair
             ``(indptr [T + 1] int32, flat [nnz] int32)`` of :func:`openmla.build_ragged_indices_from_dense`.
         sm_scale (float): softmax scale (required; model specific).
@@ -718,7 +730,7 @@ def sparse_mla(
         lse: `[T, H]` fp32, natural-log LSE of the scaled scores, sink-free; -inf for a row with no valid key
         (FlashMLA returns +inf there); None when ``return_lse`` is False.
     """
-    check_tensor("q", q, dtypes=FLOAT16_DTYPES, ndim=3)
+    check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=3)
     dev = q.device
     T, H, D = q.shape
     if kv_cache_dtype not in _FORMATS:
@@ -780,7 +792,7 @@ def sparse_mla(
     if T == 0:
         return out, (lse if return_lse else None)
 
-    block_h, block_n, num_warps, num_stages = _tiling(H, fmt)
+    block_h, block_n, num_warps, num_stages = _tiling(H, fmt, q.dtype == torch.float32)
     if _tiling_override is not None:  # (BLOCK_N, num_warps, num_stages) or (BLOCK_H, BLOCK_N, warps, stages)
         over = tuple(int(x) for x in _tiling_override)
         block_h, block_n, num_warps, num_stages = over if len(over) == 4 else (block_h, *over)
