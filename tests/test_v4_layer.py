@@ -110,12 +110,13 @@ def test_gathered_attention_matches_reference():
     testing.assert_close("gathered_attention", ref, out, 1e-5, 1e-5, 1e-10)
 
 
-def _layer(layer_type, kv_cache_dtype="auto", index_topk=16, seed=0):
+def _layer(layer_type, kv_cache_dtype="auto", index_topk=16, seed=0, indexer_cache_dtype="auto"):
     torch.manual_seed(seed)
     layer = DeepseekV4Attention(
         hidden_size=64, num_heads=4, q_lora_rank=32, o_groups=2, o_lora_rank=16, layer_type=layer_type,
         compress_ratio=4 if layer_type == "compressed_sparse_attention" else 16, window=WINDOW, index_n_heads=4,
         index_head_dim=128, index_topk=index_topk, kv_cache_dtype=kv_cache_dtype,
+        indexer_cache_dtype=indexer_cache_dtype,
     )  # fmt: skip
     with torch.no_grad():
         for name, p in layer.named_parameters():
@@ -150,6 +151,7 @@ def _run_steps(layer, dtype, kv_cache_dtype, schedule, xs):
             for i in reqs:
                 outs[i].append(y[row : row + step[i][1]])
                 row += step[i][1]
+    _run_steps.cache = cache  # the last run's caches, for the tests that look inside
     return [torch.cat(o) for o in outs]
 
 
@@ -180,8 +182,30 @@ def test_layer_rejects_bad_arguments():
         DeepseekV4Attention(layer_type="full_attention", **kw)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         DeepseekV4Attention(layer_type="sliding_attention", kv_cache_dtype="fp8", **kw)
+    with pytest.raises(ValueError, match="indexer_cache_dtype"):
+        DeepseekV4Attention(layer_type="compressed_sparse_attention", indexer_cache_dtype="fp4", **kw)
     with pytest.raises(ValueError, match="o_groups"):
         DeepseekV4Attention(layer_type="sliding_attention", **{**kw, "o_groups": 3})
     layer = _layer("sliding_attention", "fp8_v4")
     with pytest.raises(ValueError, match="fp8_v4"):
         layer.make_cache(4, BS, 2, dtype=torch.float32, device=DEV)
+
+
+def test_fp8_indexer_keys():
+    """CSA with the fp8 indexer key cache: the keys are the auto cache's within e4m3 rounding, and with a top-k
+    covering every entry the layer's output does not change."""
+    from openmla.reference.indexer import dequantize_indexer_k_cache_ref
+
+    torch.manual_seed(1)
+    xs = [torch.randn(24, 64, device=DEV), torch.randn(21, 64, device=DEV)]
+    lt = "compressed_sparse_attention"
+    ref = _run_steps(_layer(lt), torch.float32, "auto", SCHEDULE, xs)
+    auto_keys = _run_steps.cache.indexer.float()
+    out = _run_steps(_layer(lt, indexer_cache_dtype="fp8"), torch.float32, "auto", SCHEDULE, xs)
+    fp8_keys = dequantize_indexer_k_cache_ref(_run_steps.cache.indexer, "fp8")
+    # e4m3: 3 mantissa bits (relative 2^-4) under a UE8M0 scale per key (up to 2x coarser)
+    amax = auto_keys.abs().amax(-1, keepdim=True)
+    assert ((fp8_keys - auto_keys).abs() <= amax / 8 + 1e-6).all()
+    assert (fp8_keys - auto_keys).abs().max() > 0  # really quantised
+    for r, o in zip(ref, out, strict=True):
+        testing.assert_close("fp8 indexer, full top-k", r, o, 1e-5, 1e-5, 1e-10)

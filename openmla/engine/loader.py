@@ -242,14 +242,15 @@ def build_model(
     """Instantiate the model, load ``state_dict`` strictly, move it, build the absorbed matrices.
 
     The router weight and bias stay fp32 whatever ``dtype`` is (HF keeps them fp32 too), as do V3.2's
-    indexer ``weights_proj``. ``indexer_cache_dtype`` ("auto" / "fp8", V3.2 only) picks the indexer key cache.
+    indexer ``weights_proj``. ``indexer_cache_dtype`` ("auto" / "fp8", V3.2 and V4) picks the indexer key cache.
 
     Raises:
         RuntimeError: missing or unexpected weights (from ``load_state_dict``).
         ValueError: ``indexer_cache_dtype`` for a model without an indexer.
     """
     if isinstance(cfg, DeepseekV4Config):  # its own fp32 rules (transformers' _keep_in_fp32_modules_strict)
-        return build_v4_model(cfg, state_dict, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        return build_v4_model(cfg, state_dict, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                              indexer_cache_dtype=indexer_cache_dtype or "auto")  # fmt: skip
     extra = {}
     if indexer_cache_dtype is not None:
         if not isinstance(cfg, DeepseekV32Config):

@@ -26,7 +26,7 @@ from torch import nn
 from openmla.metadata.v4 import V4Metadata
 from openmla.ops.cache_v4 import allocate_v4_cache, concat_and_cache_v4
 from openmla.ops.compressor import allocate_compressor_state, compress_kv
-from openmla.ops.indexer import indexer_topk
+from openmla.ops.indexer import INDEXER_CACHE_DTYPES, alloc_indexer_k_cache, concat_and_cache_indexer_k, indexer_topk
 from openmla.ops.rope import inverse_rope_rows
 from openmla.ops.sparse import sparse_mla
 from openmla.ops.v4_indices import csa_topk_indices
@@ -176,6 +176,8 @@ class DeepseekV4Attention(nn.Module):
         index_n_heads (int), index_head_dim (int), index_topk (int): the CSA indexer.
         eps (float): RMSNorm epsilon.
         kv_cache_dtype (str): "auto" (model dtype rows) or "fp8_v4" (584-byte rows; needs bf16/fp16).
+        indexer_cache_dtype (str): the CSA indexer's key cache: "auto" (model dtype) or "fp8" (e4m3 with a UE8M0
+            scale per key, SPEC §2.5).
 
     Raises:
         ValueError: an unknown layer type or cache dtype.
@@ -197,16 +199,19 @@ class DeepseekV4Attention(nn.Module):
         index_topk: int,
         eps: float = 1e-6,
         kv_cache_dtype: str = "auto",
+        indexer_cache_dtype: str = "auto",
     ) -> None:
         super().__init__()
         if layer_type not in V4_LAYER_TYPES:
             raise ValueError(f"layer_type must be one of {V4_LAYER_TYPES}; got {layer_type!r}")
         if kv_cache_dtype not in V4_KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {V4_KV_CACHE_DTYPES}; got {kv_cache_dtype!r}")
+        if indexer_cache_dtype not in INDEXER_CACHE_DTYPES:
+            raise ValueError(f"indexer_cache_dtype must be one of {INDEXER_CACHE_DTYPES}; got {indexer_cache_dtype!r}")
         if num_heads % o_groups:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of o_groups ({o_groups})")
         self.layer_type, self.num_heads, self.window = layer_type, num_heads, window
-        self.kv_cache_dtype, self.eps = kv_cache_dtype, eps
+        self.kv_cache_dtype, self.indexer_cache_dtype, self.eps = kv_cache_dtype, indexer_cache_dtype, eps
         self.ratio = 1 if layer_type == "sliding_attention" else int(compress_ratio)
         self.index_topk = index_topk
         self.scaling = HEAD_DIM**-0.5
@@ -246,32 +251,40 @@ class DeepseekV4Attention(nn.Module):
                                                     overlap=self.compressor.coff == 2, device=device)  # fmt: skip
             if self.is_csa:
                 ix = self.compressor.indexer
-                cache.indexer = torch.zeros(num_blocks, bs_c, ix.head_dim, dtype=dtype, device=device)
+                cache.indexer = alloc_indexer_k_cache(
+                    num_blocks, bs_c, ix.head_dim, cache_dtype=self.indexer_cache_dtype, dtype=dtype, device=device
+                )
                 cache.indexer_state = allocate_compressor_state(num_state_slots, self.ratio, ix.head_dim,
                                                                 overlap=ix.coff == 2, device=device)  # fmt: skip
         return cache
 
-    def _compress(self, comp: _Compressor, x, md: V4Metadata, state, kv_cache, kv_cache_dtype: str) -> None:
+    def _compress(self, comp: _Compressor, x, md: V4Metadata, state, kv_cache, kv_cache_dtype: str, **entries) -> None:
         cm = md.compressed[self.ratio]
         kv, score = comp.project(x, md.positions)
         compress_kv(
             kv, score, state, md.state_slots, md.query_start_loc, md.seq_lens, comp.kv_norm.weight,
             self.cos_sin_cache, kv_cache, md.block_table, ratio=self.ratio, eps=self.eps,
-            kv_cache_dtype=kv_cache_dtype, block_size=cm.block_size, validate=False,
+            kv_cache_dtype=kv_cache_dtype, block_size=cm.block_size, validate=False, **entries,
         )  # fmt: skip
 
     def _csa_indices(self, x, qr, md: V4Metadata, cache: V4LayerCache):
         """The indexer's top-k compressed entries of every row, as compressed-cache slots (and their count)."""
         ix, cm = self.compressor.indexer, md.compressed[self.ratio]
-        self._compress(ix, x, md, cache.indexer_state, cache.indexer, "auto")
         T = x.shape[0]
+        if self.indexer_cache_dtype == "auto":
+            self._compress(ix, x, md, cache.indexer_state, cache.indexer, "auto")
+        else:  # the entries as rows, then quantised into the fp8 key cache
+            rows = torch.empty(T, ix.head_dim, dtype=x.dtype, device=x.device)
+            slots = torch.empty(T, dtype=torch.int32, device=x.device)
+            self._compress(ix, x, md, cache.indexer_state, None, "auto", entry_rows=rows, entry_slots=slots)
+            concat_and_cache_indexer_k(rows, cache.indexer, slots, cache_dtype="fp8", scale_fmt="ue8m0", validate=False)
         qi = rope_tail(ix.q_b_proj(qr).view(T, ix.n_heads, ix.head_dim), md.positions, self.cos_sin_cache)
         w = ix.scorer.weights_proj(x).float() * (ix.head_dim**-0.5 * ix.n_heads**-0.5)
         # Each row scores as its own request over the (pos + 1) // r entries it may see.
         topk = indexer_topk(
-            qi.to(cache.indexer.dtype), w, cache.indexer, cm.row_block_table, cm.hca_lens, cm.row_query_start_loc,
-            self.index_topk, max_seq_len=cm.row_block_table.shape[1] * cm.block_size, topk_impl=INDEXER_TOPK_IMPL,
-            validate=False,
+            qi, w, cache.indexer, cm.row_block_table, cm.hca_lens, cm.row_query_start_loc, self.index_topk,
+            cache_dtype=self.indexer_cache_dtype, max_seq_len=cm.row_block_table.shape[1] * cm.block_size,
+            topk_impl=INDEXER_TOPK_IMPL, validate=False,
         )  # fmt: skip
         return csa_topk_indices(topk, md.query_start_loc, md.seq_lens, md.block_table, block_size=cm.block_size,
                                 ratio=self.ratio, slot_mapping=md.slot_mapping, validate=False)  # fmt: skip

@@ -273,14 +273,14 @@ class DeepseekV4MoE(nn.Module):
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, layer_idx: int, kv_cache_dtype: str) -> None:
+    def __init__(self, cfg: DeepseekV4Config, layer_idx: int, kv_cache_dtype: str, indexer_cache_dtype: str) -> None:
         super().__init__()
         self.self_attn = DeepseekV4Attention(
             hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
             o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank, layer_type=cfg.layer_types[layer_idx],
             compress_ratio=cfg.ratio(layer_idx), window=cfg.sliding_window, index_n_heads=cfg.index_n_heads,
             index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.rms_norm_eps,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, indexer_cache_dtype=indexer_cache_dtype,
         )  # fmt: skip
         self.mlp = DeepseekV4MoE(cfg, layer_idx)
         self.input_layernorm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -300,11 +300,11 @@ class DeepseekV4DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, kv_cache_dtype: str) -> None:
+    def __init__(self, cfg: DeepseekV4Config, kv_cache_dtype: str, indexer_cache_dtype: str) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DeepseekV4DecoderLayer(cfg, i, kv_cache_dtype) for i in range(cfg.num_hidden_layers)
+            DeepseekV4DecoderLayer(cfg, i, kv_cache_dtype, indexer_cache_dtype) for i in range(cfg.num_hidden_layers)
         )
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = DeepseekV4HyperHead(cfg)
@@ -315,17 +315,18 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     Args:
         cfg (DeepseekV4Config): the model shape.
-        kv_cache_dtype (str): "auto" or "fp8_v4" (the SWA and compressed caches; indexer keys stay "auto").
+        kv_cache_dtype (str): "auto" or "fp8_v4" (the SWA and compressed caches).
+        indexer_cache_dtype (str): "auto" or "fp8" (the CSA indexer's key cache).
     """
 
     #: fp32 in every model dtype, as transformers keeps them (``_keep_in_fp32_modules_strict``).
     FP32_KEYS = ("_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "norm.", "layernorm.")
 
-    def __init__(self, cfg: DeepseekV4Config, kv_cache_dtype: str = "auto") -> None:
+    def __init__(self, cfg: DeepseekV4Config, kv_cache_dtype: str = "auto", indexer_cache_dtype: str = "auto") -> None:
         super().__init__()
         self.config = cfg
         self.kv_cache_dtype = kv_cache_dtype
-        self.model = _Backbone(cfg, kv_cache_dtype)
+        self.model = _Backbone(cfg, kv_cache_dtype, indexer_cache_dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope_positions = 0
 
@@ -434,13 +435,14 @@ def build_v4_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     kv_cache_dtype: str = "auto",
+    indexer_cache_dtype: str = "auto",
 ) -> DeepseekV4ForCausalLM:
     """Instantiate, load ``state_dict`` strictly (HF names), move; :attr:`~DeepseekV4ForCausalLM.FP32_KEYS` stay fp32.
 
     Raises:
         RuntimeError: missing or unexpected weights (from ``load_state_dict``).
     """
-    model = DeepseekV4ForCausalLM(cfg, kv_cache_dtype=kv_cache_dtype)
+    model = DeepseekV4ForCausalLM(cfg, kv_cache_dtype=kv_cache_dtype, indexer_cache_dtype=indexer_cache_dtype)
     sd = dict(state_dict)
     if cfg.tie_word_embeddings:
         sd.setdefault("lm_head.weight", sd.get("model.embed_tokens.weight"))
