@@ -60,7 +60,14 @@ def monkeypatch_module():
 
 @pytest.fixture(scope="module")
 def hf_tokens(tiny):
-    return hf_greedy(tiny[2], PROMPTS, MAX_NEW)
+    """transformers' greedy tokens by full re-forward, checked against its own cached generate() first (trap 2:
+    with top-k ties its chunked and full forwards could disagree; then the case would prove nothing)."""
+    toks = hf_greedy(tiny[2], PROMPTS, MAX_NEW)
+    for p, t in zip(PROMPTS, toks, strict=True):
+        ids = torch.tensor([p], device=next(tiny[2].parameters()).device)
+        gen = tiny[2].generate(ids, max_new_tokens=MAX_NEW, do_sample=False, min_new_tokens=MAX_NEW)
+        assert gen[0, len(p) :].tolist() == t
+    return toks
 
 
 def make_engine(tiny, *, kv_cache_dtype="auto", **kw):
