@@ -36,7 +36,7 @@ def _prompts(lengths, seed=1, vocab=128):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-# 45: chunked (budget 32), decode crosses 48 (an HCA and a CSA entry); 13: decode crosses 16; 30: crosses 32.
+# 45: chunked (budget 16), decode crosses 48 (an HCA and a CSA entry); 13: decode crosses 16; 30: crosses 32.
 PROMPTS = _prompts((45, 13, 30))
 
 
@@ -85,8 +85,10 @@ def _check(tiny, eng, kv_cache_dtype="auto"):
 
 
 def test_v4_engine_matches_transformers(tiny, hf_tokens):
-    """Ragged batch: prefill, chunked prefill and decode crossing entry boundaries give transformers' logits."""
-    eng = make_engine(tiny)
+    """Ragged batch: prefill, chunked prefill and decode crossing entry boundaries give transformers' logits; the
+    SWA ring (48 tokens for a 16-token budget) wraps around for the longest request."""
+    eng = make_engine(tiny, max_num_batched_tokens=16)
+    assert eng.runner.swa_ring_blocks * eng.config.block_size < len(PROMPTS[0]) + MAX_NEW
     outs = eng.generate(PROMPTS, MAX_NEW)
     recs = eng.records
     kinds = {

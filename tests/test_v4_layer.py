@@ -14,7 +14,7 @@ from openmla.engine.models.deepseek_v4 import DeepseekV4ForCausalLM, rope_table
 from openmla.layers.rope import rope_inv_freq
 from openmla.layers.v4 import V4_LAYER_TYPES, DeepseekV4Attention, gathered_attention
 from openmla.metadata import BatchSpec, V4MetadataBuilder
-from openmla.metadata.v4 import compressed_block_size
+from openmla.metadata.v4 import compressed_block_size, ring_blocks
 from openmla.reference.sparse import sparse_mla_ref
 from openmla.reference.v4 import hca_indices_ref, swa_indices_ref
 from openmla.utils import testing
@@ -82,6 +82,27 @@ def test_builder_matches_references():
         assert torch.equal(cm.hca_lens.cpu(), ref_l) and torch.equal(cm.hca_indices.cpu(), ref_i)
         assert torch.equal(cm.row_block_table[:7].cpu(), bt[[0, 1, 1, 1, 1, 1, 1]])
     assert md.swa_lens[7:].eq(0).all() and md.compressed[4].hca_lens[7:].eq(0).all()
+
+
+def test_builder_swa_ring():
+    """With a ring of n blocks per state slot, SWA slots and indices point into slot s's blocks [s n, (s+1) n)."""
+    n = ring_blocks(WINDOW, 6, BS)
+    builder = _builder(swa_ring_blocks=n)
+    builder.state_slots[:2] = torch.tensor([3, 1], dtype=torch.int32)
+    spec = _spec([(40, 1), (29, 6)], [TABLES[0] + [10, 11], TABLES[1]], num_input_tokens=9)
+    md = builder.build(spec)
+    pos = md.positions.tolist()
+    slot_of = [3] + [1] * 6
+
+    def ring(s, p):
+        return (s * n + (p // BS) % n) * BS + p % BS
+
+    assert md.slot_mapping.tolist() == [ring(s, p) for s, p in zip(slot_of, pos)] + [-1, -1]
+    for t in range(7):
+        lo = max(0, pos[t] - WINDOW + 1)
+        assert md.swa_indices[t, : md.swa_lens[t]].tolist() == [ring(slot_of[t], p) for p in range(lo, pos[t] + 1)]
+    with pytest.raises(ValueError, match="ring"):
+        _builder(swa_ring_blocks=n).build(_spec([(0, 30)], TABLES[:1]))
 
 
 def test_builder_rejects_bad_geometry():

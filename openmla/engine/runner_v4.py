@@ -20,7 +20,7 @@ from openmla.engine.blocks import BlockManager
 from openmla.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from openmla.engine.runner import ModelRunner, StepInputs
 from openmla.engine.scheduler import SchedulerOutput
-from openmla.metadata.v4 import V4MetadataBuilder
+from openmla.metadata.v4 import V4MetadataBuilder, ring_blocks
 
 __all__ = ["V4ModelRunner"]
 
@@ -59,15 +59,19 @@ class V4ModelRunner(ModelRunner):
                 f"({min(rings)} rows): rejected drafts would overwrite rows still needed"
             )
         model.set_rope_tables(max_model_len + num_spec_tokens + 1)
+        # The SWA cache: a ring per state slot holding the last window + one step of tokens (not every token).
+        self.swa_ring_blocks = ring_blocks(cfg.sliding_window, max_num_batched_tokens, self.block_size)
         self.builder = V4MetadataBuilder(
             block_size=self.block_size, window=cfg.sliding_window, ratios=model.compress_ratios,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len + num_spec_tokens + 1, device=self.device,
+            swa_ring_blocks=self.swa_ring_blocks,
         )  # fmt: skip
         # Slots [0, B) for requests, [B, 2B) for the dummy requests that pad a CUDA-graph batch.
         self.num_state_slots = 2 * max_num_seqs
         self.kv_caches = model.make_caches(block_manager.allocator.num_blocks, self.block_size, self.num_state_slots,
-                                           dtype=dtype, device=self.device)  # fmt: skip
+                                           dtype=dtype, device=self.device,
+                                           swa_blocks=self.num_state_slots * self.swa_ring_blocks)  # fmt: skip
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
         self._requests: dict = {}

@@ -236,14 +236,17 @@ class DeepseekV4Attention(nn.Module):
     def is_csa(self) -> bool:
         return self.layer_type == "compressed_sparse_attention"
 
-    def make_cache(self, num_blocks: int, block_size: int, num_state_slots: int, *, dtype, device) -> V4LayerCache:
-        """Allocate this layer's caches (compressed caches share the main block table at ``bs_c``)."""
+    def make_cache(self, num_blocks: int, block_size: int, num_state_slots: int, *, dtype, device,
+                   swa_blocks: int | None = None) -> V4LayerCache:  # fmt: skip
+        """Allocate this layer's caches (compressed caches share the main block table at ``bs_c``; the SWA cache
+        has ``swa_blocks`` blocks, default ``num_blocks``; rings per request with the builder's ``swa_ring_blocks``).
+        """
         from openmla.metadata.v4 import compressed_block_size
 
         if self.kv_cache_dtype == "fp8_v4" and dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"kv_cache_dtype fp8_v4 needs a bf16/fp16 model (sparse_mla's q); got {dtype}")
         kw = dict(kv_cache_dtype=self.kv_cache_dtype, device=device, dtype=dtype)
-        cache = V4LayerCache(swa=allocate_v4_cache(num_blocks, block_size, **kw))
+        cache = V4LayerCache(swa=allocate_v4_cache(swa_blocks or num_blocks, block_size, **kw))
         if self.compressor is not None:
             bs_c = compressed_block_size(block_size, self.ratio)
             cache.compressed = allocate_v4_cache(num_blocks, bs_c, **kw)

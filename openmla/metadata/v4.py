@@ -10,7 +10,12 @@ derives, on the device and without a host synchronisation:
   ``block_table[b, i // bs_c] * bs_c + i % bs_c`` of a cache with as many blocks as the main one), the HCA
   index set (every visible entry ``i < (pos + 1) // r``), and the per-row view the CSA indexer scores with
   (each query row its own "request" over the ``(pos + 1) // r`` entries it may see);
-* ``state_slots [B]``: each request's compressor-state slot, written by the runner into a persistent buffer.
+* ``state_slots [B]``: each request's compressor-state slot, written by the runner into a persistent buffer;
+* with ``swa_ring_blocks = n``: the SWA cache is a ring of n blocks per state slot (slot s owns blocks
+  ``[s n, (s + 1) n)``, position p in block ``s n + (p // block_size) % n``), so it holds the last
+  ``n * block_size`` tokens of a request instead of all of them; ``slot_mapping`` and the SWA indices then point
+  into the ring. ``n = ring_blocks(window, max_query_len, block_size)`` keeps every row a step reads or writes
+  distinct.
 
 Every output is a view of a persistent buffer sized for ``max_num_batched_tokens`` rows and ``max_num_seqs``
 requests, so a decode step captured in a CUDA graph replays against the same addresses after ``build``.
@@ -25,7 +30,13 @@ import torch
 from openmla.metadata.batch import BatchSpec
 from openmla.ops.v4_indices import hca_indices, swa_indices
 
-__all__ = ["V4CompressedMetadata", "V4Metadata", "V4MetadataBuilder", "compressed_block_size"]
+__all__ = ["V4CompressedMetadata", "V4Metadata", "V4MetadataBuilder", "compressed_block_size", "ring_blocks"]
+
+
+def ring_blocks(window: int, max_query_len: int, block_size: int) -> int:
+    """SWA ring blocks per request: a step's window rows and new rows span ``window + max_query_len - 1``
+    positions, so at most ``ceil((window + max_query_len - 1) / block_size) + 1`` blocks, which must not alias."""
+    return -(-(window + max_query_len - 1) // block_size) + 1
 
 
 def compressed_block_size(block_size: int, ratio: int) -> int:
@@ -103,6 +114,8 @@ class V4MetadataBuilder:
         max_num_seqs (int), max_num_batched_tokens (int), max_model_len (int): engine limits.
         device (torch.device | str): where the buffers live.
         max_blocks_per_seq (int | None): block-table width (default ``ceil(max_model_len / block_size)``).
+        swa_ring_blocks (int | None): SWA ring blocks per state slot (module docstring); None: the SWA cache uses
+            the scheduler's blocks and ``spec.slot_mapping`` (every token resident).
     """
 
     def __init__(
@@ -116,6 +129,7 @@ class V4MetadataBuilder:
         max_model_len: int,
         device: torch.device | str,
         max_blocks_per_seq: int | None = None,
+        swa_ring_blocks: int | None = None,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1; got {window}")
@@ -135,6 +149,13 @@ class V4MetadataBuilder:
         self._swa_lens = torch.zeros(T, **i32)
         self._req = torch.zeros(T, dtype=torch.int64, device=dev)
         self._row_bt = torch.zeros(T, self.max_blocks_per_seq, **i32)
+        self.swa_ring_blocks = swa_ring_blocks
+        if swa_ring_blocks is not None:
+            if swa_ring_blocks < ring_blocks(self.window, 1, self.block_size):
+                raise ValueError(f"swa_ring_blocks {swa_ring_blocks} cannot hold a window of {self.window}")
+            self._logical = torch.arange(self.max_blocks_per_seq, dtype=torch.int64, device=dev) % swa_ring_blocks
+            self._swa_bt = torch.zeros(B, self.max_blocks_per_seq, **i32)
+            self._swa_slots = torch.full((T,), -1, dtype=torch.int64, device=dev)
         self._hca = {}
         for r in self.ratios:
             width = max(1, -(-self.max_model_len // r))
@@ -164,9 +185,19 @@ class V4MetadataBuilder:
         self._req[:T].copy_(req)
         if self.ratios:
             self._row_bt[:T, : bt.shape[1]].copy_(bt[req])
-        slot_mapping = spec.slot_mapping[:T]
+        slot_mapping, swa_bt = spec.slot_mapping[:T], bt
+        if self.swa_ring_blocks is not None:
+            if ring_blocks(self.window, spec.max_query_len, self.block_size) > self.swa_ring_blocks:
+                raise ValueError(f"a query of {spec.max_query_len} rows overruns the SWA ring of "
+                                 f"{self.swa_ring_blocks} blocks")  # fmt: skip
+            n, bs, W = self.swa_ring_blocks, self.block_size, bt.shape[1]
+            base = self.state_slots[:B].to(torch.int64) * n
+            self._swa_bt[:B, :W].copy_(base[:, None] + self._logical[None, :W])
+            ring = (base[req] + torch.div(pos, bs, rounding_mode="floor") % n) * bs + pos % bs
+            self._swa_slots[:T].copy_(torch.where(valid & (slot_mapping >= 0), ring, -1))
+            slot_mapping, swa_bt = self._swa_slots[:T], self._swa_bt[:B, :W]
         swa_indices(
-            qsl, seq_lens, bt, block_size=self.block_size, window=self.window, num_tokens=T,
+            qsl, seq_lens, swa_bt, block_size=self.block_size, window=self.window, num_tokens=T,
             slot_mapping=slot_mapping, out_indices=self._swa, out_lens=self._swa_lens, validate=False,
         )  # fmt: skip
         compressed = {}

@@ -351,9 +351,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             attn.cos_sin_cache = tables["main" if attn.compressor is None else "compress"]
         self._rope_positions = num_pos
 
-    def make_caches(self, num_blocks: int, block_size: int, num_state_slots: int, *, dtype, device):
-        return [a.make_cache(num_blocks, block_size, num_state_slots, dtype=dtype, device=device)
-                for a in self.attention_layers]  # fmt: skip
+    def make_caches(self, num_blocks: int, block_size: int, num_state_slots: int, *, dtype, device, swa_blocks=None):
+        return [a.make_cache(num_blocks, block_size, num_state_slots, dtype=dtype, device=device,
+                             swa_blocks=swa_blocks) for a in self.attention_layers]  # fmt: skip
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[V4LayerCache],
                 md: V4Metadata) -> torch.Tensor:  # fmt: skip
