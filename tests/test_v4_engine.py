@@ -17,6 +17,7 @@ from openmla.engine.models.deepseek_v4 import (
     DeepseekV4Config,
     build_hf_v4_model,
     build_v4_model,
+    hf_v4_state_dict,
     random_v4_state_dict,
     tiny_v4_config,
 )
@@ -140,6 +141,12 @@ def test_v4_config_roundtrip_and_errors():
     )
     assert legacy.layer_types == ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
     assert legacy.mlp_layer_types == ["hash_moe", "moe", "moe"]
+    legacy = DeepseekV4Config.from_dict({"num_hidden_layers": 2, "compress_rate_hca": 16, "compress_ratios": [4, 128]})
+    assert legacy.compress_rates == {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}
+    with pytest.raises(ValueError, match="FP8 checkpoint"):
+        hf_v4_state_dict(
+            {"layers.0.attn.wq_a.weight": torch.zeros(1), "layers.0.attn.wq_a.scale_inv": torch.zeros(1)}, 1
+        )
     with pytest.raises(ValueError, match="deepseek_v4"):
         DeepseekV4Config.from_dict({"model_type": "deepseek_v3"})
     with pytest.raises(ValueError, match="head_dim"):

@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 _LEGACY_RATIO = {0: "sliding_attention", 1: "sliding_attention", 4: "compressed_sparse_attention",
                  128: "heavily_compressed_attention"}  # fmt: skip
 
@@ -68,9 +69,7 @@ class DeepseekV4Config:
     rope_theta: float = 10000.0
     compress_rope_theta: float = 160000.0
     layer_types: list = field(default_factory=list)
-    compress_rates: dict = field(
-        default_factory=lambda: {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-    )
+    compress_rates: dict = field(default_factory=lambda: dict(_DEFAULT_RATES))
     mlp_layer_types: list = field(default_factory=list)
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
@@ -140,6 +139,12 @@ class DeepseekV4Config:
         if "mlp_layer_types" not in kw and d.get("num_hash_layers") is not None:
             n, h = int(d.get("num_hidden_layers", cls.num_hidden_layers)), int(d["num_hash_layers"])
             kw["mlp_layer_types"] = ["hash_moe"] * min(n, h) + ["moe"] * max(0, n - h)
+        rates = dict(kw.get("compress_rates") or _DEFAULT_RATES)
+        for legacy, kind in (("compress_rate_csa", "compressed_sparse_attention"),
+                             ("compress_rate_hca", "heavily_compressed_attention")):  # fmt: skip
+            if d.get(legacy) is not None:
+                rates[kind] = int(d[legacy])
+        kw["compress_rates"] = rates
         if "rope_parameters" not in kw and d.get("rope_scaling"):
             kw["rope_parameters"] = dict(d["rope_scaling"])
         return cls(**kw)
@@ -502,8 +507,11 @@ def hf_v4_state_dict(sd: dict, num_hidden_layers: int) -> dict:
     are dropped.
 
     Raises:
-        ValueError: an expert is missing one of its matrices.
+        ValueError: an expert is missing one of its matrices, or the checkpoint stores FP8 weights (``scale_inv``).
     """
+    scaled = [k for k in sd if k.endswith("scale_inv")]
+    if scaled:
+        raise ValueError(f"FP8 checkpoint weights ({scaled[0]}, ...) are not supported: convert to bf16 first")
     out, experts = {}, {}
     for key, v in sd.items():
         k = key[len("model.") :] if key.startswith("model.") else key
