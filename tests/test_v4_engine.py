@@ -160,10 +160,20 @@ def test_v4_spec_tokens_bounded_by_the_ring(tiny):
         make_engine(tiny, num_spec_tokens=8)
 
 
-@pytest.mark.skipif(testing.suite_device().type != "cuda", reason="fp8_v4 attention runs the bf16 kernel (GPU)")
-def test_v4_engine_fp8_v4_cache(tiny):
-    """bf16 model with fp8_v4 caches on the GPU (tolerance to be recorded on the H200)."""
-    eng = make_engine(tiny, kv_cache_dtype="fp8_v4")
-    eng.generate(PROMPTS, MAX_NEW)
-    res = _check(tiny, eng, "fp8_v4")
-    print(f"fp8_v4 vs transformers fp32: max |diff| {res.max_abs_diff:.3e}, cos diff {res.max_cos_diff:.2e}")
+def test_v4_engine_bf16_fp8_v4_caches():
+    """bf16 model (decisive routing), fp8_v4 caches and fp8 indexer keys through the engine: every step's logits
+    within the fp8_v4 tolerance of transformers' fp32 ones (the GPU runs the whole batch; the CPU two prompts)."""
+    cfg = tiny_v4_config()
+    sd = random_v4_state_dict(cfg, seed=0, decisive_routing=True)
+    hf = build_hf_v4_model(cfg, sd)
+    dev = testing.suite_device()
+    model = build_v4_model(
+        cfg, sd, device=dev, dtype=torch.bfloat16, kv_cache_dtype="fp8_v4", indexer_cache_dtype="fp8"
+    )
+    prompts, new = (PROMPTS, MAX_NEW) if dev.type == "cuda" else (PROMPTS[1:], 3)
+    eng = LLMEngine(model, EngineConfig(block_size=16, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
+                                        record_logits=True))  # fmt: skip
+    eng.generate(prompts, new)
+    res = check_records(hf, eng.records, *logit_tolerance(torch.bfloat16, "fp8_v4"))
+    print(f"bf16 + fp8_v4 vs transformers fp32: max |diff| {res.max_abs_diff:.3e}, cos diff {res.max_cos_diff:.2e}")
+    assert res.ok, res.failures[:5]
