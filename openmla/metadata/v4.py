@@ -30,6 +30,9 @@ import torch
 from openmla.metadata.batch import BatchSpec
 from openmla.ops.v4_indices import hca_indices, swa_indices
 
+#: HCA index rows are padded to a multiple of this (FlashMLA's sparse decode takes index widths of 64k).
+HCA_WIDTH_MULTIPLE = 64
+
 __all__ = ["V4CompressedMetadata", "V4Metadata", "V4MetadataBuilder", "compressed_block_size", "ring_blocks"]
 
 
@@ -158,7 +161,7 @@ class V4MetadataBuilder:
             self._swa_slots = torch.full((T,), -1, dtype=torch.int64, device=dev)
         self._hca = {}
         for r in self.ratios:
-            width = max(1, -(-self.max_model_len // r))
+            width = -(-max(1, -(-self.max_model_len // r)) // HCA_WIDTH_MULTIPLE) * HCA_WIDTH_MULTIPLE
             self._hca[r] = (torch.full((T, width), -1, **i32), torch.zeros(T, **i32))
 
     def build(self, spec: BatchSpec) -> V4Metadata:
