@@ -118,6 +118,18 @@ def test_v4_verify_and_preemption(tiny, hf_tokens):
         assert outs == hf_tokens[1:]
 
 
+def test_v4_other_ratios_match_transformers(monkeypatch_module):
+    """CSA at ratio 8 (still two overlapping series, transformers' rule) and HCA at ratio 4 (one), 8-token blocks."""
+    cfg = tiny_v4_config(compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 4})
+    sd = random_v4_state_dict(cfg, seed=2, decisive_routing=DTYPE != torch.float32)
+    model = build_v4_model(cfg, sd, device=testing.suite_device(), dtype=DTYPE)
+    eng = LLMEngine(model, EngineConfig(block_size=8, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=48,
+                                        record_logits=True, num_spec_tokens=2))  # fmt: skip
+    eng.generate(_prompts((29, 10), seed=3), 4)
+    res = check_records(build_hf_v4_model(cfg, sd), eng.records, *logit_tolerance(DTYPE, "auto"))
+    assert res.ok, res.failures[:5]
+
+
 def test_v4_checkpoint_served_by_the_cli(tiny, hf_tokens, tmp_path, capsys):
     """transformers' save_pretrained (DeepSeek names, per-expert w1/w2/w3) -> ``openmla generate --model DIR``."""
     import json

@@ -52,7 +52,7 @@ class V4ModelRunner(ModelRunner):
         self.num_spec_tokens = num_spec_tokens
         self.block_size = block_manager.block_size
         cfg = model.config
-        rings = [(2 if r == 4 else 1) * r for r in model.compress_ratios]
+        rings = [a.compressor.coff * a.ratio for a in model.attention_layers if a.compressor is not None]
         if rings and 1 + num_spec_tokens > min(rings):
             raise ValueError(
                 f"1 + num_spec_tokens ({1 + num_spec_tokens}) must not exceed the shortest compressor ring "

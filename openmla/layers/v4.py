@@ -90,12 +90,15 @@ class V4LayerCache:
 
 
 class _Compressor(nn.Module):
-    """Compressor weights (transformers' names): ``coff * d`` wide projections, position bias, RMSNorm."""
+    """Compressor weights (transformers' names): ``coff * d`` wide projections, position bias, RMSNorm.
 
-    def __init__(self, hidden_size: int, ratio: int, d: int, eps: float) -> None:
+    ``overlap`` (CSA, whatever its ratio; transformers' rule): two series per token, ``coff = 2``.
+    """
+
+    def __init__(self, hidden_size: int, ratio: int, d: int, eps: float, overlap: bool) -> None:
         super().__init__()
         self.ratio, self.d = ratio, d
-        self.coff = 2 if ratio == 4 else 1
+        self.coff = 2 if overlap else 1
         self.kv_proj = nn.Linear(hidden_size, self.coff * d, bias=False)
         self.gate_proj = nn.Linear(hidden_size, self.coff * d, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(ratio, self.coff * d, dtype=torch.float32))
@@ -116,7 +119,7 @@ class _Indexer(_Compressor):
     """CSA's lightning indexer: its own compressor (``index_head_dim`` wide), query projection and scorer."""
 
     def __init__(self, hidden_size: int, q_lora_rank: int, ratio: int, n_heads: int, head_dim: int, eps: float):
-        super().__init__(hidden_size, ratio, head_dim, eps)
+        super().__init__(hidden_size, ratio, head_dim, eps, overlap=True)
         self.n_heads, self.head_dim = n_heads, head_dim
         self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.scorer = _Scorer(hidden_size, n_heads)
@@ -124,7 +127,7 @@ class _Indexer(_Compressor):
 
 class _CSACompressor(_Compressor):
     def __init__(self, hidden_size, q_lora_rank, ratio, index_n_heads, index_head_dim, eps) -> None:
-        super().__init__(hidden_size, ratio, HEAD_DIM, eps)
+        super().__init__(hidden_size, ratio, HEAD_DIM, eps, overlap=True)
         self.indexer = _Indexer(hidden_size, q_lora_rank, ratio, index_n_heads, index_head_dim, eps)
 
 
@@ -227,7 +230,7 @@ class DeepseekV4Attention(nn.Module):
         if layer_type == "compressed_sparse_attention":
             self.compressor = _CSACompressor(hidden_size, q_lora_rank, self.ratio, index_n_heads, index_head_dim, eps)
         elif layer_type == "heavily_compressed_attention":
-            self.compressor = _Compressor(hidden_size, self.ratio, HEAD_DIM, eps)
+            self.compressor = _Compressor(hidden_size, self.ratio, HEAD_DIM, eps, overlap=False)
         else:
             self.compressor = None
         self.register_buffer("cos_sin_cache", torch.zeros(1, ROPE_DIM), persistent=False)
