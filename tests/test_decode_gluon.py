@@ -155,20 +155,22 @@ def test_gluon_decode_unsupported_on_cpu():
     with pytest.raises(ValueError, match="seesaw"):  # bf16 caches and 64-key tiles only
         dg.mla_decode_split_gluon(q, cache8, None, None, None, None, None, None, 1.0, 1.0, True, 512, variant="seesaw")
     with pytest.raises(ValueError, match="seesaw"):
-        dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512, block_n=32,
-                                  variant="seesaw")
+        dg.mla_decode_split_gluon(
+            q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512, block_n=32, variant="seesaw"
+        )
     with pytest.raises(ValueError, match="box_rows"):  # 64-row boxes: seesaw kernels, 64-token pages
         dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512, box_rows=64)
     with pytest.raises(ValueError, match="multiple of 64"):
-        dg.mla_decode_split_gluon(q, cache[:, :32], None, None, None, None, None, None, 1.0, 1.0, True, 512,
-                                  variant="seesaw", box_rows=64)
+        dg.mla_decode_split_gluon(
+            q, cache[:, :32], None, None, None, None, None, None, 1.0, 1.0, True, 512, variant="seesaw", box_rows=64
+        )
     with pytest.raises(ValueError, match="16 bytes at a time"):  # q's rows are copied 16 bytes a thread
         q_odd = torch.zeros(1, 16, 584, dtype=torch.bfloat16)[..., :576]
-        dg.mla_decode_split_gluon(q_odd, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512,
-                                  variant="pair")
+        dg.mla_decode_split_gluon(q_odd, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512, variant="pair")
     with pytest.raises(ValueError, match="spans needs"):  # the request-spanning schedule: the pair kernel only
-        dg.mla_decode_split_gluon(q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512,
-                                  variant="seesaw", spans=object())
+        dg.mla_decode_split_gluon(
+            q, cache, None, None, None, None, None, None, 1.0, 1.0, True, 512, variant="seesaw", spans=object()
+        )
 
 
 def test_gluon_q_copyable():
@@ -210,9 +212,15 @@ VARIANTS = [
     {"variant": "seesaw", "box_rows": 32},
     {"variant": "pair", "box_rows": 32},
 ]
-KERNEL_KW = {"ws": {}, "ws-n32": {"block_n": 32, "stages": 3}, "fp8": {}, "seesaw": {"variant": "seesaw"},
-             "pair": {"variant": "pair"}, "seesaw+box32": {"variant": "seesaw", "box_rows": 32},
-             "pair+box32": {"variant": "pair", "box_rows": 32}}
+KERNEL_KW = {
+    "ws": {},
+    "ws-n32": {"block_n": 32, "stages": 3},
+    "fp8": {},
+    "seesaw": {"variant": "seesaw"},
+    "pair": {"variant": "pair"},
+    "seesaw+box32": {"variant": "seesaw", "box_rows": 32},
+    "pair+box32": {"variant": "pair", "box_rows": 32},
+}
 SEESAW_KERNELS = ["seesaw", "pair", "seesaw+box32", "pair+box32"]
 
 

@@ -183,8 +183,18 @@ def test_decode_only_build_does_not_sync(device, monkeypatch):
     """
     calls = []
 
-    def plan_stub(seq_lens, qo_indptr, num_heads, *, max_query_len=None, max_seq_len=None, d_v=512,
-                  kv_cache_dtype="auto", out=None, validate=True):
+    def plan_stub(
+        seq_lens,
+        qo_indptr,
+        num_heads,
+        *,
+        max_query_len=None,
+        max_seq_len=None,
+        d_v=512,
+        kv_cache_dtype="auto",
+        out=None,
+        validate=True,
+    ):
         assert max_seq_len == 64  # the builder's max_model_len: a capacity that fits every replay
         assert validate is False  # the builder checked the batch on the host; the planner must not sync
         calls.append((type(seq_lens), max_query_len))

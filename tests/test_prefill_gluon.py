@@ -143,9 +143,9 @@ def _problem(device, heads, qlens, klens, h_kv=None, pad_rows=0, v_strided=False
     else:
         v = torch.randn(Tk, h_kv, 128, device=device).to(torch.bfloat16)
     if pad_rows:
-        q[sum(qlens):] = float("nan")
-        k[sum(klens):] = float("nan")
-        v[sum(klens):] = float("nan")
+        q[sum(qlens) :] = float("nan")
+        k[sum(klens) :] = float("nan")
+        v[sum(klens) :] = float("nan")
     return q, k, v, _cu(qlens, device), _cu(klens, device)
 
 

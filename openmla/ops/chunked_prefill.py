@@ -90,9 +90,17 @@ def _plan_context_chunks(context_lens: torch.Tensor, query_start_loc: torch.Tens
         cu_q = qsl[b0 : b1 + 1] - qsl[b0]
         chunks.append(
             _ContextChunk(
-                b0=b0, b1=b1, r0=int(qsl[b0]), r1=int(qsl[b1]), num_tokens=int(cu_k[-1]),
-                max_q=int(qlen[b0:b1].max()), max_k=int(lens.max()),
-                starts=starts.int(), lens=lens.int(), cu_k=cu_k.int(), cu_q=cu_q.int(),
+                b0=b0,
+                b1=b1,
+                r0=int(qsl[b0]),
+                r1=int(qsl[b1]),
+                num_tokens=int(cu_k[-1]),
+                max_q=int(qlen[b0:b1].max()),
+                max_k=int(lens.max()),
+                starts=starts.int(),
+                lens=lens.int(),
+                cu_k=cu_k.int(),
+                cu_q=cu_q.int(),
             )  # fmt: skip
         )
     return chunks

@@ -54,8 +54,28 @@ _LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _decode_tile(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l, a0, a1, a2, a3, scale_log2, m_s,
-                 COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _decode_tile(
+    q0,
+    q1,
+    q2,
+    q3,
+    q_r,
+    k0,
+    k1,
+    k2,
+    k3,
+    k_r,
+    b_m,
+    b_l,
+    a0,
+    a1,
+    a2,
+    a3,
+    scale_log2,
+    m_s,
+    COMPUTE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """One KV tile of the online softmax. The latent is handled as four column chunks (q0..q3, k0..k3,
     accumulators a0..a3): each chunk is a separate MMA operand, so no operand spans all 512 columns
     at once (with mma.sync Triton holds a whole operand in registers). K = latent + rope, V = latent."""
@@ -236,8 +256,28 @@ def _mla_decode_fwd_kernel(
             k2 = kc_desc.load([row, 2 * DC]).to(COMPUTE)
             k3 = kc_desc.load([row, 3 * DC]).to(COMPUTE)
             k_r = kr_desc.load([row, 0]).to(COMPUTE)  # [N, D_R]
-            b_m, b_l, a0, a1, a2, a3 = _decode_tile(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l,
-                                                    a0, a1, a2, a3, scale_log2, ok, COMPUTE, DOT_PRECISION)
+            b_m, b_l, a0, a1, a2, a3 = _decode_tile(
+                q0,
+                q1,
+                q2,
+                q3,
+                q_r,
+                k0,
+                k1,
+                k2,
+                k3,
+                k_r,
+                b_m,
+                b_l,
+                a0,
+                a1,
+                a2,
+                a3,
+                scale_log2,
+                ok,
+                COMPUTE,
+                DOT_PRECISION,
+            )
     else:
         n_tail = kv_lo
     for n0 in range(n_tail, kv_hi, BLOCK_N):
@@ -254,8 +294,9 @@ def _mla_decode_fwd_kernel(
             p_kv = kv_cache + tl.where(m_n, blk * stride_kv_b + (o_n % PAGE) * stride_kv_p, 0)
         k0, k1, k2, k3, k_r = _load_rows(p_kv, m_n, o_c, DC, D_V, o_r, D_R, COMPUTE)
         m_s = m_n[None, :] & (o_n[None, :] < limit[:, None])
-        b_m, b_l, a0, a1, a2, a3 = _decode_tile(q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l,
-                                                a0, a1, a2, a3, scale_log2, m_s, COMPUTE, DOT_PRECISION)
+        b_m, b_l, a0, a1, a2, a3 = _decode_tile(
+            q0, q1, q2, q3, q_r, k0, k1, k2, k3, k_r, b_m, b_l, a0, a1, a2, a3, scale_log2, m_s, COMPUTE, DOT_PRECISION
+        )
 
     empty = b_l == 0.0
     b_r = tl.where(empty, 0.0, v_scale / tl.where(empty, 1.0, b_l))[:, None]
@@ -415,8 +456,21 @@ def _reduce_tiling(plan: DecodePlan, H: int, d_v: int) -> tuple[int, int, int, i
     return max(1, min(tasks, programs)), block_hb, block_d, block_s
 
 
-def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan: DecodePlan, out, lse,
-                      scale_log2: float, v_scale: float, causal: bool, d_v: int, compute):
+def _mla_decode_split(
+    q,
+    kv_cache,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    plan: DecodePlan,
+    out,
+    lse,
+    scale_log2: float,
+    v_scale: float,
+    causal: bool,
+    d_v: int,
+    compute,
+):
     """Launch the split-KV kernel: final rows for single-split requests, partials for the others."""
     H = q.shape[1]
     t = plan.tiling
@@ -429,11 +483,20 @@ def _mla_decode_split(q, kv_cache, block_table, seq_lens, query_start_loc, plan:
     dc, d_rp = max(d_v // 4, 16), max(triton.next_power_of_2(d_r), 16)  # a dot's K is at least 16 on the GPU
     kc_desc = kr_desc = None
     # TMA tiles for fp8 caches on sm90+ (1.26x faster there; a bf16 cache is faster through pointers)
-    tma_ok = not torch.cuda.is_available() or kv_cache.device.type != "cuda" or \
-        torch.cuda.get_device_capability(kv_cache.device) >= (9, 0)
+    tma_ok = (
+        not torch.cuda.is_available()
+        or kv_cache.device.type != "cuda"
+        or torch.cuda.get_device_capability(kv_cache.device) >= (9, 0)
+    )
     want_tma = t.tma or (kv_cache.dtype == torch.float8_e4m3fn and kv_cache.device.type == "cuda")
-    use_tma = want_tma and tma_ok and page_aligned and kv_cache.stride(0) == page * kv_cache.stride(1) and \
-        4 * dc == d_v and d_rp == d_r  # TMA boxes are the unpadded chunks
+    use_tma = (
+        want_tma
+        and tma_ok
+        and page_aligned
+        and kv_cache.stride(0) == page * kv_cache.stride(1)
+        and 4 * dc == d_v
+        and d_rp == d_r
+    )  # TMA boxes are the unpadded chunks
     if use_tma:  # the cache as rows [num_blocks * page, d_qk]; TMA zero-fills rows outside it
         rows = kv_cache.shape[0] * page
         kc_desc = TensorDescriptor(kv_cache, [rows, d_v], [kv_cache.stride(1), 1], [block_n, d_v // 4])

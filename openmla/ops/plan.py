@@ -324,8 +324,13 @@ def plan_decode(
     capacity = B + max(slots, B * triton_cdiv(max_seq_len, tiling.max_split))
 
     if out is not None:
-        if (out.batch_size, out.num_heads, out.max_query_len, out.d_v, out.kv_cache_dtype) != \
-                (B, num_heads, max_query_len, d_v, kv_cache_dtype):
+        if (out.batch_size, out.num_heads, out.max_query_len, out.d_v, out.kv_cache_dtype) != (
+            B,
+            num_heads,
+            max_query_len,
+            d_v,
+            kv_cache_dtype,
+        ):
             raise ValueError("out= plan was built for a different batch size, heads, max_query_len, d_v or "
                              "kv_cache_dtype")  # fmt: skip
         if out.capacity < capacity:
@@ -371,4 +376,3 @@ def plan_decode(
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
-

@@ -123,8 +123,9 @@ def _plan_spans_fwd_kernel(
     for g0 in range(0, NUM_GROUPS + 1, BLOCK_G):
         o_g = g0 + tl.arange(0, BLOCK_G)
         before = tl.minimum(tl.maximum(o_g[:, None] - g_first[None, :], 0), n[None, :])  # [BLOCK_G, BLOCK_B]
-        tl.store(group_indptr + o_g, tl.sum(tl.where(m_b[None, :], before, 0), axis=1).to(tl.int32),
-                 mask=o_g <= NUM_GROUPS)
+        tl.store(
+            group_indptr + o_g, tl.sum(tl.where(m_b[None, :], before, 0), axis=1).to(tl.int32), mask=o_g <= NUM_GROUPS
+        )
 
 
 @dataclass(frozen=True)
@@ -179,8 +180,12 @@ def plan_spans(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_groups
     if capacity < B + num_groups:
         raise ValueError(f"capacity ({capacity}) must be at least batch ({B}) + num_groups ({num_groups})")
     if out is not None:
-        if (out.num_groups, out.readers, out.work_req.shape[0], out.num_splits.shape[0]) != (num_groups, readers,
-                                                                                             capacity, B):
+        if (out.num_groups, out.readers, out.work_req.shape[0], out.num_splits.shape[0]) != (
+            num_groups,
+            readers,
+            capacity,
+            B,
+        ):
             raise ValueError("out= spans were built for a different batch size, num_groups or capacity")
         spans = out
     else:

@@ -276,10 +276,7 @@ def _flash_attn_varlen_fwd_kernel(
 def _configs() -> list[triton.Config]:
     """H200-oriented tiles; BLOCK_M 128 keeps the wgmma M dim full (64 per warpgroup)."""
     tiles = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-        for bm, bn, w, st in tiles
-    ]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in tiles]
 
 
 if INTERPRET:

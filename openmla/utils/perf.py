@@ -8,8 +8,16 @@ def decode_flops(num_tokens_x_attended: int, num_heads: int, d_qk: int = 576, d_
     return 2.0 * num_heads * num_tokens_x_attended * (d_qk + d_v)
 
 
-def decode_bytes(unique_kv_tokens: int, kv_bytes_per_token: int, num_q_rows: int, num_heads: int,
-                 q_bytes: int = 2, o_bytes: int = 2, d_qk: int = 576, d_v: int = 512) -> float:
+def decode_bytes(
+    unique_kv_tokens: int,
+    kv_bytes_per_token: int,
+    num_q_rows: int,
+    num_heads: int,
+    q_bytes: int = 2,
+    o_bytes: int = 2,
+    d_qk: int = 576,
+    d_v: int = 512,
+) -> float:
     """q + unique KV tokens x bytes/token + out."""
     return unique_kv_tokens * kv_bytes_per_token + num_q_rows * num_heads * (d_qk * q_bytes + d_v * o_bytes)
 

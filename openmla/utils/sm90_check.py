@@ -19,52 +19,177 @@ from openmla.utils.sm90_report import run_report_script
 _WS = [(64, 2, True, 64, False), (64, 2, False, 16, False), (64, 2, True, 64, True), (64, 2, False, 16, True)]
 CASES: list[dict] = []
 for bn, st, causal, bh, fp8 in _WS:
-    CASES.append(dict(kernel="ws", name=f"ws bn{bn} st{st} causal{int(causal)} bh{bh} fp8{int(fp8)}",
-                      cons=dict(PAGE=64, MAX_QLEN=4, BLOCK_H=bh, Q_PER=64 // bh, BLOCK_N=bn, STAGES=st,
-                                CAUSAL=causal, FP8=fp8, N_HB=2, N_QB=1, PRODUCER_REGS=32, num_warps=8), box=32,
-                      fp8=fp8))
+    CASES.append(
+        dict(
+            kernel="ws",
+            name=f"ws bn{bn} st{st} causal{int(causal)} bh{bh} fp8{int(fp8)}",
+            cons=dict(
+                PAGE=64,
+                MAX_QLEN=4,
+                BLOCK_H=bh,
+                Q_PER=64 // bh,
+                BLOCK_N=bn,
+                STAGES=st,
+                CAUSAL=causal,
+                FP8=fp8,
+                N_HB=2,
+                N_QB=1,
+                PRODUCER_REGS=32,
+                num_warps=8,
+            ),
+            box=32,
+            fp8=fp8,
+        )
+    )
 # seesaw (PAIR=False); the pair kernel alone, and on the spanning schedule with the merge by TMA, final rows by
 # TMA or staged (OUT_TMA False: rows that are not evenly strided); 32- and 64-row boxes
 for name, pair, spans, out_tma, bh, causal, box in [
-    ("seesaw", False, False, False, 16, True, 32), ("seesaw", False, False, False, 64, False, 64),
+    ("seesaw", False, False, False, 16, True, 32),
+    ("seesaw", False, False, False, 64, False, 64),
     ("seesaw", False, False, False, 32, True, 64),
-    ("pair", True, False, False, 64, False, 64), ("pair", True, False, False, 16, True, 32),
-    ("pair+spans", True, True, True, 64, True, 64), ("pair+spans", True, True, True, 32, True, 64),
-    ("pair+spans", True, True, False, 64, False, 64), ("pair+spans", True, True, True, 64, True, 32),
+    ("pair", True, False, False, 64, False, 64),
+    ("pair", True, False, False, 16, True, 32),
+    ("pair+spans", True, True, True, 64, True, 64),
+    ("pair+spans", True, True, True, 32, True, 64),
+    ("pair+spans", True, True, False, 64, False, 64),
+    ("pair+spans", True, True, True, 64, True, 32),
 ]:
-    CASES.append(dict(kernel="seesaw", name=f"{name} out_tma{int(out_tma)} bh{bh} causal{int(causal)} box{box}",
-                      cons=dict(PAGE=64, MAX_QLEN=4, BLOCK_H=bh, Q_PER=64 // bh, CAUSAL=causal, WG_REGS=240, N_HB=2,
-                                N_QB=1, PAIR=pair, SPANS=spans, OUT_TMA=out_tma, MERGE_TMA=spans, num_warps=4,
-                                # the flags of the variants deleted since (their defaults)
-                                NAMED=False, R_FIRST=False, OPAQUE=True, TRACE=False, trace=None,
-                                EARLY=3 if pair else 0),
-                      box=box, fp8=False))
-for bh, qp, bn, w, st, tma_, fp8 in [(16, 1, 64, 4, 3, False, False), (32, 1, 64, 4, 3, False, False),
-                                     (16, 1, 32, 4, 2, True, True), (16, 1, 64, 8, 2, True, True),
-                                     (64, 1, 64, 8, 2, False, False)]:
-    CASES.append(dict(kernel="decode", name=f"decode bh{bh} bn{bn} w{w} st{st} tma{int(tma_)} fp8{int(fp8)}",
-                      cons=dict(PAGE=64, MAX_QLEN=1, D_V=512, D_R=64, BLOCK_H=bh, Q_PER=qp, BLOCK_N=bn,
-                                PAGE_ALIGNED=True, USE_TMA=tma_, MAX_PAGES=128, CAUSAL=True, DC=128, D_RP=64,
-                                COMPUTE="fp16" if fp8 else "bf16", DOT_PRECISION="tf32", PDL=False),
-                      warps=w, stages=st, fp8=fp8))
+    CASES.append(
+        dict(
+            kernel="seesaw",
+            name=f"{name} out_tma{int(out_tma)} bh{bh} causal{int(causal)} box{box}",
+            cons=dict(
+                PAGE=64,
+                MAX_QLEN=4,
+                BLOCK_H=bh,
+                Q_PER=64 // bh,
+                CAUSAL=causal,
+                WG_REGS=240,
+                N_HB=2,
+                N_QB=1,
+                PAIR=pair,
+                SPANS=spans,
+                OUT_TMA=out_tma,
+                MERGE_TMA=spans,
+                num_warps=4,
+                # the flags of the variants deleted since (their defaults)
+                NAMED=False,
+                R_FIRST=False,
+                OPAQUE=True,
+                TRACE=False,
+                trace=None,
+                EARLY=3 if pair else 0,
+            ),
+            box=box,
+            fp8=False,
+        )
+    )
+for bh, qp, bn, w, st, tma_, fp8 in [
+    (16, 1, 64, 4, 3, False, False),
+    (32, 1, 64, 4, 3, False, False),
+    (16, 1, 32, 4, 2, True, True),
+    (16, 1, 64, 8, 2, True, True),
+    (64, 1, 64, 8, 2, False, False),
+]:
+    CASES.append(
+        dict(
+            kernel="decode",
+            name=f"decode bh{bh} bn{bn} w{w} st{st} tma{int(tma_)} fp8{int(fp8)}",
+            cons=dict(
+                PAGE=64,
+                MAX_QLEN=1,
+                D_V=512,
+                D_R=64,
+                BLOCK_H=bh,
+                Q_PER=qp,
+                BLOCK_N=bn,
+                PAGE_ALIGNED=True,
+                USE_TMA=tma_,
+                MAX_PAGES=128,
+                CAUSAL=True,
+                DC=128,
+                D_RP=64,
+                COMPUTE="fp16" if fp8 else "bf16",
+                DOT_PRECISION="tf32",
+                PDL=False,
+            ),
+            warps=w,
+            stages=st,
+            fp8=fp8,
+        )
+    )
 for hb, bd, bs in [(1, 128, 64), (4, 512, 2)]:
-    CASES.append(dict(kernel="reduce", name=f"reduce hb{hb} bd{bd} bs{bs}",
-                      cons=dict(MAX_QLEN=1, D_V=512, BLOCK_S=bs, BLOCK_HB=hb, BLOCK_D=bd, PDL=False), warps=4,
-                      stages=3))
-for causal, dt, bm, bn, w, st in [(True, "bf16", 128, 64, 8, 2), (False, "bf16", 128, 128, 8, 2),
-                                  (True, "fp8e4nv", 128, 64, 8, 3), (True, "bf16", 64, 32, 4, 2)]:
+    CASES.append(
+        dict(
+            kernel="reduce",
+            name=f"reduce hb{hb} bd{bd} bs{bs}",
+            cons=dict(MAX_QLEN=1, D_V=512, BLOCK_S=bs, BLOCK_HB=hb, BLOCK_D=bd, PDL=False),
+            warps=4,
+            stages=3,
+        )
+    )
+for causal, dt, bm, bn, w, st in [
+    (True, "bf16", 128, 64, 8, 2),
+    (False, "bf16", 128, 128, 8, 2),
+    (True, "fp8e4nv", 128, 64, 8, 3),
+    (True, "bf16", 64, 32, 4, 2),
+]:
     fp8 = dt == "fp8e4nv"
-    CASES.append(dict(kernel="prefill", name=f"prefill causal{int(causal)} {dt} bm{bm} bn{bn} w{w} st{st}",
-                      cons=dict(GROUP=1, D1=128, BLOCK_D1=128, D2=64, BLOCK_D2=64, HAS_D2=True, D_V=128, BLOCK_DV=128,
-                                CAUSAL=causal, STORE_LSE=True, HAS_DESCALE=fp8, QK_DTYPE=dt,
-                                PV_DTYPE="bf16", DOT_PRECISION="tf32", SCALE_POS=True, BLOCK_M=bm, BLOCK_N=bn,
-                                KV_TMA=False, PIPE_QK=False), warps=w, stages=st, dtype="fp8e4nv" if fp8 else "bf16"))
-for bn, st, causal, pp, group, hb in [(128, 2, True, True, 1, 1), (128, 2, False, True, 1, 1),
-                                      (64, 3, True, False, 8, 1)]:
+    CASES.append(
+        dict(
+            kernel="prefill",
+            name=f"prefill causal{int(causal)} {dt} bm{bm} bn{bn} w{w} st{st}",
+            cons=dict(
+                GROUP=1,
+                D1=128,
+                BLOCK_D1=128,
+                D2=64,
+                BLOCK_D2=64,
+                HAS_D2=True,
+                D_V=128,
+                BLOCK_DV=128,
+                CAUSAL=causal,
+                STORE_LSE=True,
+                HAS_DESCALE=fp8,
+                QK_DTYPE=dt,
+                PV_DTYPE="bf16",
+                DOT_PRECISION="tf32",
+                SCALE_POS=True,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                KV_TMA=False,
+                PIPE_QK=False,
+            ),
+            warps=w,
+            stages=st,
+            dtype="fp8e4nv" if fp8 else "bf16",
+        )
+    )
+for bn, st, causal, pp, group, hb in [
+    (128, 2, True, True, 1, 1),
+    (128, 2, False, True, 1, 1),
+    (64, 3, True, False, 8, 1),
+]:
     name = f"prefill_gluon bn{bn} st{st} causal{int(causal)} pp{int(pp)} g{group}"
-    CASES.append(dict(kernel="prefill_gluon", name=name,
-                      cons=dict(GROUP=group, BLOCK_N=bn, STAGES=st, CAUSAL=causal, SCALE_POS=True, PINGPONG=pp,
-                                HEAD_BLOCK=hb, STORE_LSE=True, PRODUCER_REGS=24, CONSUMER_REGS=240, num_warps=4)))
+    CASES.append(
+        dict(
+            kernel="prefill_gluon",
+            name=name,
+            cons=dict(
+                GROUP=group,
+                BLOCK_N=bn,
+                STAGES=st,
+                CAUSAL=causal,
+                SCALE_POS=True,
+                PINGPONG=pp,
+                HEAD_BLOCK=hb,
+                STORE_LSE=True,
+                PRODUCER_REGS=24,
+                CONSUMER_REGS=240,
+                num_warps=4,
+            ),
+        )
+    )
 
 _SCRIPT = r"""
 import importlib, json, sys

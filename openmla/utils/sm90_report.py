@@ -57,8 +57,9 @@ def resource_report(kernel) -> dict:
         "sass": len(code),
         "sass_hash": hashlib.sha1("\n".join(code).encode()).hexdigest()[:12],
         # the same with kernel-parameter offsets (``c[0x0][...]``) masked: unchanged when only the parameter list moved
-        "sass_hash_noparams": hashlib.sha1(re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[0x0][_]", "\n".join(code)).encode())
-        .hexdigest()[:12],
+        "sass_hash_noparams": hashlib.sha1(
+            re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[0x0][_]", "\n".join(code)).encode()
+        ).hexdigest()[:12],
     }
 
 

@@ -521,8 +521,10 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     grid = (plan.capacity * n_hb * n_qb,)
     if spans is not None:
         if spans.readers != n_hb * n_qb or spans.num_splits.shape[0] != plan.batch_size:
-            raise ValueError(f"spans were planned for {spans.readers} programs a group and batch "
-                             f"{spans.num_splits.shape[0]}; this call has {n_hb * n_qb} and {plan.batch_size}")
+            raise ValueError(
+                f"spans were planned for {spans.readers} programs a group and batch "
+                f"{spans.num_splits.shape[0]}; this call has {n_hb * n_qb} and {plan.batch_size}"
+            )
         grid = (spans.num_groups * n_hb * n_qb,)
     args = (q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split,
             plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
@@ -531,8 +533,17 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     if seesaw:
         half_desc = TensorDescriptor(kv2d, shape, strides, [box_rows, 256], _kv_layout())  # half a latent row a copy
         rope_desc = TensorDescriptor(kv2d, shape, strides, [box_rows, D_R], _kv_layout(fp8, D_R))
-        kw = {"PAGE": page, "MAX_QLEN": plan.max_query_len, "BLOCK_H": block_h, "Q_PER": q_per, "CAUSAL": causal,
-              "WG_REGS": SEESAW_WG_REGS, "N_HB": n_hb, "N_QB": n_qb, "num_warps": 4}
+        kw = {
+            "PAGE": page,
+            "MAX_QLEN": plan.max_query_len,
+            "BLOCK_H": block_h,
+            "Q_PER": q_per,
+            "CAUSAL": causal,
+            "WG_REGS": SEESAW_WG_REGS,
+            "N_HB": n_hb,
+            "N_QB": n_qb,
+            "num_warps": 4,
+        }
         if spans is not None:  # the items' requests, key ranges and pieces per request (for the merge)
             args = args[:6] + (spans.work_req, spans.work_lo, spans.num_splits, spans.work_hi) + args[10:]
         # (unused without spans)

@@ -34,9 +34,7 @@ RESCALE_ASM = gl.constexpr(
     + " ".join(f"mul.f32 ${i}, ${i}, ${384 + i};" for i in range(128))
     + " LAZY_SKIP: }"
 )
-RESCALE_CONSTRAINTS = gl.constexpr(
-    ",".join(["=f"] * 128 + [str(i) for i in range(128)] + ["r"] * 128 + ["f"] * 128)
-)
+RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 128 + [str(i) for i in range(128)] + ["r"] * 128 + ["f"] * 128))
 
 if GLUON_AVAILABLE:
     from openmla.ops.gluon.decode_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
@@ -315,8 +313,9 @@ if GLUON_AVAILABLE:
             w_p = w_p / v_scale  # the partial was normalised times v_scale
             mbarrier.wait(pbar, (j - first) & 1)
             o_p = part.load(acc.type.layout)
-            acc = acc * gl.expand_dims(gl.convert_layout(a_own, ROW_O), 1) + \
-                o_p * gl.expand_dims(gl.convert_layout(w_p, ROW_O), 1)
+            acc = acc * gl.expand_dims(gl.convert_layout(a_own, ROW_O), 1) + o_p * gl.expand_dims(
+                gl.convert_layout(w_p, ROW_O), 1
+            )
             gl.thread_barrier()  # every thread read the partial before the next copy (or the final rows) lands there
         return acc, b_l, m_run
 
@@ -541,7 +540,8 @@ if GLUON_AVAILABLE:
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
 
         i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi = _seesaw_item(
-            block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB)
+            block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB
+        )
         n_tiles = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
         n_own = gl.maximum(n_tiles - WG + 1, 0) // 2  # tiles WG, WG + 2, ...
         p_bt = block_table + i_b * stride_bt_b
@@ -858,7 +858,8 @@ if GLUON_AVAILABLE:
                 tma.store_wait(0)
         else:
             i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi = _seesaw_item(
-                block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB)
+                block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB
+            )
             _pair_item(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
                        m_ready, p_ready, qbar, lbar, block_table, num_splits, span_indptr, span_flags, out, lse,
                        o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
