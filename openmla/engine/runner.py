@@ -78,8 +78,29 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.num_spec_tokens = num_spec_tokens
         self.block_size = block_manager.block_size
+        self._init_attention(workspace_tokens)
+        self.max_blocks_per_seq = self.builder.max_blocks_per_seq
+        dev = self.device
+        T, B, W = max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq
+        self._input_ids = torch.zeros(T, dtype=torch.int64, device=dev)
+        self._positions = torch.zeros(T, dtype=torch.int64, device=dev)
+        self._slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=dev)
+        self._qsl = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+        self._seq_lens = torch.zeros(B, dtype=torch.int32, device=dev)
+        self._block_table = torch.zeros(B, W, dtype=torch.int32, device=dev)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_pool = None
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.num_graph_replays = 0
+        if self.cuda_graphs:
+            self.capture_cuda_graphs()
+
+    def _init_attention(self, workspace_tokens: int | None) -> None:
+        """Set ``self.builder`` (the metadata builder) and ``self.kv_caches`` (one cache per attention layer)."""
+        model, max_num_seqs, num_spec_tokens = self.model, self.max_num_seqs, self.num_spec_tokens
+        max_model_len, max_num_batched_tokens, dtype = self.max_model_len, self.max_num_batched_tokens, self.dtype
         cfg = model.config
-        num_blocks = block_manager.allocator.num_blocks
+        num_blocks = self.bm.allocator.num_blocks
         if hasattr(model, "make_metadata_builder"):  # a model with its own attention backend (V3.2 sparse MLA)
             self.builder = model.make_metadata_builder(
                 block_size=self.block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -105,21 +126,6 @@ class ModelRunner:
                 attn.make_kv_cache(num_blocks, self.block_size, dtype=dtype, device=self.device)
                 for attn in model.attention_layers
             ]
-        self.max_blocks_per_seq = self.builder.max_blocks_per_seq
-        dev = self.device
-        T, B, W = max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq
-        self._input_ids = torch.zeros(T, dtype=torch.int64, device=dev)
-        self._positions = torch.zeros(T, dtype=torch.int64, device=dev)
-        self._slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=dev)
-        self._qsl = torch.zeros(B + 1, dtype=torch.int32, device=dev)
-        self._seq_lens = torch.zeros(B, dtype=torch.int32, device=dev)
-        self._block_table = torch.zeros(B, W, dtype=torch.int32, device=dev)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._graph_pool = None
-        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
-        self.num_graph_replays = 0
-        if self.cuda_graphs:
-            self.capture_cuda_graphs()
 
     # ----------------------------------------------------------- inputs
     def _fill(self, ids, pos, slots, qsl, seq_lens, tables, num_reqs_padded: int, num_rows: int):

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from openmla.engine.blocks import BlockManager
-from openmla.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from openmla.engine.runner import ModelRunner, StepInputs
 from openmla.engine.scheduler import SchedulerOutput
 from openmla.metadata.v4 import V4MetadataBuilder, ring_blocks
@@ -28,29 +26,10 @@ __all__ = ["V4ModelRunner"]
 class V4ModelRunner(ModelRunner):
     r"""Runs a :class:`DeepseekV4ForCausalLM` on scheduled steps (arguments as :class:`ModelRunner`)."""
 
-    def __init__(
-        self,
-        model: DeepseekV4ForCausalLM,
-        block_manager: BlockManager,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        device: torch.device | str,
-        dtype: torch.dtype,
-        num_spec_tokens: int = 0,
-        cuda_graphs: bool = False,
-        workspace_tokens: int | None = None,
-    ) -> None:
-        self.model = model
-        self.bm = block_manager
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.num_spec_tokens = num_spec_tokens
-        self.block_size = block_manager.block_size
+    def _init_attention(self, workspace_tokens: int | None) -> None:
+        """The V4 builder and caches, and the compressor-state slots (``workspace_tokens`` is unused)."""
+        model, max_num_seqs, num_spec_tokens = self.model, self.max_num_seqs, self.num_spec_tokens
+        max_model_len, max_num_batched_tokens = self.max_model_len, self.max_num_batched_tokens
         cfg = model.config
         rings = [a.compressor.coff * a.ratio for a in model.attention_layers if a.compressor is not None]
         if rings and 1 + num_spec_tokens > min(rings):
@@ -69,29 +48,14 @@ class V4ModelRunner(ModelRunner):
         )  # fmt: skip
         # Slots [0, B) for requests, [B, 2B) for the dummy requests that pad a CUDA-graph batch.
         self.num_state_slots = 2 * max_num_seqs
-        self.kv_caches = model.make_caches(block_manager.allocator.num_blocks, self.block_size, self.num_state_slots,
-                                           dtype=dtype, device=self.device,
+        self.kv_caches = model.make_caches(self.bm.allocator.num_blocks, self.block_size, self.num_state_slots,
+                                           dtype=self.dtype, device=self.device,
                                            swa_blocks=self.num_state_slots * self.swa_ring_blocks)  # fmt: skip
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
         self._requests: dict = {}
         self._snapshots: dict[str, tuple[int, list]] = {}  # req -> (verify start, saved rings per layer)
-        self.max_blocks_per_seq = self.builder.max_blocks_per_seq
-        dev = self.device
-        T, B, W = max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq
-        self._input_ids = torch.zeros(T, dtype=torch.int64, device=dev)
-        self._positions = torch.zeros(T, dtype=torch.int64, device=dev)
-        self._slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=dev)
-        self._qsl = torch.zeros(B + 1, dtype=torch.int32, device=dev)
-        self._seq_lens = torch.zeros(B, dtype=torch.int32, device=dev)
-        self._block_table = torch.zeros(B, W, dtype=torch.int32, device=dev)
-        self._graphs = {}
-        self._graph_pool = None
-        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
-        self.num_graph_replays = 0
         self._set_state_slots([])
-        if self.cuda_graphs:
-            self.capture_cuda_graphs()
 
     # ------------------------------------------------------ state slots
     def _rings(self):
