@@ -123,6 +123,37 @@ def _to_device(chunks: list[_ContextChunk], device: torch.device) -> list[_Conte
     return out
 
 
+def _check_prefill_with_context_args(q, k_nope, k_pe, v, kv_cache, block_table, context_lens, query_start_loc,
+                                     kv_b_proj_weight, chunk_size, kv_cache_dtype):  # fmt: skip
+    """The tensor and chunk-size checks shared with the DCP variant; returns ``(T, H, d_nope, d_rope, d_v, d_c, B)``."""
+    check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=3)
+    dev, dtype = q.device, q.dtype
+    T, H, d_qk = q.shape
+    check_tensor("k_nope", k_nope, dtypes=(dtype,), shape=(T, H, None), device=dev)
+    d_nope = k_nope.shape[2]
+    d_rope = d_qk - d_nope
+    if d_rope <= 0:
+        raise ValueError(f"q's head dim must exceed k_nope's; got q {describe(q)}, k_nope {describe(k_nope)}")
+    if not isinstance(k_pe, torch.Tensor) or k_pe.dim() not in (2, 3):
+        raise ValueError(f"k_pe must be a [T, {d_rope}] or [T, 1, {d_rope}] tensor; got {k_pe!r:.80}")
+    shape_pe = (T, d_rope) if k_pe.dim() == 2 else (T, 1, d_rope)
+    check_tensor("k_pe", k_pe, dtypes=(dtype,), shape=shape_pe, device=dev)
+    check_tensor("v", v, dtypes=(dtype,), shape=(T, H, None), device=dev)
+    d_v = v.shape[2]
+    check_tensor("kv_cache", kv_cache, ndim=3, device=dev)
+    entry = 576 if kv_cache_dtype == "fp8_ds_mla" else kv_cache.shape[2]
+    d_c = entry - d_rope
+    check_tensor("kv_b_proj_weight", kv_b_proj_weight, dtypes=(dtype,), shape=(H * (d_nope + d_v), d_c), device=dev,
+                 last_dim_contiguous=False)  # fmt: skip
+    check_index("block_table", block_table, ndim=2, device=dev)
+    B = block_table.shape[0]
+    check_index("context_lens", context_lens, ndim=1, device=dev, length=B)
+    check_index("query_start_loc", query_start_loc, ndim=1, device=dev, length=B + 1)
+    if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+    return T, H, d_nope, d_rope, d_v, d_c, B
+
+
 def _mla_prefill_with_context_fwd(q, k_nope, k_pe, v, kv_cache, block_table, chunks, query_start_loc, max_q, W,
                                   sm_scale, chunk_size, kv_cache_dtype, kv_scale, return_lse, out):  # fmt: skip
     """Suffix attention, then the context chunks folded in place (see the module docstring)."""
@@ -237,31 +268,11 @@ def mla_prefill_with_context(
     Raises:
         TypeError, ValueError: on wrong dtypes, shapes, devices or arguments (the message names them).
     """
-    check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=3)
+    T, H, _, _, d_v, _, B = _check_prefill_with_context_args(
+        q, k_nope, k_pe, v, kv_cache, block_table, context_lens, query_start_loc, kv_b_proj_weight, chunk_size,
+        kv_cache_dtype,
+    )  # fmt: skip
     dev, dtype = q.device, q.dtype
-    T, H, d_qk = q.shape
-    check_tensor("k_nope", k_nope, dtypes=(dtype,), shape=(T, H, None), device=dev)
-    d_nope = k_nope.shape[2]
-    d_rope = d_qk - d_nope
-    if d_rope <= 0:
-        raise ValueError(f"q's head dim must exceed k_nope's; got q {describe(q)}, k_nope {describe(k_nope)}")
-    if not isinstance(k_pe, torch.Tensor) or k_pe.dim() not in (2, 3):
-        raise ValueError(f"k_pe must be a [T, {d_rope}] or [T, 1, {d_rope}] tensor; got {k_pe!r:.80}")
-    shape_pe = (T, d_rope) if k_pe.dim() == 2 else (T, 1, d_rope)
-    check_tensor("k_pe", k_pe, dtypes=(dtype,), shape=shape_pe, device=dev)
-    check_tensor("v", v, dtypes=(dtype,), shape=(T, H, None), device=dev)
-    d_v = v.shape[2]
-    check_tensor("kv_cache", kv_cache, ndim=3, device=dev)
-    entry = 576 if kv_cache_dtype == "fp8_ds_mla" else kv_cache.shape[2]
-    d_c = entry - d_rope
-    check_tensor("kv_b_proj_weight", kv_b_proj_weight, dtypes=(dtype,), shape=(H * (d_nope + d_v), d_c), device=dev,
-                 last_dim_contiguous=False)  # fmt: skip
-    check_index("block_table", block_table, ndim=2, device=dev)
-    B = block_table.shape[0]
-    check_index("context_lens", context_lens, ndim=1, device=dev, length=B)
-    check_index("query_start_loc", query_start_loc, ndim=1, device=dev, length=B + 1)
-    if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     if out is not None:
         check_tensor("out", out, dtypes=(dtype,), shape=(T, H, d_v), device=dev)
     if kv_cache_dtype == "fp8":  # positive and finite (read once here; the chunks' gathers then trust it)

@@ -18,13 +18,11 @@ by the caller, before or after this call (the new tokens' keys come from ``k_nop
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
+from openmla.ops._validate import capturing
 from openmla.ops.cache import check_block_table, gather_cache
-from openmla.ops.chunked_prefill import _plan_context_chunks, _to_device
+from openmla.ops.chunked_prefill import _check_prefill_with_context_args, _plan_context_chunks, _to_device
 from openmla.ops.merge import merge_attn_states
 from openmla.ops.prefill import flash_attn_varlen
 from openmla.parallel.comm import _all_gather, group_info
@@ -104,30 +102,12 @@ def dcp_mla_prefill_with_context(
     """
     W, rank, _ = group_info(group)
     _, _, I = check_dcp_args(W, rank, interleave)
-    check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=3)
+    T, H, d_nope, d_rope, d_v, d_c, B = _check_prefill_with_context_args(
+        q, k_nope, k_pe, v, kv_cache, block_table, context_lens, query_start_loc, kv_b_proj_weight, chunk_size,
+        kv_cache_dtype,
+    )  # fmt: skip
     dev, dtype = q.device, q.dtype
-    T, H, d_qk = q.shape
-    check_tensor("k_nope", k_nope, dtypes=(dtype,), shape=(T, H, None), device=dev)
-    d_nope = k_nope.shape[2]
-    d_rope = d_qk - d_nope
-    if d_rope <= 0:
-        raise ValueError(f"q's head dim must exceed k_nope's; got q {describe(q)}, k_nope {describe(k_nope)}")
-    if not isinstance(k_pe, torch.Tensor) or k_pe.dim() not in (2, 3):
-        raise ValueError(f"k_pe must be a [T, {d_rope}] or [T, 1, {d_rope}] tensor; got {k_pe!r:.80}")
-    check_tensor("k_pe", k_pe, dtypes=(dtype,), shape=(T, d_rope) if k_pe.dim() == 2 else (T, 1, d_rope), device=dev)
-    check_tensor("v", v, dtypes=(dtype,), shape=(T, H, None), device=dev)
-    d_v = v.shape[2]
-    check_tensor("kv_cache", kv_cache, ndim=3, device=dev)
     entry = 576 if kv_cache_dtype == "fp8_ds_mla" else kv_cache.shape[2]
-    d_c = entry - d_rope
-    check_tensor("kv_b_proj_weight", kv_b_proj_weight, dtypes=(dtype,), shape=(H * (d_nope + d_v), d_c), device=dev,
-                 last_dim_contiguous=False)  # fmt: skip
-    check_index("block_table", block_table, ndim=2, device=dev)
-    B = block_table.shape[0]
-    check_index("context_lens", context_lens, ndim=1, device=dev, length=B)
-    check_index("query_start_loc", query_start_loc, ndim=1, device=dev, length=B + 1)
-    if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     ctx_cpu = context_lens.cpu() if context_lens_cpu is None else context_lens_cpu
     qsl = (query_start_loc.cpu() if query_start_loc_cpu is None else query_start_loc_cpu).to(torch.int64)
     if B and (int(qsl[0]) != 0 or int(qsl[-1]) > T or bool((qsl[1:] < qsl[:-1]).any())):
