@@ -173,24 +173,30 @@ class DeepseekV3MoE(nn.Module):
         return self.experts(x, self.gate(x)) + self.shared_experts(x)
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer_idx: int, kv_cache_dtype: str, kv_scale: float) -> None:
+def _mla_attention_args(cfg: DeepseekV3Config) -> dict:
+    """The attention-layer arguments a V3-family config sets (the layer class's own extras come on top)."""
+    return dict(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters=cfg.rope_parameters,
+        rope_interleave=cfg.rope_interleave,
+        attention_bias=cfg.attention_bias,
+    )
+
+
+class _DecoderLayer(nn.Module):
+    """``self_attn`` (given), then the layer's MLP (dense for the first ``first_k_dense_replace`` layers, MoE
+    after) and its two RMSNorms; subclasses define ``forward``."""
+
+    def __init__(self, cfg: DeepseekV3Config, layer_idx: int, self_attn: nn.Module) -> None:
         super().__init__()
-        self.self_attn = MLAAttention(
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_attention_heads,
-            q_lora_rank=cfg.q_lora_rank,
-            kv_lora_rank=cfg.kv_lora_rank,
-            qk_nope_head_dim=cfg.qk_nope_head_dim,
-            qk_rope_head_dim=cfg.qk_rope_head_dim,
-            v_head_dim=cfg.v_head_dim,
-            max_position_embeddings=cfg.max_position_embeddings,
-            rope_parameters=cfg.rope_parameters,
-            rope_interleave=cfg.rope_interleave,
-            attention_bias=cfg.attention_bias,
-            kv_cache_dtype=kv_cache_dtype,
-            kv_scale=kv_scale,
-        )
+        self.self_attn = self_attn
         if layer_idx >= cfg.first_k_dense_replace:
             self.mlp = DeepseekV3MoE(cfg)
         else:
@@ -198,18 +204,24 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
+
+class DeepseekV3DecoderLayer(_DecoderLayer):
+    def __init__(self, cfg: DeepseekV3Config, layer_idx: int, kv_cache_dtype: str, kv_scale: float) -> None:
+        attn = MLAAttention(**_mla_attention_args(cfg), kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale)
+        super().__init__(cfg, layer_idx, attn)
+
     def forward(self, positions, hidden_states, kv_cache, attn_metadata):
         h = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, kv_cache_dtype: str, kv_scale: float) -> None:
+    """Embeddings, ``make_layer(i)`` for every layer index, the final RMSNorm (the HF ``model.`` prefix)."""
+
+    def __init__(self, cfg: DeepseekV3Config, make_layer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            [DeepseekV3DecoderLayer(cfg, i, kv_cache_dtype, kv_scale) for i in range(cfg.num_hidden_layers)]
-        )
+        self.layers = nn.ModuleList([make_layer(i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
@@ -225,7 +237,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def __init__(self, cfg: DeepseekV3Config, kv_cache_dtype: str = "auto", kv_scale: float = 1.0) -> None:
         super().__init__()
         self.config = cfg
-        self.model = _Backbone(cfg, kv_cache_dtype, kv_scale)
+        self.model = _Backbone(cfg, lambda i: DeepseekV3DecoderLayer(cfg, i, kv_cache_dtype, kv_scale))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from openmla.engine.models.deepseek_v3 import DeepseekV3Config, DeepseekV3MLP, DeepseekV3MoE
-from openmla.layers import RMSNorm
+from openmla.engine.models.deepseek_v3 import DeepseekV3Config, _Backbone, _DecoderLayer, _mla_attention_args
 from openmla.layers.sparse_mla import SparseMLAAttention
 from openmla.metadata.sparse import SparseMLAMetadata, SparseMLAMetadataBuilder
 
@@ -67,48 +66,22 @@ def tiny_v32_config(**overrides) -> DeepseekV32Config:
     return DeepseekV32Config(**{**base, "index_topk": 8, "index_head_dim": 128, "index_n_heads": 8, **index})
 
 
-class DeepseekV32DecoderLayer(nn.Module):
+class DeepseekV32DecoderLayer(_DecoderLayer):
     def __init__(self, cfg: DeepseekV32Config, layer_idx: int, kv_cache_dtype: str, indexer_cache_dtype: str) -> None:
-        super().__init__()
-        self.self_attn = SparseMLAAttention(
+        attn = SparseMLAAttention(
             index_n_heads=cfg.index_n_heads,
             index_head_dim=cfg.index_head_dim,
             index_topk=cfg.index_topk,
             kv_cache_dtype=kv_cache_dtype,
             indexer_cache_dtype=indexer_cache_dtype,
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_attention_heads,
-            q_lora_rank=cfg.q_lora_rank,
-            kv_lora_rank=cfg.kv_lora_rank,
-            qk_nope_head_dim=cfg.qk_nope_head_dim,
-            qk_rope_head_dim=cfg.qk_rope_head_dim,
-            v_head_dim=cfg.v_head_dim,
-            max_position_embeddings=cfg.max_position_embeddings,
-            rope_parameters=cfg.rope_parameters,
-            rope_interleave=True,
-            attention_bias=cfg.attention_bias,
+            **{**_mla_attention_args(cfg), "rope_interleave": True},
         )
-        if layer_idx >= cfg.first_k_dense_replace:
-            self.mlp = DeepseekV3MoE(cfg)
-        else:
-            self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        super().__init__(cfg, layer_idx, attn)
 
     def forward(self, positions, hidden_states, kv_cache, indexer_k_cache, attn_metadata):
         a = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, indexer_k_cache, attn_metadata)
         h = hidden_states + a
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class _Backbone(nn.Module):
-    def __init__(self, cfg: DeepseekV32Config, kv_cache_dtype: str, indexer_cache_dtype: str) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            [DeepseekV32DecoderLayer(cfg, i, kv_cache_dtype, indexer_cache_dtype) for i in range(cfg.num_hidden_layers)]
-        )
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
 class DeepseekV32ForCausalLM(nn.Module):
@@ -134,7 +107,7 @@ class DeepseekV32ForCausalLM(nn.Module):
             raise ValueError(f"kv_scale {kv_scale!r}: V3.2 caches take no per-tensor scale (fp8_ds_mla rows carry "
                              "their own)")  # fmt: skip
         self.config = cfg
-        self.model = _Backbone(cfg, kv_cache_dtype, indexer_cache_dtype)
+        self.model = _Backbone(cfg, lambda i: DeepseekV32DecoderLayer(cfg, i, kv_cache_dtype, indexer_cache_dtype))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
