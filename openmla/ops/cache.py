@@ -240,9 +240,7 @@ def concat_and_cache_mla(
     if T == 0:
         return
     if validate and not capturing():
-        top = int(slot_mapping.max())
-        if top >= num_slots:
-            raise ValueError(f"slot_mapping holds slot {top} but kv_cache has only {num_slots} slots")
+        check_slot_mapping(slot_mapping, num_slots)
     c32, c16 = _aliases(kv_cache, mode)
     _concat_and_cache_mla_fwd_kernel[(T,)](
         kv_c, k_pe, kv_cache, c32, c16, slot_mapping, scale_t,
@@ -251,6 +249,42 @@ def concat_and_cache_mla(
         D_C=d_c, D_R=d_r, BLOCK_C=triton.next_power_of_2(d_c), BLOCK_R=triton.next_power_of_2(d_r), MODE=mode,
         EXACT_ROUND=INTERPRET,
     )  # fmt: skip
+
+
+def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Raise when a slot lies beyond a cache of ``num_slots`` slots (a host sync; negative slots are padding)."""
+    top = int(slot_mapping.max())
+    if top >= num_slots:
+        raise ValueError(f"slot_mapping holds slot {top} but kv_cache has only {num_slots} slots")
+
+
+def _check_gather_index(block_table, seq_lens, seq_starts, dev):
+    """Check a gather's index tensors; returns ``(B, seq_lens, seq_starts)``, the 1-D ones made dense."""
+    check_index("block_table", block_table, ndim=2, device=dev)
+    B = block_table.shape[0]
+    check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
+    if seq_starts is not None:
+        check_index("seq_starts", seq_starts, ndim=1, device=dev, length=B)
+        seq_starts = seq_starts.contiguous()  # the kernel reads dense arrays
+    seq_lens = seq_lens.contiguous()
+    return B, seq_lens, seq_starts
+
+
+def _gather_rows_out(seq_lens, out, D: int, out_dtype: torch.dtype, validate: bool):
+    """A gather's output row offsets ``cu`` `[B + 1]` int64 and its output: ``out`` checked, or a new tensor."""
+    B = seq_lens.shape[0]
+    dev = seq_lens.device
+    cu = torch.zeros(B + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(seq_lens, 0, out=cu[1:])
+    if out is None:
+        out = torch.empty(int(cu[-1]) if B else 0, D, dtype=out_dtype, device=dev)
+    else:
+        check_tensor("out", out, dtypes=_AUTO_DTYPES, ndim=2, device=dev)
+        if out.shape[1] != D:
+            raise ValueError(f"out must have {D} columns; got {describe(out)}")
+        if validate and not capturing() and B and out.shape[0] < int(cu[-1]):
+            raise ValueError(f"out has {out.shape[0]} rows but sum(seq_lens) is {int(cu[-1])}")
+    return cu, out
 
 
 def check_block_table(block_table, seq_lens, seq_starts, block_size: int, num_blocks: int) -> None:
@@ -315,13 +349,7 @@ def gather_cache(
     """
     mode = _check_cache(kv_cache, kv_cache_dtype)
     dev = kv_cache.device
-    check_index("block_table", block_table, ndim=2, device=dev)
-    B = block_table.shape[0]
-    check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
-    if seq_starts is not None:
-        check_index("seq_starts", seq_starts, ndim=1, device=dev, length=B)
-        seq_starts = seq_starts.contiguous()  # the kernel reads dense arrays
-    seq_lens = seq_lens.contiguous()
+    B, seq_lens, seq_starts = _check_gather_index(block_table, seq_lens, seq_starts, dev)
     if out is None and out_dtype not in _AUTO_DTYPES:
         raise TypeError(f"out_dtype must be one of bf16, fp16, fp32; got {out_dtype}")
     D = 576 if mode == 2 else kv_cache.shape[-1]
@@ -332,16 +360,7 @@ def gather_cache(
     if validate and not capturing() and B > 0:
         check_block_table(block_table, seq_lens, seq_starts, block_size, num_blocks)
 
-    cu = torch.zeros(B + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(seq_lens, 0, out=cu[1:])
-    if out is None:
-        out = torch.empty(int(cu[-1]) if B else 0, D, dtype=out_dtype, device=dev)
-    else:
-        check_tensor("out", out, dtypes=_AUTO_DTYPES, ndim=2, device=dev)
-        if out.shape[1] != D:
-            raise ValueError(f"out must have {D} columns; got {describe(out)}")
-        if validate and not capturing() and B and out.shape[0] < int(cu[-1]):
-            raise ValueError(f"out has {out.shape[0]} rows but sum(seq_lens) is {int(cu[-1])}")
+    cu, out = _gather_rows_out(seq_lens, out, D, out_dtype, validate)
     if B == 0 or out.shape[0] == 0:
         return out
     BLOCK_T = 16

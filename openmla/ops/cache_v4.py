@@ -24,7 +24,7 @@ from openmla.device import INTERPRET
 from openmla.ops._bf16 import to_bf16
 from openmla.ops._fp8 import to_e4m3
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
-from openmla.ops.cache import check_block_table
+from openmla.ops.cache import _check_gather_index, _gather_rows_out, check_block_table, check_slot_mapping
 
 __all__ = [
     "V4_KV_CACHE_DTYPES",
@@ -228,9 +228,7 @@ def concat_and_cache_v4(
     if T == 0 or num_slots == 0:
         return
     if validate and not capturing():
-        top = int(slot_mapping.max())
-        if top >= num_slots:
-            raise ValueError(f"slot_mapping holds slot {top} but kv_cache has only {num_slots} slots")
+        check_slot_mapping(slot_mapping, num_slots)
     c16 = cache.view(torch.bfloat16) if mode == 1 else cache
     stride_b = _block_stride(cache) if mode == 1 else cache.stride(0)
     _concat_and_cache_v4_fwd_kernel[(T,)](
@@ -357,25 +355,10 @@ def gather_cache_v4(
     """
     cache, mode = _check_v4_cache(kv_cache, kv_cache_dtype)
     dev = cache.device
-    check_index("block_table", block_table, ndim=2, device=dev)
-    B = block_table.shape[0]
-    check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
-    if seq_starts is not None:
-        check_index("seq_starts", seq_starts, ndim=1, device=dev, length=B)
-        seq_starts = seq_starts.contiguous()
-    seq_lens = seq_lens.contiguous()
+    B, seq_lens, seq_starts = _check_gather_index(block_table, seq_lens, seq_starts, dev)
     if validate and not capturing() and B > 0:
         check_block_table(block_table, seq_lens, seq_starts, cache.shape[1], cache.shape[0])
-    cu = torch.zeros(B + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(seq_lens, 0, out=cu[1:])
-    if out is None:
-        out = torch.empty(int(cu[-1]) if B else 0, V4_D, dtype=out_dtype, device=dev)
-    else:
-        check_tensor("out", out, dtypes=_AUTO_DTYPES, ndim=2, device=dev)
-        if out.shape[1] != V4_D:
-            raise ValueError(f"out must have {V4_D} columns; got {describe(out)}")
-        if validate and not capturing() and B and out.shape[0] < int(cu[-1]):
-            raise ValueError(f"out has {out.shape[0]} rows but sum(seq_lens) is {int(cu[-1])}")
+    cu, out = _gather_rows_out(seq_lens, out, V4_D, out_dtype, validate)
     if B == 0 or out.shape[0] == 0 or cache.shape[0] == 0:
         return out
     starts = seq_starts if seq_starts is not None else torch.zeros_like(seq_lens)
