@@ -26,10 +26,10 @@ from openmla.utils import testing
 from openmla.utils.testing import pick
 
 DTYPE = pick(cpu=torch.float32, gpu=torch.bfloat16)
-# Tolerances: the oracle's table (fp32: measured max |diff| ~2e-6). bf16 on the CPU (interpreter, decisive routing;
+# Tolerances: the oracle's table (fp32, sparse_mla: measured max |diff| 3.1e-6). bf16 on the CPU (interpreter, decisive routing;
 # `openmla demo --model tiny-v4 --dtype bfloat16 [--kv-cache-dtype fp8_v4]`): 0.041 / cos 1.2e-4 with bf16 caches,
 # 0.15 / 1.2e-3 with fp8_v4; on the H200 not yet measured.
-MAX_NEW = 6
+MAX_NEW = 5
 
 
 def _prompts(lengths, seed=1, vocab=128):
@@ -99,7 +99,8 @@ def test_v4_engine_matches_transformers(tiny, hf_tokens):
         "batched": max(len({r.req_id for r in recs if r.step == s}) for s in range(eng.stats.num_steps)) > 1,
     }
     assert all(kinds.values()), kinds
-    _check(tiny, eng)
+    res = _check(tiny, eng)
+    print(f"{DTYPE} vs transformers: max |logit diff| {res.max_abs_diff:.3e}, cos diff {res.max_cos_diff:.2e}")
     if DTYPE == torch.float32:
         assert outs == hf_tokens
     if testing.suite_device().type == "cuda":  # decode steps replay CUDA graphs (metadata rebuilt in place)

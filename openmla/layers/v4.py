@@ -12,8 +12,8 @@ output projection (``o_groups`` blocks to ``o_lora_rank`` each) and ``o_b_proj``
 Sliding-window layers use the plain RoPE table, compressed layers (their q/kv, compressor, indexer and
 inverse RoPE) the "compress" table: the model passes each layer its ``[P, 64]`` ``[cos | sin]`` table.
 
-Attention runs :func:`openmla.sparse_mla` for bf16/fp16 (its kernel takes 16-bit q; the inverse RoPE fused in its
-epilogue) and a gathered PyTorch softmax for fp32 (the CPU oracle path: same index sets, same caches).
+Attention runs :func:`openmla.sparse_mla` in every model dtype (bf16/fp16/fp32 q; fp32 with fp32 "auto" or fp8_v4
+caches is the CPU oracle configuration), the inverse RoPE fused into its epilogue.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from openmla.metadata.v4 import V4Metadata
 from openmla.ops.cache_v4 import allocate_v4_cache, concat_and_cache_v4
 from openmla.ops.compressor import allocate_compressor_state, compress_kv
 from openmla.ops.indexer import INDEXER_CACHE_DTYPES, alloc_indexer_k_cache, concat_and_cache_indexer_k, indexer_topk
-from openmla.ops.rope import inverse_rope_rows
 from openmla.ops.sparse import sparse_mla
 from openmla.ops.v4_indices import csa_topk_indices
 
@@ -143,30 +142,6 @@ class _GroupedLinear(nn.Linear):
         return torch.einsum("tgd,grd->tgr", x, w)
 
 
-def gathered_attention(q, kv_cache, indices, lens, sm_scale, sinks, extra_kv_cache=None, extra_indices=None,
-                       extra_lens=None) -> torch.Tensor:  # fmt: skip
-    """PyTorch sparse attention with a sink over one or two "auto" sources (the fp32 path; SPEC §7.7).
-
-    ``q [T, H, 512]``; ``indices [T, K]`` global slots, the first ``lens[t]`` of row t count (and >= 0).
-    Returns ``[T, H, 512]`` in q's dtype: ``softmax([scores, sink])`` without the sink column, times V = K.
-    """
-    keys, masks = [], []
-    for cache, idx, n in ((kv_cache, indices, lens), (extra_kv_cache, extra_indices, extra_lens)):
-        if cache is None:
-            continue
-        flat = cache.reshape(-1, cache.shape[-1])
-        ok = (idx >= 0) & (idx < flat.shape[0])
-        ok &= torch.arange(idx.shape[1], device=idx.device)[None, :] < n[:, None]
-        keys.append(flat[torch.where(ok, idx, 0).long()].float())
-        masks.append(ok)
-    k, m = torch.cat(keys, 1), torch.cat(masks, 1)  # [T, K, D], [T, K]
-    s = torch.einsum("thd,tkd->thk", q.float(), k) * sm_scale
-    s = s.masked_fill(~m[:, None, :], float("-inf"))
-    s = torch.cat([s, sinks.float().view(1, -1, 1).expand(s.shape[0], -1, 1)], dim=-1)
-    p = torch.softmax(s - s.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
-    return torch.einsum("thk,tkd->thd", p, k).to(q.dtype)
-
-
 class DeepseekV4Attention(nn.Module):
     r"""One V4 attention layer (transformers' ``DeepseekV4Attention`` parameter names).
 
@@ -178,7 +153,7 @@ class DeepseekV4Attention(nn.Module):
         window (int): sliding window W.
         index_n_heads (int), index_head_dim (int), index_topk (int): the CSA indexer.
         eps (float): RMSNorm epsilon.
-        kv_cache_dtype (str): "auto" (model dtype rows) or "fp8_v4" (584-byte rows; needs bf16/fp16).
+        kv_cache_dtype (str): "auto" (model dtype rows) or "fp8_v4" (584-byte rows; any model dtype).
         indexer_cache_dtype (str): the CSA indexer's key cache: "auto" (model dtype) or "fp8" (e4m3 with a UE8M0
             scale per key, SPEC §2.5).
 
@@ -246,8 +221,6 @@ class DeepseekV4Attention(nn.Module):
         """
         from openmla.metadata.v4 import compressed_block_size
 
-        if self.kv_cache_dtype == "fp8_v4" and dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"kv_cache_dtype fp8_v4 needs a bf16/fp16 model (sparse_mla's q); got {dtype}")
         kw = dict(kv_cache_dtype=self.kv_cache_dtype, device=device, dtype=dtype)
         cache = V4LayerCache(swa=allocate_v4_cache(swa_blocks or num_blocks, block_size, **kw))
         if self.compressor is not None:
@@ -325,17 +298,10 @@ class DeepseekV4Attention(nn.Module):
         """``x [T, hidden]`` (T = ``md.num_tokens``) -> ``[T, hidden]``; writes this step's rows into ``cache``."""
         T, pos, table = x.shape[0], md.positions, self.cos_sin_cache
         q, extra = self.prepare(x, md, cache)
-        if q.dtype == torch.float32:
-            if self.kv_cache_dtype != "auto":
-                raise ValueError("fp32 attention reads 'auto' caches only (fp8_v4 runs the bf16/fp16 kernel)")
-            o = gathered_attention(q, cache.swa, md.swa_indices, md.swa_lens, self.scaling, self.sinks, *extra)
-            inverse_rope_rows(o, pos, table, validate=False)
-        else:  # the inverse RoPE fused into the kernel's epilogue
-            o, _ = sparse_mla(
-                q, cache.swa, md.swa_indices, self.scaling, kv_cache_dtype=self.kv_cache_dtype,
-                topk_length=md.swa_lens, attn_sink=self.sinks.float(), d_v=HEAD_DIM, extra_kv_cache=extra[0],
-                extra_indices=extra[1], extra_topk_length=extra[2], inv_rope_positions=pos, cos_sin_cache=table,
-                return_lse=False, validate=False,
-            )  # fmt: skip
+        o, _ = sparse_mla(  # one softmax over the window and the compressed slots; the inverse RoPE fused
+            q, cache.swa, md.swa_indices, self.scaling, kv_cache_dtype=self.kv_cache_dtype, topk_length=md.swa_lens,
+            attn_sink=self.sinks.float(), d_v=HEAD_DIM, extra_kv_cache=extra[0], extra_indices=extra[1],
+            extra_topk_length=extra[2], inv_rope_positions=pos, cos_sin_cache=table, return_lse=False, validate=False,
+        )  # fmt: skip
         o = self.o_a_proj(o.reshape(T, self.o_groups, -1)).flatten(1)
         return self.o_b_proj(o)
