@@ -26,9 +26,9 @@ from openmla.utils import testing
 from openmla.utils.testing import pick
 
 DTYPE = pick(cpu=torch.float32, gpu=torch.bfloat16)
-# Tolerances: the oracle's table (fp32, sparse_mla: measured max |diff| 3.1e-6). bf16 on the CPU (interpreter, decisive routing;
-# `openmla demo --model tiny-v4 --dtype bfloat16 [--kv-cache-dtype fp8_v4]`): 0.041 / cos 1.2e-4 with bf16 caches,
-# 0.15 / 1.2e-3 with fp8_v4; on the H200 not yet measured.
+# Tolerances: the oracle's table (fp32, sparse_mla: measured max |diff| 3.1e-6). bf16 on the CPU (interpreter,
+# decisive routing; `openmla demo --model tiny-v4 --dtype bfloat16 [--kv-cache-dtype fp8_v4]`): 0.041 / cos 1.2e-4
+# with bf16 caches, 0.15 / 1.2e-3 with fp8_v4; on the H200 not yet measured.
 MAX_NEW = 5
 
 
