@@ -1,4 +1,5 @@
-"""Multi-process harness of the DCP tests: ``W`` spawned ranks over a file store; a rank's traceback on failure."""
+"""Shared pieces of the DCP tests: the multi-process harness (``W`` spawned ranks over a file store; a rank's
+traceback on failure) and the random global batch every rank and the single-process tests shard."""
 
 from __future__ import annotations
 
@@ -35,3 +36,27 @@ def run_ranks(fn, W, tmp_path, *args, backend="gloo"):
     except Exception as exc:
         msgs = [open(f"{err}.{r}").read() for r in range(W) if os.path.exists(f"{err}.{r}")]
         raise AssertionError("\n".join(msgs) or str(exc)) from None
+
+
+def global_batch(seq, qlens, heads, dtype, seed=0, *, block_size):
+    """A random global paged cache (shuffled blocks) and q ([T, heads, 576]) on the CPU.
+
+    Returns:
+        ``(q, cache [num_blocks, block_size, 576], block_table [B, max_blocks] int32, seq_lens [B] int32,
+        query_start_loc [B + 1] int32)``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    B = len(seq)
+    nb = [-(-s // block_size) for s in seq]
+    total = sum(nb) + 1
+    cache = (torch.randn(total, block_size, 576, generator=g) * 0.5).to(dtype)
+    perm = torch.randperm(total, generator=g)
+    bt = torch.zeros(B, max(nb + [1]), dtype=torch.int32)
+    k = 0
+    for b in range(B):
+        for j in range(nb[b]):
+            bt[b, j] = perm[k]
+            k += 1
+    qsl = torch.tensor([0] + torch.cumsum(torch.tensor(qlens), 0).tolist(), dtype=torch.int32)
+    q = (torch.randn(int(qsl[-1]), heads, 576, generator=g) * 0.3).to(dtype)
+    return q, cache, bt, torch.tensor(seq, dtype=torch.int32), qsl

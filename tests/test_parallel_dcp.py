@@ -10,9 +10,11 @@ each meet twice. Every rank builds the same global batch from a seed, keeps its 
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from _dcp_harness import run_ranks
+from _dcp_harness import global_batch, run_ranks
 
 from openmla.ops.cache import concat_and_cache_mla
 from openmla.parallel import dcp_mla_decode, dcp_mla_prefill_with_context, dcp_slot_mapping
@@ -21,25 +23,7 @@ from openmla.reference.dcp import dcp_shard_cache_ref
 from openmla.utils.testing import TOLERANCES, assert_close, on_gpu, pick
 
 BS = 4
-
-
-def _batch(seq, qlens, heads, dtype, seed):
-    """A random global paged cache (shuffled blocks) and q ([T, heads, 576]) on the CPU."""
-    g = torch.Generator().manual_seed(seed)
-    B = len(seq)
-    nb = [-(-s // BS) for s in seq]
-    total = sum(nb) + 1
-    cache = (torch.randn(total, BS, 576, generator=g) * 0.5).to(dtype)
-    perm = torch.randperm(total, generator=g)
-    bt = torch.zeros(B, max(nb + [1]), dtype=torch.int32)
-    k = 0
-    for b in range(B):
-        for j in range(nb[b]):
-            bt[b, j] = perm[k]
-            k += 1
-    qsl = torch.tensor([0] + torch.cumsum(torch.tensor(qlens), 0).tolist(), dtype=torch.int32)
-    q = (torch.randn(int(qsl[-1]), heads, 576, generator=g) * 0.3).to(dtype)
-    return q, cache, bt, torch.tensor(seq, dtype=torch.int32), qsl
+_batch = partial(global_batch, block_size=BS)
 
 
 # (seq_lens, qlens, causal, dtype, options): rows a rank owns nothing of, requests shorter than W,

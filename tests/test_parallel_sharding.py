@@ -4,8 +4,11 @@ reference, merged by LSE into single-rank attention over the whole sequence."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+from _dcp_harness import global_batch
 
 from openmla.ops.cache import concat_and_cache_mla
 from openmla.parallel import (
@@ -24,6 +27,7 @@ from openmla.reference.dcp import dcp_local_decode_ref, dcp_local_seq_lens_ref, 
 from openmla.utils.testing import TOLERANCES, assert_close
 
 BS = 4
+_global_batch = partial(global_batch, block_size=BS)
 GRID = [(W, I) for W in (2, 3, 4) for I in (1, 2, BS)]
 
 
@@ -112,25 +116,6 @@ def test_sharding_argument_errors():
 
 def _to(device, *ts):
     return [t.to(device) for t in ts]
-
-
-def _global_batch(seq, qlens, H, dtype, seed=0):
-    """A random global paged cache (shuffled blocks) and q for the given lengths."""
-    g = torch.Generator().manual_seed(seed)
-    B = len(seq)
-    nb = [-(-s // BS) for s in seq]
-    total = sum(nb) + 1
-    cache = (torch.randn(total, BS, 576, generator=g) * 0.5).to(dtype)
-    perm = torch.randperm(total, generator=g)
-    bt = torch.zeros(B, max(nb + [1]), dtype=torch.int32)
-    k = 0
-    for b in range(B):
-        for j in range(nb[b]):
-            bt[b, j] = perm[k]
-            k += 1
-    qsl = torch.tensor([0] + torch.cumsum(torch.tensor(qlens), 0).tolist(), dtype=torch.int32)
-    q = (torch.randn(int(qsl[-1]), H, 576, generator=g) * 0.3).to(dtype)
-    return q, cache, bt, torch.tensor(seq, dtype=torch.int32), qsl
 
 
 CASES = [
