@@ -32,6 +32,7 @@ from torch import nn
 from openmla.layers.mla import MLAAttention
 from openmla.layers.rope import RotaryEmbedding
 from openmla.metadata.sparse import SparseMLAMetadata
+from openmla.ops._validate import check_positive_ints
 from openmla.ops.cache import concat_and_cache_mla
 from openmla.ops.indexer import alloc_indexer_k_cache, concat_and_cache_indexer_k, indexer_topk, quantize_indexer_q
 from openmla.ops.sparse import sparse_mla
@@ -98,10 +99,9 @@ class SparseMLAAttention(MLAAttention):
         super().__init__(kv_cache_dtype="auto", **mla_kwargs)
         self.kv_cache_dtype = kv_cache_dtype  # MLAAttention knows only "auto" / "fp8": set after its checks
         self.indexer_cache_dtype = indexer_cache_dtype
-        for name, val in (("index_n_heads", index_n_heads), ("index_head_dim", index_head_dim),
-                          ("index_topk", index_topk)):  # fmt: skip
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive int; got {val!r}")
+        check_positive_ints(
+            ("index_n_heads", index_n_heads), ("index_head_dim", index_head_dim), ("index_topk", index_topk)
+        )
         L, R = self.kv_lora_rank, self.qk_rope_head_dim
         if self.q_lora_rank is None:
             raise ValueError("DeepSeek V3.2 needs q_lora_rank: the indexer's queries come from the q LoRA output")

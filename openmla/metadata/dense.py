@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from openmla.metadata.batch import BatchSpec
+from openmla.ops._validate import check_positive_ints
 from openmla.ops.plan import plan_decode
 
 __all__ = [
@@ -257,7 +258,7 @@ class MLAMetadataBuilder:
         use_plan: bool = True,
         kv_cache_dtype: str = "auto",
     ) -> None:
-        for name, val in (
+        check_positive_ints(
             ("num_heads", num_heads),
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
@@ -266,9 +267,7 @@ class MLAMetadataBuilder:
             ("decode_threshold", decode_threshold),
             ("kv_entry", kv_entry),
             ("kv_lora_rank", kv_lora_rank),
-        ):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive int; got {val!r}")
+        )
         if kv_lora_rank >= kv_entry:
             raise ValueError(f"kv_lora_rank ({kv_lora_rank}) must be below kv_entry ({kv_entry}): latent + rope")
         if kv_cache_dtype not in ("auto", "fp8"):

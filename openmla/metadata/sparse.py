@@ -23,6 +23,7 @@ import torch
 
 from openmla.metadata.batch import BatchSpec
 from openmla.metadata.dense import _cdiv, _same_device
+from openmla.ops._validate import check_positive_ints
 from openmla.ops.sparse_indices import sparse_seq_lens
 
 __all__ = ["SparseMLAMetadata", "SparseMLAMetadataBuilder"]
@@ -100,16 +101,14 @@ class SparseMLAMetadataBuilder:
         device: torch.device | str,
         decode_threshold: int = 1,
     ) -> None:
-        for name, val in (
+        check_positive_ints(
             ("index_topk", index_topk),
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
             ("max_model_len", max_model_len),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("decode_threshold", decode_threshold),
-        ):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive int; got {val!r}")
+        )
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len

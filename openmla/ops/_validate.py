@@ -72,6 +72,13 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def check_positive_ints(*named: tuple[str, object]) -> None:
+    """Raise ValueError naming the first ``(name, value)`` whose value is not a positive int (a bool is not one)."""
+    for name, val in named:
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name} must be a positive int; got {val!r}")
+
+
 def check_scale_value(name: str, value: float) -> float:
     """A per-tensor scale must be positive and finite (0 would divide by zero, a negative one flip signs)."""
     if not (math.isfinite(value) and value > 0):

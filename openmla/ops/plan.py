@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from openmla.device import INTERPRET
-from openmla.ops._validate import capturing, check_index
+from openmla.ops._validate import capturing, check_index, check_positive_ints
 from openmla.ops.plan_spans import DecodeSpans, plan_spans
 
 __all__ = ["DecodePlan", "plan_decode"]
@@ -293,9 +293,7 @@ def plan_decode(
     B = query_start_loc.shape[0] - 1
     check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()  # the kernel reads dense arrays
-    for name, val in (("num_heads", num_heads), ("d_v", d_v), ("num_sms", num_sms if num_sms is not None else 1)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-            raise ValueError(f"{name} must be a positive int; got {val!r}")
+    check_positive_ints(("num_heads", num_heads), ("d_v", d_v), ("num_sms", num_sms if num_sms is not None else 1))
     qlen = query_start_loc[1:] - query_start_loc[:-1]
     if (validate or max_query_len is None or max_seq_len is None) and not capturing() and B:  # one host sync
         top_q, top_s, low_q, low_s = torch.stack([qlen.max(), seq_lens.max().to(qlen.dtype), qlen.min(),
