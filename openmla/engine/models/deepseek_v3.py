@@ -225,7 +225,30 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class _CausalLM(nn.Module):
+    """What the V3-family causal LMs share: an LM head (tied to the embeddings when the config says so) over
+    ``self.model`` (a :class:`_Backbone`), the attention layers, weight post-processing and logits."""
+
+    def _init_lm_head(self, cfg: DeepseekV3Config) -> None:
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def process_weights_after_loading(self) -> None:
+        """Build every layer's absorbed decode matrices (call after loading weights)."""
+        for attn in self.attention_layers:
+            attn.process_weights_after_loading()
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[N, hidden_size]` -> logits `[N, vocab_size]` (model dtype)."""
+        return self.lm_head(hidden_states)
+
+
+class DeepseekV3ForCausalLM(_CausalLM):
     r"""DeepSeek V3 for the paged engine; ``state_dict`` keys match the HF model's in-memory layout.
 
     Args:
@@ -238,18 +261,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _Backbone(cfg, lambda i: DeepseekV3DecoderLayer(cfg, i, kv_cache_dtype, kv_scale))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def attention_layers(self) -> list[MLAAttention]:
-        return [layer.self_attn for layer in self.model.layers]
-
-    def process_weights_after_loading(self) -> None:
-        """Build every layer's absorbed decode matrices (call after loading weights)."""
-        for attn in self.attention_layers:
-            attn.process_weights_after_loading()
+        self._init_lm_head(cfg)
 
     def forward(
         self,
@@ -278,7 +290,3 @@ class DeepseekV3ForCausalLM(nn.Module):
         for layer, cache in zip(self.model.layers, kv_caches):
             h = layer(positions, h, cache, attn_metadata)
         return self.model.norm(h)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`[N, hidden_size]` -> logits `[N, vocab_size]` (model dtype)."""
-        return self.lm_head(hidden_states)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from openmla.engine.models.deepseek_v3 import DeepseekV3Config, _Backbone, _DecoderLayer, _mla_attention_args
+from openmla.engine.models.deepseek_v3 import DeepseekV3Config, _Backbone, _CausalLM, _DecoderLayer, _mla_attention_args
 from openmla.layers.sparse_mla import SparseMLAAttention
 from openmla.metadata.sparse import SparseMLAMetadata, SparseMLAMetadataBuilder
 
@@ -84,7 +84,7 @@ class DeepseekV32DecoderLayer(_DecoderLayer):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DeepseekV32ForCausalLM(nn.Module):
+class DeepseekV32ForCausalLM(_CausalLM):
     r"""DeepSeek V3.2 for the paged engine; ``state_dict`` keys match the HF model's in-memory layout.
 
     Args:
@@ -108,22 +108,11 @@ class DeepseekV32ForCausalLM(nn.Module):
                              "their own)")  # fmt: skip
         self.config = cfg
         self.model = _Backbone(cfg, lambda i: DeepseekV32DecoderLayer(cfg, i, kv_cache_dtype, indexer_cache_dtype))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def attention_layers(self) -> list[SparseMLAAttention]:
-        return [layer.self_attn for layer in self.model.layers]
+        self._init_lm_head(cfg)
 
     def fp32_parameters(self) -> list[nn.Parameter]:
         """Parameters kept fp32 whatever the model dtype: the indexers' ``weights_proj`` (as transformers keeps)."""
         return [attn.indexer.weights_proj.weight for attn in self.attention_layers]
-
-    def process_weights_after_loading(self) -> None:
-        """Build every layer's absorbed decode matrices (call after loading weights)."""
-        for attn in self.attention_layers:
-            attn.process_weights_after_loading()
 
     def make_kv_caches(
         self, num_blocks: int, block_size: int, *, dtype: torch.dtype, device: torch.device | str
@@ -173,7 +162,3 @@ class DeepseekV32ForCausalLM(nn.Module):
         for layer, (cache, icache) in zip(self.model.layers, kv_caches):
             h = layer(positions, h, cache, icache, attn_metadata)
         return self.model.norm(h)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`[N, hidden_size]` -> logits `[N, vocab_size]` (model dtype)."""
-        return self.lm_head(hidden_states)
