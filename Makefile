@@ -22,8 +22,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: $(VENV)/.installed
 	$(PY) -m openmla demo
 
+# one worker per core: the interpreter runs each test on one core
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 # ruff (installed by the test extra): lint and format-check the whole tree.
 lint: $(VENV)/.installed
