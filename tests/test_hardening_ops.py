@@ -128,6 +128,21 @@ def test_flash_attn_varlen_strided_cu_seqlens(device):
     assert_close("lse", want_lse, got_lse, 1e-6, 1e-6, 1e-9)
 
 
+def test_flash_attn_varlen_checks_offsets_on_every_device(device):
+    """validate=True (the default) checks the offsets on the host on any device; validate=False trusts them."""
+    q, k, v = (torch.randn(9, 2, d, device=device) for d in (32, 32, 16))
+    for bad in ([1, 3, 9], [0, 5, 3], [0, 3, 10]):  # not from 0, decreasing, past Tq
+        cu = torch.tensor(bad, dtype=torch.int32, device=device)
+        with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+            openmla.flash_attn_varlen(q, k, v, cu, cu, 9, 9, 0.3)
+    cu = torch.tensor([0, 3, 9], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        openmla.flash_attn_varlen(q, k, v, cu, cu, 4, 9, 0.3)
+    want, _ = openmla.flash_attn_varlen(q, k, v, cu, cu, 6, 6, 0.3)
+    got, _ = openmla.flash_attn_varlen(q, k, v, cu, cu, 6, 6, 0.3, validate=False)
+    assert_close("out", want, got, 0, 0, 0)
+
+
 # ------------------------------------------------------------------ defect 4: block ids against the cache
 @pytest.mark.parametrize("bad", ["num_blocks", -1])
 def test_decode_checks_block_ids(bad, device):

@@ -13,6 +13,7 @@ with it on the bf16 values), V padded to 192 if cuDNN wants equal head dims (the
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass
 
@@ -120,9 +121,11 @@ def run(shape: PrefillShape, ctx: BenchContext) -> list[dict]:
     else:
         args, kw = (q, k, v), {}
     out = torch.empty(T, h, D_V, dtype=torch.bfloat16, device=dev)
+    # the offsets are valid by construction: skip the host check where the API has one (older checkouts do not)
+    own_kw = dict(kw, validate=False) if "validate" in inspect.signature(openmla.flash_attn_varlen).parameters else kw
 
     def own():
-        openmla.flash_attn_varlen(*args, cu, cu, L, L, SCALE, causal=True, out=out, **kw)
+        openmla.flash_attn_varlen(*args, cu, cu, L, L, SCALE, causal=True, out=out, **own_kw)
 
     own()
     fns, check, old_check = {"openmla": own}, None, None

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from openmla.device import INTERPRET, compute_dtype
-from openmla.ops._validate import check_index, check_tensor, describe, kernel_backend
+from openmla.ops._validate import capturing, check_index, check_tensor, describe, kernel_backend
 from openmla.ops.gluon.prefill import flash_attn_varlen_gluon, gluon_prefill_supported
 
 __all__ = ["flash_attn_varlen"]
@@ -402,6 +402,7 @@ def flash_attn_varlen(
     v_descale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     backend: str | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Flash attention over a ragged batch; q/k and v head dims may differ (MLA prefill: 192 / 128).
 
@@ -418,7 +419,7 @@ def flash_attn_varlen(
         cu_seqlens_q (torch.Tensor): `[B + 1]`, int32/int64, non-decreasing, starting at 0.
         cu_seqlens_k (torch.Tensor): `[B + 1]`, int32/int64, non-decreasing, starting at 0.
         max_seqlen_q (int): an upper bound of the query lengths (it sizes the grid; a smaller value
-            leaves rows unwritten). Checked only for CPU tensors, to avoid a host sync.
+            leaves rows unwritten). Checked when ``validate``.
         max_seqlen_k (int): an upper bound of the key lengths (accepted for API parity; unused).
         sm_scale (float): softmax scale applied to ``q . k`` (required; SPEC §0).
         causal (bool): bottom-right aligned causal mask.
@@ -430,6 +431,10 @@ def flash_attn_varlen(
             (``openmla.ops.gluon.prefill``) where it applies (sm90, bf16, d_qk 192 / d_v 128, TMA-compatible
             strides, no descales), the portable Triton kernel elsewhere; "triton" or "gluon" force one
             ("gluon" raises where it does not apply).
+        validate (bool): check ``cu_seqlens_q`` / ``cu_seqlens_k`` (start at 0, do not decrease, end within
+            Tq / Tk) and ``max_seqlen_q`` on the host: a device sync on a GPU, skipped while a CUDA graph is
+            captured. Pass False for offsets already checked (the chunked-prefill and layer paths do); they
+            are then trusted.
 
     Returns:
         out: `[Tq, h_q, d_v]`, q.dtype (bf16 for fp8 inputs); rows that see no key are 0.
@@ -486,7 +491,7 @@ def flash_attn_varlen(
         out_dtype = torch.bfloat16 if is_fp8 else q.dtype
         check_tensor("out", out, dtypes=(out_dtype,), ndim=3, shape=(Tq, H, d_v), device=dev)
 
-    if dev.type == "cpu":  # no sync to pay here: check the lengths against the arguments
+    if validate and not capturing():  # the lengths against the arguments (a sync on a GPU)
         for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, Tq), ("cu_seqlens_k", cu_seqlens_k, Tk)):
             lens = cu[1:] - cu[:-1]
             if int(cu[0]) != 0 or (B and int(lens.min()) < 0) or int(cu[-1]) > total:
