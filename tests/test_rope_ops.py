@@ -45,8 +45,9 @@ def test_inverse_rope_rows(dtype, heads, device):
     assert got.data_ptr() == o.data_ptr()
     if dtype == torch.float32:
         assert_close("inverse rope", ref, o, 1e-5, 1e-5, 1e-9)
-    else:  # one bf16 rounding of the rotated fp32 value; the nope lanes pass through bit for bit
-        assert_close("inverse rope", ref, o, 0, 2**-8, 1e-5)
+    else:  # one bf16 rounding of the rotated fp32 value (atol: a near-cancelling pair's fp32 rounding, FMA or
+        # not, on the GPU); the nope lanes pass through bit for bit
+        assert_close("inverse rope", ref, o, 1e-6, 2**-8, 1e-5)
         assert torch.equal(o[..., :448].cpu(), ref[..., :448].to(dtype).cpu())
     # forward then inverse is the identity
     x = torch.randn(T, 512, device=device)

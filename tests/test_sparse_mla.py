@@ -80,8 +80,8 @@ def _tol(q_dtype):
 
 # LSE tolerances (atol, rtol, cos) by cache dtype. fp8_ds_mla: on the GPU the kernel rounds each dequantised row
 # (e4m3 x fp32 scale) to bf16 before its dot, 2^-9 relative, about 1e-3 in a score of size 1; the reference keeps
-# the fp32 product, so a row with one key differs by up to a few 1e-3.
-_LSE_TOL = {"auto": (1e-3, 1e-3, 1e-6), "fp8_ds_mla": (1e-2, 1e-3, 1e-6)}
+# the fp32 product, so a row with one key differs by up to a few 1e-3 (cosine difference ~1.3e-6 at top-k 1).
+_LSE_TOL = {"auto": (1e-3, 1e-3, 1e-6), "fp8_ds_mla": (1e-2, 1e-3, 1e-5)}
 # fp32 q: fp32 operands and IEEE dots on every cache layout, the same arithmetic as the reference up to order
 _LSE_TOL_FP32 = (1e-5, 1e-5, 1e-9)
 

@@ -22,7 +22,7 @@ from openmla.utils.testing import TOLERANCES, assert_close, on_gpu, pick
 
 SCALE = 512**-0.5
 INF = float("inf")
-_LSE_TOL = {"auto": (1e-3, 1e-3, 1e-6), "fp8_v4": (1e-2, 1e-3, 1e-6)}
+_LSE_TOL = {"auto": (1e-3, 1e-3, 1e-6), "fp8_v4": (1e-2, 1e-3, 1e-5)}
 
 
 def _rope_table(num_pos=64):

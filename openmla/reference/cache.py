@@ -17,7 +17,8 @@ def ds_mla_row_ref(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     """Encode tokens as 656-byte fp8_ds_mla rows: ``[T, 512] + [T, 64] -> uint8 [T, 656]``."""
     T = kv_c.shape[0]
     g = kv_c.float().reshape(T, 4, 128)
-    s = torch.clamp(g.abs().amax(-1) / FP8_MAX, min=torch.finfo(torch.float32).tiny)  # [T, 4]
+    amax = g.abs().amax(-1)
+    s = torch.clamp(amax / torch.full_like(amax, FP8_MAX), min=torch.finfo(torch.float32).tiny)  # [T, 4], IEEE
     q = (g / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(T, 512)
     return torch.cat(
         [q.view(torch.uint8), s.contiguous().view(torch.uint8).reshape(T, 16),

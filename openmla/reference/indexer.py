@@ -14,7 +14,8 @@ def quantize_indexer_k_ref(k: torch.Tensor, scale_fmt: str | None = None) -> tup
     ``scale = max(amax, 1e-4) / 448``, rounded up to a power of two when ``scale_fmt == "ue8m0"``.
     """
     x = k.float()
-    s = x.abs().amax(-1).clamp(min=SCALE_FLOOR) / FP8_MAX
+    amax = x.abs().amax(-1).clamp(min=SCALE_FLOOR)
+    s = amax / torch.full_like(amax, FP8_MAX)  # a tensor divisor: CUDA divides by a Python scalar as x * (1/448)
     if scale_fmt == "ue8m0":  # round up to a power of two (exactly: on the bits)
         bits = s.contiguous().view(torch.int32)
         bits = torch.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)

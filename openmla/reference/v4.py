@@ -22,7 +22,8 @@ def v4_quantize_rows_ref(rows: torch.Tensor):
     N = rows.shape[0]
     x = rows.float()
     g = x[:, :V4_NOPE].reshape(N, 7, 64)
-    e = ceil_log2_ref(torch.clamp(g.abs().amax(-1), min=1e-4) / 448.0)  # [N, 7]
+    amax = torch.clamp(g.abs().amax(-1), min=1e-4)
+    e = ceil_log2_ref(amax / torch.full_like(amax, 448.0))  # [N, 7]; a tensor divisor is IEEE on CUDA too
     scale = torch.pow(2.0, e.float())
     q = (g / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).reshape(N, V4_NOPE)
     exps = torch.zeros(N, 8, dtype=torch.uint8, device=rows.device)
