@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # One device call: environment, `openmla bench`, then the GPU test set. Logs and bench output go to $OUT (or ./out).
-# usage: bash benchmarks/gpu_run.sh [bench|tests|all|ab|ab-copy] [pytest args...]   (tests -n 8 tests/test_x.py)
+# usage: bash benchmarks/gpu_run.sh [bench|tests|tests1|tests2|tests3|all|ab|ab-copy] [pytest args...]
+#   tests [pytest args] (default: the whole suite); tests1/2/3: the GPU suite in three parts of ~430 tests (one
+#   device call each; ~1.3 tests/s with -n 14 on the H200). Every tests mode: -v, -n $TEST_WORKERS (14), per-test
+#   limit $TEST_EACH (300 s, where pytest-timeout is installed), --durations=40, $OUT/tests_gpu.log (all output),
+#   $OUT/fail.log (each failure's traceback as it happens) and $OUT/fail.log.progress (each test's start, outcome
+#   and time), so a run killed mid-way still tells; $TEST_TIMEOUT (540 s; 280 in all) ends pytest with SIGINT,
+#   which still prints its summary
 #   ab: this tree's openmla and .old's (benchmarks/prepare_old.sh REV, carried) in one process, alternating in the
 #   same rounds (`openmla bench --against .old`, provider "before", column speedup); $BENCH_ARGS (default
 #   "--family decode,prefill")
@@ -23,8 +29,22 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   bt=${BENCH_TIMEOUT:-$([ "$what" = all ] && echo 300 || echo 540)}
   timeout "$bt" python3 -m openmla bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 fi
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests_gpu.log" | tail -40
+p1="decode_gluon merge metadata plan_spans hardening_metadata indices cli bench v4_cache v4_indices"
+p2="decode prefill prefill_gluon hardening_ops cache chunked_prefill rope_ops mla_layer engine"
+# shellcheck disable=SC2046,SC2086  # word lists; tests3: every file not in part 1 or 2 (new test files land there)
+case $what in
+  tests1) set -- $(printf 'tests/test_%s.py ' $p1) "$@" ;;
+  tests2) set -- $(printf 'tests/test_%s.py ' $p2) "$@" ;;
+  tests3) set -- tests $(printf -- '--ignore=tests/test_%s.py ' $p1 $p2) "$@" ;;
+esac
+if [[ $what == tests* ]] || [ "$what" = all ]; then
+  each=(); python3 -c "import pytest_timeout" 2>/dev/null && each=(--timeout "${TEST_EACH:-300}")
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-$([ "$what" = all ] && echo 280 || echo 540)}" python3 -m pytest -v -rfE \
+    -p no:cacheprovider -n "${TEST_WORKERS:-14}" "${each[@]}" --durations=40 --fail-log "$OUT/fail.log" "$@" \
+    > "$OUT/tests_gpu.log" 2>&1
+  tail -n 12 "$OUT/tests_gpu.log"
+  [ -f "$OUT/fail.log.progress" ] && awk -F'\t' '$2 == "start" {run[$4] = 1; n++} $2 != "start" {delete run[$4]} $2 ~ /failed|error|crashed/ {print}
+    END {print n " started; still running at the end:"; for (t in run) print "  " t}' "$OUT/fail.log.progress"
 fi
 if [ "$what" = ab ]; then
   [ -d .old/openmla_old ] || { echo "no .old/openmla_old: run 'bash benchmarks/prepare_old.sh REV' and carry .old" >&2
