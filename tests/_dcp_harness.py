@@ -1,9 +1,14 @@
 """Shared pieces of the DCP tests: the multi-process harness (``W`` spawned ranks over a file store; a rank's
-traceback on failure) and the random global batch every rank and the single-process tests shard."""
+traceback on failure, a stuck rank's stack) and the random global batch every rank and the single-process tests
+shard."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
+import sys
+import time
 import traceback
 
 import torch
@@ -12,30 +17,63 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank, W, init, backend, err_file, fn, args):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(backend, init_method=init, rank=rank, world_size=W)
-        dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        if backend == "nccl":
-            torch.cuda.set_device(dev)
-        fn(rank, W, dev, *args)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{err_file}.{rank}", "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    with open(f"{err_file}.{rank}.stack", "w") as stack:
+        faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)  # run_ranks asks a stuck rank where
+        try:
+            torch.set_num_threads(1)
+            dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+            if backend == "nccl":  # before the process group, which binds the rank to the current device
+                torch.cuda.set_device(dev)
+            dist.init_process_group(backend, init_method=init, rank=rank, world_size=W)
+            try:
+                fn(rank, W, dev, *args)
+                dist.barrier(**({"device_ids": [rank]} if backend == "nccl" else {}))
+            finally:  # also after a failure: an NCCL group left alive can hang the process's exit
+                dist.destroy_process_group()
+        except BaseException:
+            with open(f"{err_file}.{rank}", "w") as f:
+                f.write(traceback.format_exc())
+            raise
 
 
-def run_ranks(fn, W, tmp_path, *args, backend="gloo"):
-    """Spawn ``W`` processes running ``fn(rank, W, device, *args)``; raise with the failing ranks' tracebacks."""
+def _end_ranks(ctx, err) -> list[str]:
+    """Dump the Python stacks of the ranks still running (faulthandler, SIGUSR1), end them, return the stacks."""
+    alive = [(r, p) for r, p in enumerate(ctx.processes) if p.is_alive()]
+    for _, p in alive:
+        os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1.0 if alive else 0.0)
+    stacks = []
+    for r, p in alive:
+        dump = open(f"{err}.{r}.stack").read() if os.path.exists(f"{err}.{r}.stack") else "(not started)"
+        stacks.append(f"rank {r} was still running:\n{dump}")
+        p.kill()
+        p.join(10)
+    return stacks
+
+
+def run_ranks(fn, W, tmp_path, *args, backend="gloo", timeout=900.0):
+    """Spawn ``W`` processes running ``fn(rank, W, device, *args)``; raise with the failing ranks' tracebacks.
+
+    Ranks still running after ``timeout`` seconds, or when the test is interrupted (pytest-timeout, Ctrl-C), are
+    ended; their Python stacks go into the error (or to stderr, which pytest keeps in the report).
+    """
     init = f"file://{tmp_path}/dist_store"
     err = str(tmp_path / "err")
+    ctx = mp.spawn(_entry, args=(W, init, backend, err, fn, args), nprocs=W, join=False)
+    deadline = time.monotonic() + timeout
     try:
-        mp.spawn(_entry, args=(W, init, backend, err, fn, args), nprocs=W, join=True)
-    except Exception as exc:
-        msgs = [open(f"{err}.{r}").read() for r in range(W) if os.path.exists(f"{err}.{r}")]
-        raise AssertionError("\n".join(msgs) or str(exc)) from None
+        while not ctx.join(max(deadline - time.monotonic(), 0.0)):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{W} {backend} ranks still running after {timeout:.0f} s")
+    except BaseException as exc:
+        stacks = _end_ranks(ctx, err)
+        if not isinstance(exc, Exception):
+            sys.stderr.write("\n".join(stacks))
+            raise
+        msgs = [open(f"{err}.{r}").read() for r in range(W) if os.path.exists(f"{err}.{r}")] + stacks
+        if isinstance(exc, TimeoutError) or not msgs:
+            msgs.insert(0, str(exc))
+        raise AssertionError("\n".join(msgs)) from None
 
 
 def global_batch(seq, qlens, heads, dtype, seed=0, *, block_size):

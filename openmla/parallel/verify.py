@@ -82,8 +82,8 @@ def _dcp_masked_decode_fwd_kernel(
     local_lens,  # [B] keys this rank holds per request
     global_lens,  # [B] global sequence lengths S
     query_start_loc,  # [B + 1]
-    out,  # [T, H, D_V] (NUM_SPLITS == 1), else o_part [NUM_SPLITS, T, H, D_V] fp32
-    lse,  # [T, H] fp32, else lse_part [NUM_SPLITS, T, H]
+    out,  # [T, H, D_V], or with SPLIT o_part [num_splits, T, H, D_V] fp32
+    lse,  # [T, H] fp32, or with SPLIT lse_part [num_splits, T, H]
     scale_log2,  # sm_scale * kv_scale * log2(e)
     v_scale,  # kv_scale for an fp8 cache, else 1
     stride_q_t,
@@ -100,8 +100,9 @@ def _dcp_masked_decode_fwd_kernel(
     WORLD,
     INTERLEAVE,
     T,
-    split_len,  # local keys per split (NUM_SPLITS > 1)
-    NUM_SPLITS: tl.constexpr,
+    split_len,  # local keys per split (SPLIT)
+    num_splits,  # key splits per (request, head block, row block); a runtime value: one compile for all counts
+    SPLIT: tl.constexpr,  # num_splits > 1: write fp32 partials for the launcher's merge
     PAGE: tl.constexpr,
     D_V: tl.constexpr,
     D_R: tl.constexpr,
@@ -115,8 +116,8 @@ def _dcp_masked_decode_fwd_kernel(
     BLOCK_M: tl.constexpr = BLOCK_H * Q_PER
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    i_q = tl.program_id(2) // NUM_SPLITS
-    i_s = tl.program_id(2) % NUM_SPLITS
+    i_q = tl.program_id(2) // num_splits
+    i_s = tl.program_id(2) % num_splits
     q_start = tl.load(query_start_loc + i_b)
     qlen = tl.load(query_start_loc + i_b + 1) - q_start
     if i_q * Q_PER >= qlen:
@@ -145,7 +146,7 @@ def _dcp_masked_decode_fwd_kernel(
     b_acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
     p_bt = block_table + i_b * stride_bt_b
     kv_lo = 0
-    if NUM_SPLITS > 1:
+    if SPLIT:
         kv_lo = i_s * split_len
         kv_hi = tl.minimum(kv_hi, kv_lo + split_len)
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
@@ -176,7 +177,7 @@ def _dcp_masked_decode_fwd_kernel(
     b_r = tl.where(empty, 0.0, v_scale / tl.where(empty, 1.0, b_l))
     b_lse = tl.where(empty, float("-inf"), (b_m + tl.log2(tl.where(empty, 1.0, b_l))) * 0.6931471805599453)
     row = (q_start + o_t).to(tl.int64)
-    if NUM_SPLITS > 1:  # this split's normalised partial; the launcher merges the splits by LSE
+    if SPLIT:  # this split's normalised partial; the launcher merges the splits by LSE
         row = row + i_s * T
     tl.store(lse + row * H + o_h, b_lse, mask=m_m)
     p_o = out + row[:, None] * stride_o_t + o_h[:, None] * stride_o_h + o_c[None, :]
@@ -226,7 +227,7 @@ def _dcp_masked_decode_fwd(q, kv_cache, block_table, local_lens, global_lens, qu
         q, kv_cache, block_table, local_lens, global_lens, query_start_loc, o_dst, l_dst, scale_log2, v_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         o_dst.stride(-3), o_dst.stride(-2), H, kv_cache.shape[0], block_table.shape[1], rank, world_size,
-        interleave, T, split_len, NUM_SPLITS=num_splits, PAGE=kv_cache.shape[1], D_V=d_v, D_R=d_qk - d_v,
+        interleave, T, split_len, num_splits, SPLIT=num_splits > 1, PAGE=kv_cache.shape[1], D_V=d_v, D_R=d_qk - d_v,
         BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n, CAUSAL=causal, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32", num_warps=4, num_stages=2,
     )  # fmt: skip
