@@ -42,31 +42,43 @@ _V4_TOKEN_BYTES = 584
 _V4_DATA_BYTES = 576
 _LOG2E = 1.4426950408889634
 
-# Tiles on the GPU, (rows of heads, cache format) -> (BLOCK_N, num_warps, num_stages). 64-row tiles feed
-# wgmma-sized dots; fp8 rows are widened in registers, so their key tiles are narrower. Not yet tuned on the
-# H200 (benchmarks/bench_sparse.py --sweep times the alternatives).
+# Tiles on the GPU, (rows of heads, cache format) -> (BLOCK_N, num_warps, num_stages). 64-row tiles issue wgmma
+# (8 warps: the scores dot runs as m64n{BLOCK_N / 2}k16 in both warpgroups, P V as m64n64k16); 16-32 rows
+# mma.sync. Wider key tiles cost fewer instructions a key (sm90 offline SASS, docs/sparse_mla.md "H200 figures").
+# Not yet timed on the H200 (``openmla bench --family sparse --shapes sweep`` times the alternatives).
 _GPU_TILING = {
     (16, 0): (64, 4, 3),
     (32, 0): (64, 8, 2),
-    (64, 0): (32, 8, 2),  # 64-key tiles spill at 64 heads (24-48 bytes, sm90 offline report)
+    (64, 0): (32, 8, 2),  # 64-key tiles spill at 64 heads with an extra source (8-48 bytes, sm90 offline report)
     (16, 1): (32, 4, 2),
-    (32, 1): (32, 8, 2),
-    (64, 1): (32, 8, 2),
+    (32, 1): (64, 8, 2),  # 29% fewer loop instructions a key than 32-key tiles, no spill (sm90 offline)
+    (64, 1): (32, 8, 2),  # 64-key tiles spill 72-80 bytes with an extra source
     (16, 2): (32, 4, 2),
-    (32, 2): (32, 8, 2),
-    (64, 2): (32, 8, 3),  # 2 stages spill 8-16 bytes at 64 heads (sm90 offline report); 3 do not
+    (32, 2): (64, 8, 2),  # 26% fewer loop instructions a key than 32-key tiles, no spill (sm90 offline)
+    (64, 2): (32, 8, 3),  # 64 keys spill 56-80 bytes with an extra source (2 or 3 stages: within 1.4% in the loop)
 }
+# one source (no extra_kv_cache; V3.2 decode and prefill, a gathered V4 workspace): 64-key tiles at 64 heads do not
+# spill; the scores dot becomes m64n32k16 (40% less operand traffic from shared memory a key than m64n16k16) and the
+# loop 17-22% fewer instructions a key (sm90 offline SASS)
+_GPU_TILING_ONE_SOURCE = {
+    (64, 0): (64, 8, 2),
+    (64, 1): (64, 8, 2),
+    (64, 2): (64, 8, 2),
+}
+# thread blocks of one tile an SM holds (sm90 offline: registers x threads, shared memory); the split planner fills
+# this many per SM. 16 rows: 197-252 registers x 128 threads, <= 107 KB; 32-64 rows: 147-255 x 256 threads.
+_CTAS_PER_SM = {16: 2, 32: 1, 64: 1}
 _MAX_BLOCK_H = 64  # heads per program at most (H = 128 runs two head blocks over the same rows)
 _INTERPRET_BLOCK_N = 16
-# fp32 q (tests, the CPU oracle engine) on the GPU: half-length key tiles and at most 2 stages, since fp32 rows are
-# twice as wide in shared memory (untuned; the 16-bit tiles above are unchanged)
+# fp32 q (tests, the CPU oracle engine) on the GPU: 16-key tiles for fp8 rows, half-length ones for 16-bit rows, at
+# most 2 stages, since fp32 rows are twice as wide in shared memory (untuned)
 _FP32_MIN_BLOCK_N = 16
 _FP32_MAX_STAGES = 2
 # the interpreter: NaN e4m3 bytes need an explicit test, fp32 -> bf16 an explicit round to nearest even
 _INTERPRET_FIX = tl.constexpr(INTERPRET)
-# split planner: with fewer than _SPLIT_WAVE x SMs programs (tokens x head blocks), cut each token's key list
-# into splits of at least _MIN_SPLIT_KEYS keys, at most _MAX_SPLITS of them
-_SPLIT_WAVE = 1
+# split planner: with fewer programs (tokens x head blocks) than one wave of thread blocks (SMs x _CTAS_PER_SM),
+# cut each token's key list into as many splits as keep the programs within that wave, each of at least
+# _MIN_SPLIT_KEYS keys, at most _MAX_SPLITS of them
 _MIN_SPLIT_KEYS = 128
 _MAX_SPLITS = 32
 _MERGE_BLOCK_H = 16
@@ -211,14 +223,17 @@ def _source_rows(p_idx, o_i, m_i, kv, kv_f32, kv_b16, stride_kv_b, stride_kv_p, 
                  FMT: tl.constexpr):  # fmt: skip
     """Entries o_i [N] (where m_i) of one index row: row pointers (as kv's type, fp32, bf16; FMT 2: the row's
     bytes, its exponent bytes, its rope part - 64 as bf16) and which are valid; a slot < 0 or >= num_slots is
-    skipped, never read."""
-    slot = tl.load(p_idx + o_i, mask=m_i, other=-1).to(tl.int64)
+    skipped, never read. The int32 slot is checked and split into (block, offset) as uint32 (>= 0 once checked:
+    a shift and a mask for a power-of-two PAGE) and widened for the address arithmetic (int64): 9-15% fewer loop
+    instructions than int64 throughout (sm90 offline SASS)."""
+    slot = tl.load(p_idx + o_i, mask=m_i, other=-1)
     ok = m_i & (slot >= 0) & (slot < num_slots)
-    slot = tl.where(ok, slot, 0)
-    blk = (slot // PAGE) * stride_kv_b
-    row = blk + (slot % PAGE) * stride_kv_p
+    slot = tl.where(ok, slot, 0).to(tl.uint32, bitcast=True)
+    i_p = (slot % PAGE).to(tl.int64)
+    blk = (slot // PAGE).to(tl.int64) * stride_kv_b
+    row = blk + i_p * stride_kv_p
     if FMT == 2:  # stride_kv_p = 576; the exponents follow the block's PAGE data rows
-        return kv + row, kv_f32 + blk + PAGE * 576 + (slot % PAGE) * 8, kv_b16 + (row + 448) // 2 - 64, ok
+        return kv + row, kv_f32 + blk + PAGE * 576 + i_p * 8, kv_b16 + (row + 448) // 2 - 64, ok
     return kv + row, kv_f32 + row // 4, kv_b16 + row // 2, ok
 
 
@@ -532,26 +547,32 @@ def _num_sms(dev: torch.device) -> int:
     return _NUM_SMS[key]
 
 
-def _num_splits(T: int, head_blocks: int, max_keys: int, num_sms: int) -> int:
-    """Splits of each token's key list: 1 when tokens x head blocks fill _SPLIT_WAVE waves of the SMs; else
-    enough to fill them, each split at least _MIN_SPLIT_KEYS keys (of the bound ``max_keys``), at most
-    _MAX_SPLITS."""
+def _num_splits(T: int, head_blocks: int, max_keys: int, num_sms: int, ctas_per_sm: int = 1) -> int:
+    """Splits of each token's key list: the most that keep tokens x head blocks x splits within one wave of
+    ``num_sms x ctas_per_sm`` thread blocks (1 when the programs alone fill it), each split at least
+    _MIN_SPLIT_KEYS keys (of the bound ``max_keys``), at most _MAX_SPLITS. Rounding down: a wave and a part is
+    as slow as two (h64 b64 on 132 SMs: 3 splits run 192 programs in 2 waves of 683 keys, 2 splits 128 in one
+    of 1024)."""
     programs = T * head_blocks
-    if programs == 0 or programs >= _SPLIT_WAVE * num_sms:
+    slots = num_sms * ctas_per_sm
+    if programs == 0 or programs >= slots:
         return 1
-    want = triton.cdiv(_SPLIT_WAVE * num_sms, programs)
-    return max(1, min(want, max_keys // _MIN_SPLIT_KEYS, _MAX_SPLITS))
+    return max(1, min(slots // programs, max_keys // _MIN_SPLIT_KEYS, _MAX_SPLITS))
 
 
-def _tiling(H: int, fmt: int, fp32: bool = False) -> tuple[int, int, int, int]:
+def _tiling(H: int, fmt: int, fp32: bool = False, extra: bool = True) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages): heads padded to a power of two from 16 (tl.dot's minimum)
-    up to 64 per program; ``fp32`` (fp32 q) halves the GPU key tile and caps its stages."""
+    up to 64 per program; ``extra`` (an extra source) keeps the tiles that do not spill with it; ``fp32`` (fp32 q)
+    takes 16-key tiles for fp8 rows, half the two-source table's for 16-bit rows, and caps the stages."""
     block_h = min(_MAX_BLOCK_H, max(16, triton.next_power_of_2(H)))
     if INTERPRET:
         return block_h, _INTERPRET_BLOCK_N, 4, 1
     block_n, num_warps, num_stages = _GPU_TILING[(block_h, fmt)]
-    if fp32:
-        block_n, num_stages = max(_FP32_MIN_BLOCK_N, block_n // 2), min(num_stages, _FP32_MAX_STAGES)
+    if not extra and not fp32:
+        block_n, num_warps, num_stages = _GPU_TILING_ONE_SOURCE.get((block_h, fmt), (block_n, num_warps, num_stages))
+    if fp32:  # fp8 rows: 16 keys (wider spill more, sm90 offline); 16-bit rows: half
+        block_n = _FP32_MIN_BLOCK_N if fmt else max(_FP32_MIN_BLOCK_N, block_n // 2)
+        num_stages = min(num_stages, _FP32_MAX_STAGES)
     return block_h, block_n, num_warps, num_stages
 
 
@@ -792,7 +813,7 @@ def sparse_mla(
     if T == 0:
         return out, (lse if return_lse else None)
 
-    block_h, block_n, num_warps, num_stages = _tiling(H, fmt, q.dtype == torch.float32)
+    block_h, block_n, num_warps, num_stages = _tiling(H, fmt, q.dtype == torch.float32, has_extra)
     if _tiling_override is not None:  # (BLOCK_N, num_warps, num_stages) or (BLOCK_H, BLOCK_N, warps, stages)
         over = tuple(int(x) for x in _tiling_override)
         block_h, block_n, num_warps, num_stages = over if len(over) == 4 else (block_h, *over)
@@ -802,7 +823,8 @@ def sparse_mla(
         if splits < 1:
             raise ValueError(f"_num_splits_override must be >= 1; got {_num_splits_override!r}")
     else:
-        splits = _num_splits(T, head_blocks, K + EK, _num_sms(dev))
+        per_sm = 1 if q.dtype == torch.float32 else _CTAS_PER_SM.get(block_h, 1)  # fp32 tiles: not counted
+        splits = _num_splits(T, head_blocks, K + EK, _num_sms(dev), per_sm)
     if splits > 1:
         o_part = torch.empty(splits, T, H, d_v, dtype=torch.float32, device=dev)
         lse_part = torch.empty(splits, T, H, dtype=torch.float32, device=dev)
