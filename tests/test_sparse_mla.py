@@ -211,16 +211,25 @@ def test_sparse_mla_extra_source(kv_cache_dtype, ragged, device):
     assert bool((out[1] != 0).any())
 
 
-def test_sparse_mla_ragged_matches_dense(device):
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_sparse_mla_ragged_matches_dense(splits, device):
+    """Ragged indices give the dense result bit for bit at the same split count. The planner bounds a row's keys
+    by the index width (dense: K) or the flat array (ragged: T * K here), so without a forced split the two may
+    plan differently (T 5, H 64, K 2048 on 132 SMs: 16 vs 26 splits): then they agree within the bf16 tolerance."""
     T, H = 5, pick(6, 64)
     cache = _cache(device, 8, 64, "fp8_ds_mla")
     idx, lens = _indices(T, pick(50, 2048), 512, device)
     q = torch.randn(T, H, 576, device=device).bfloat16()
-    dense, dlse = openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype="fp8_ds_mla", topk_length=lens)
+    kw = {} if splits is None else {"_num_splits_override": splits}
+    dense, dlse = openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype="fp8_ds_mla", topk_length=lens, **kw)
     ragged, rlse = openmla.sparse_mla(q, cache, openmla.build_ragged_indices_from_dense(idx, lens), SCALE,
-                                      kv_cache_dtype="fp8_ds_mla")  # fmt: skip
-    torch.testing.assert_close(ragged, dense, atol=0, rtol=0)
-    torch.testing.assert_close(rlse, dlse, atol=0, rtol=0)
+                                      kv_cache_dtype="fp8_ds_mla", **kw)  # fmt: skip
+    if splits is None:
+        assert_close("ragged", dense.float(), ragged, *TOLERANCES[q.dtype])
+        assert_close("ragged lse", dlse, rlse, *_LSE_TOL["auto"])
+    else:
+        torch.testing.assert_close(ragged, dense, atol=0, rtol=0)
+        torch.testing.assert_close(rlse, dlse, atol=0, rtol=0)
 
 
 def test_sparse_mla_nan_in_selected_fp8_rows(device):

@@ -22,7 +22,10 @@ from openmla.utils.testing import TOLERANCES, assert_close, on_gpu, pick
 
 SCALE = 512**-0.5
 INF = float("inf")
-_LSE_TOL = {"auto": (1e-3, 1e-3, 1e-6), "fp8_v4": (1e-2, 1e-3, 1e-5)}
+# LSE tolerances (atol, rtol, cos) by cache dtype. fp8_v4 rows (e4m3 x a power of two, bf16 rope) are exact in bf16,
+# so unlike fp8_ds_mla the GPU kernel's bf16 operands change no score: a torch emulation of the GPU kernel (bf16
+# rows and P, 132-SM split plan) measures lse cosine <= 1.4e-15 on the random configs at the GPU shapes.
+_LSE_TOL = {"auto": (1e-3, 1e-3, 1e-6), "fp8_v4": (1e-2, 1e-3, 1e-6)}
 
 
 def _rope_table(num_pos=64):
@@ -207,7 +210,8 @@ def test_sparse_v4_random_configs(seed, device):
     if r(0, 1):
         kw["extra_kv_cache"], eidx, elens = source(T, r(1, pick(24, 512)), [1, 2, 64][r(0, 2)])
         if r(0, 1):
-            kw["extra_indices"] = tuple(x.to(device) for x in openmla.build_ragged_indices_from_dense(eidx, elens))
+            # built on the device: on a GPU the op's kernel rejects CPU tensors
+            kw["extra_indices"] = openmla.build_ragged_indices_from_dense(eidx.to(device), elens.to(device))
         else:
             kw["extra_indices"], kw["extra_topk_length"] = eidx.to(device), elens.to(device)
     if r(0, 1):
