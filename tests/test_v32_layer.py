@@ -66,15 +66,28 @@ def pair():
 
 
 @torch.no_grad()
-def _hf_forward(pair, x):
-    """HF attention output [S, hidden] and its indexer's top-k [S, topk] for one sequence x [S, hidden]."""
+def _hf_forward(pair, x, last_topk=None):
+    """HF attention output [S, hidden] and its indexer's top-k [S, topk] for one sequence x [S, hidden].
+
+    With ``last_topk`` (our -1 padded top-k of the last rows) HF's attention runs over our selection for those rows
+    instead of its indexer's: the reference of our attention whatever keys our indexer chose."""
     hf, _, rope = pair
     S = x.shape[0]
     pos = torch.arange(S)[None]
     cos_sin = rope(x[None], pos)
     mask = torch.full((S, S), torch.finfo(torch.float32).min).triu(1)[None, None]
-    out, _ = hf(x[None], cos_sin, mask, position_ids=pos)
     top = hf.indexer(x[None], hf.q_a_layernorm(hf.q_a_proj(x[None])), cos_sin, mask[:, 0], pos)
+    if last_topk is not None:
+        sel = top.clone()
+        n = last_topk.shape[0]
+        own = torch.arange(S - n, S, dtype=sel.dtype)[:, None].expand(n, sel.shape[-1])
+        # a -1 entry only pads a row that selected all of 0..pos: its own position again selects nothing new
+        sel[0, S - n :] = torch.where(last_topk >= 0, last_topk.to(sel.dtype), own)
+        hf.indexer.forward = lambda *args, **kwargs: sel
+    try:
+        out, _ = hf(x[None], cos_sin, mask, position_ids=pos)
+    finally:
+        hf.indexer.__dict__.pop("forward", None)
     return out[0], top[0]
 
 
@@ -101,7 +114,8 @@ def _spec(reqs, table, lens_new, num_rows=None):
 def _run_two_steps(pair, dtype, kv_cache_dtype="auto", indexer_cache_dtype="auto"):
     """Step 1 prefills each request's context, step 2 runs the mixed decode / verify / chunked-prefill step.
 
-    Returns: per request (our step-2 rows, HF rows, our step-2 top-k, HF top-k rows), and the step-2 metadata.
+    Returns: per request (our step-2 rows, HF rows, our step-2 top-k, HF top-k rows, HF rows over our top-k), and
+    the step-2 metadata.
     """
     hf, sd, _ = pair
     layer = _layer(kv_cache_dtype=kv_cache_dtype, indexer_cache_dtype=indexer_cache_dtype)
@@ -130,9 +144,11 @@ def _run_two_steps(pair, dtype, kv_cache_dtype="auto", indexer_cache_dtype="auto
         if step == 1:
             qsl = spec.query_start_loc_cpu.tolist()
             for b, (c, _q) in enumerate(REQS):
-                ref, ref_top = _hf_forward(pair, xs[b])
                 rows = slice(qsl[b], qsl[b + 1])
-                results.append((out[rows].float().cpu(), ref[c:], md.topk_indices[rows].cpu(), ref_top[c:]))
+                top = md.topk_indices[rows].cpu()
+                ref, ref_top = _hf_forward(pair, xs[b])
+                ref_ours = _hf_forward(pair, xs[b], top)[0]
+                results.append((out[rows].float().cpu(), ref[c:], top, ref_top[c:], ref_ours[c:]))
     return results, md
 
 
@@ -151,7 +167,7 @@ def test_sparse_layer_matches_hf_fp32(pair):
     if testing.on_gpu():
         pytest.skip("fp32 runs the sparse reference; the GPU runs the bf16 kernel test")
     results, md = _run_two_steps(pair, torch.float32)
-    for b, (out, ref, top, ref_top) in enumerate(results):
+    for b, (out, ref, top, ref_top, _) in enumerate(results):
         _same_topk(top, ref_top, REQS[b][0])
         testing.assert_close(f"request {b}", ref, out, 1e-4, 1e-4, 1e-8)
     # the selection is real: rows see TOPK of their pos + 1 keys
@@ -159,20 +175,22 @@ def test_sparse_layer_matches_hf_fp32(pair):
 
 
 def _check_rows(results, tol, min_recall):
-    """Rows whose top-k equals HF's must match HF's output within ``tol``; over all rows the recall of HF's top-k
-    must reach ``min_recall`` (a low-precision indexer may swap a near-tie key, which moves that row by O(1))."""
-    hit = total = same_rows = 0
-    for b, (out, ref, top, ref_top) in enumerate(results):
+    """Every row must match HF's attention over the keys our indexer chose within ``tol`` (rows whose top-k equals
+    HF's therefore match HF's own output); over all rows the recall of HF's top-k must reach ``min_recall`` (a
+    low-precision indexer may swap a near-tie key, which moves that row by O(1) from HF's own output).
+
+    Not "most rows keep HF's exact set": the fp8 indexer at the GPU shapes (top-k 64 of 100-470 keys) keeps it in
+    21 of 174 rows at 0.978 recall, and its scores equal the fp8 torch reference's (CPU interpreter, bf16 model)."""
+    hit = total = 0
+    for b, (out, _ref, top, ref_top, ref_ours) in enumerate(results):
         c = REQS[b][0]
         for j in range(top.shape[0]):
             want = {int(p) for p in ref_top[j] if p <= c + j}
             got = {p for p in top[j].tolist() if p >= 0}
+            assert len(got) == min(c + j + 1, TOPK) and max(got) <= c + j, (b, j, sorted(got))
             hit, total = hit + len(want & got), total + len(want)
-            if got == want:
-                same_rows += 1
-                testing.assert_close(f"request {b} row {j}", ref[j], out[j], *tol)
+            testing.assert_close(f"request {b} row {j}", ref_ours[j], out[j], *tol)
     assert hit / total >= min_recall, f"top-k recall {hit / total:.3f}"
-    assert same_rows >= total / TOPK / 2, f"only {same_rows} rows kept HF's exact top-k"
     return hit / total
 
 
