@@ -414,7 +414,7 @@ from openmla.utils.sm90_report import resource_report
 kern = S._sparse_mla_fwd_kernel
 report = []
 for block_h, fmt, splits, extra, f16, rope in json.loads(sys.argv[1]):
-    block_n, warps, stages = S._GPU_TILING[(block_h, fmt)]
+    _, block_n, warps, stages = S._tiling(block_h, fmt, extra=extra)  # the launcher's tile (one source or two)
     d_t = 0 if fmt == 2 or rope else 64  # V4 (fp8_v4, or with the inverse RoPE): D = d_v = 512
     const = dict(PAGE=64, E_PAGE=2, FMT=fmt, D_V=512, D_T=d_t, D_TP=max(16, d_t), BLOCK_H=block_h, N_HB=2,
                  BLOCK_N=block_n, NUM_SPLITS=splits, RAGGED=False, HAS_LEN=True, HAS_EXTRA=extra, E_RAGGED=extra,
@@ -449,7 +449,8 @@ print("REPORT" + json.dumps(report))
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs compile the kernels for real")
 def test_sparse_mla_compiles_for_sm90():
     """Offline sm90 compile (no GPU): the tiles the launcher picks compile, 64-head tiles run wgmma, and none
-    spills (bf16 and fp8 rows, V3.2 and V4 shapes, fp8_v4 and bf16 with the fused inverse RoPE, splits)."""
+    spills (bf16 and fp8 rows, V3.2 and V4 shapes, fp8_v4 and bf16 with the fused inverse RoPE, splits, one source
+    or two)."""
     pytest.importorskip("triton.backends.nvidia")
     from openmla.utils.sm90_report import run_report_script
 
@@ -457,7 +458,10 @@ def test_sparse_mla_compiles_for_sm90():
     variants = [[16, 0, 1, True, False, False], [64, 1, 4, True, False, False], [64, 1, 1, False, True, False],
                 [64, 2, 1, True, False, True], [64, 2, 4, True, False, True], [16, 2, 1, True, False, True],
                 [32, 2, 1, True, False, True], [64, 0, 1, True, False, True],
-                [64, 0, 1, True, False, False]]  # fmt: skip
+                [64, 0, 1, True, False, False],
+                # one source (V3.2 decode and prefill, a gathered V4 workspace): the 64-key tiles
+                [64, 0, 1, False, False, False], [64, 1, 1, False, False, False], [64, 1, 4, False, False, False],
+                [64, 2, 1, False, False, True], [32, 1, 1, False, False, False]]  # fmt: skip
     for r in run_report_script(_SM90_SCRIPT, variants):
         block_h, fmt = r["variant"][:2]
         assert r["regs"] <= 255, r
