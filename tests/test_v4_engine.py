@@ -303,3 +303,15 @@ def test_v4_engine_bf16_fp8_v4_caches():
     res = check_records(hf, eng.records, *logit_tolerance(torch.bfloat16, "fp8_v4"))
     print(f"bf16 + fp8_v4 vs transformers fp32: max |diff| {res.max_abs_diff:.3e}, cos diff {res.max_cos_diff:.2e}")
     assert res.ok, res.failures[:5]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8_v4"])
+def test_v4_demo_cuda(capsys, kv):
+    """`openmla demo --model tiny-v4` on the GPU (bf16, CUDA graphs) checked against transformers' own picks: the
+    product's demo, where a bf16 near tie of the indexer would show as a mismatch."""
+    from openmla.cli import main as cli_main
+
+    assert cli_main(["demo", "--device", "cuda", "--model", "tiny-v4", "--kv-cache-dtype", kv]) == 0
+    out = capsys.readouterr().out
+    assert "DeepSeek V4" in out and out.strip().endswith("OK")
