@@ -15,6 +15,10 @@
     Builds the tiny DeepSeek V3 (V3.2 with ``tiny-v32``; or loads PATH), generates for a handful of prompts of
     different lengths with continuous batching, chunked prefill and speculative verify, prints tokens/s and the
     acceptance rate, checks each request's last step's logits against transformers and exits 1 on a mismatch.
+    Sparse models (V3.2, V4) record the indexer's picks at every step: the demo prints how many positions' picks
+    differ from transformers' own (a low-precision near tie can flip one; more than half fails,
+    ``oracle.MAX_PICK_MISMATCH``) and checks the logits against transformers attending to the engine's picks
+    (:class:`openmla.engine.oracle.IndexerPicks`).
 
 ``openmla bench [--family decode,prefill] [--shapes PRESET|SPECS] [--rep MS] [--out DIR] [--label L] [--no-peers]
 [--quick]``
@@ -115,7 +119,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def _make_engine(args, prompts: list[list[int]], max_new_tokens: int, *, record: bool = False, decisive: bool = False):
     """Load the model and size an engine for these prompts."""
-    from openmla.engine import EngineConfig, LLMEngine, load_model
+    from openmla.engine import LLMEngine
+
+    model, sd, dtype, cfg = _load_for_engine(args, prompts, max_new_tokens, record=record, decisive=decisive)
+    if getattr(args, "dcp", None) is not None:  # inside a DCP rank (see _cmd_generate)
+        from openmla.parallel.engine import dcp_engine
+
+        return dcp_engine(model, cfg, interleave=args.dcp_interleave), sd, dtype
+    return LLMEngine(model, cfg), sd, dtype
+
+
+def _load_for_engine(args, prompts: list[list[int]], max_new_tokens: int, *, record: bool, decisive: bool):
+    """Load the model and size an engine config for these prompts: (model, state dict, dtype, EngineConfig)."""
+    from openmla.engine import EngineConfig, load_model
 
     device = _device(args.device)
     dtype = _dtype(args.dtype, device)
@@ -138,11 +154,7 @@ def _make_engine(args, prompts: list[list[int]], max_new_tokens: int, *, record:
         max_model_len=max_model_len,
         num_spec_tokens=args.speculate,
     )
-    if getattr(args, "dcp", None) is not None:  # inside a DCP rank (see _cmd_generate)
-        from openmla.parallel.engine import dcp_engine
-
-        return dcp_engine(model, cfg, interleave=args.dcp_interleave), sd, dtype
-    return LLMEngine(model, cfg), sd, dtype
+    return model, sd, dtype, cfg
 
 
 def _cmd_generate(args) -> int:
@@ -203,7 +215,8 @@ def _demo_prompts(vocab: int) -> list[list[int]]:
 def _cmd_demo(args) -> int:
     import torch
 
-    from openmla.engine.oracle import build_hf_model, check_records, logit_tolerance
+    from openmla.engine import LLMEngine
+    from openmla.engine.oracle import MAX_PICK_MISMATCH, IndexerPicks, build_hf_model, check_records, logit_tolerance
 
     device = _device(args.device)
     dtype = _dtype(args.dtype, device)
@@ -221,7 +234,12 @@ def _cmd_demo(args) -> int:
           f"kv cache {args.kv_cache_dtype}, speculate {args.speculate}")  # fmt: skip
     t0 = time.perf_counter()
     prompts = _demo_prompts(mcfg.vocab_size)
-    engine, sd, dtype = _make_engine(args, prompts, args.max_new_tokens, record=True, decisive=decisive)
+    model, sd, dtype, ecfg = _load_for_engine(args, prompts, args.max_new_tokens, record=True, decisive=decisive)
+    # Sparse models (V3.2, V4's CSA layers): record the indexer's picks, buffers in place before graph capture
+    picks = IndexerPicks(model, ecfg.max_num_batched_tokens) if IndexerPicks.supports(model) else None
+    engine = LLMEngine(model, ecfg)
+    if picks is not None:
+        picks.attach(engine)
     mc = engine.model.config
     print(f"  model: {mc.num_hidden_layers} layers, hidden {mc.hidden_size}, {mc.num_attention_heads} heads, "
           + (f"latent {mc.kv_lora_rank}+{mc.qk_rope_head_dim}, " if hasattr(mc, "kv_lora_rank") else
@@ -253,8 +271,18 @@ def _cmd_demo(args) -> int:
 
     atol, rtol, cos_tol = logit_tolerance(dtype, args.kv_cache_dtype)
     hf = build_hf_model(engine.model.config, sd)
-    check = check_records(hf, list(last.values()), atol, rtol, cos_tol)
-    print(f"  last steps vs transformers {type(hf).__name__}: {check.num_rows} rows, max |logit diff| "
+    over = ""
+    if picks is None:
+        check = check_records(hf, list(last.values()), atol, rtol, cos_tol)
+    else:  # a low-precision near tie may flip a pick (an O(1) logit change): the logits over the engine's picks
+        check, mismatched, compared = picks.check(hf, list(last.values()), atol, rtol, cos_tol, all_positions=True)
+        print(f"  indexer picks differing from transformers': {mismatched} of {compared} rows "
+              "(every position with more candidates than the top-k)")  # fmt: skip
+        if mismatched > MAX_PICK_MISMATCH * compared:  # near ties flip a few; a wrong indexer most
+            check.failures.append(f"indexer picks differ from transformers' in {mismatched} of {compared} rows "
+                                  f"(more than {MAX_PICK_MISMATCH:.0%})")  # fmt: skip
+        over = " (over the engine's indexer picks)"
+    print(f"  last steps vs transformers {type(hf).__name__}{over}: {check.num_rows} rows, max |logit diff| "
           f"{check.max_abs_diff:.3e} (atol {atol}, rtol {rtol}), cos diff {check.max_cos_diff:.1e}")  # fmt: skip
     if not check.ok:
         print("MISMATCH:\n  " + "\n  ".join(check.failures), file=sys.stderr)

@@ -83,3 +83,42 @@ def test_demo_cuda(capsys, kv):
     assert main(["demo", "--device", "cuda", "--kv-cache-dtype", kv]) == 0
     out = capsys.readouterr().out
     assert "cuda graphs on" in out and out.strip().endswith("OK")
+
+
+def _break(how):
+    """A ``load_model`` whose model is wrong: every attention's softmax scale x1.02, or every sparse layer's indexer
+    weights negated (other picks, which its logits still follow)."""
+    import openmla.engine as engine_pkg
+
+    real = engine_pkg.load_model
+
+    def load(*args, **kw):
+        model, sd = real(*args, **kw)
+        with torch.no_grad():
+            for attn in model.attention_layers:
+                if how == "scale":
+                    attn.sm_scale *= 1.02
+                else:
+                    attn.indexer.weights_proj.weight.neg_()
+        return model, sd
+
+    return load
+
+
+def test_demo_v32_checks_the_picks(capsys):
+    """V3.2: the picks are compared with transformers' own, the logits checked over the engine's picks."""
+    assert main(["demo", "--device", DEV, "--model", "tiny-v32", "--dtype", "float32", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "indexer picks differing from transformers': 0 of " in out and "over the engine's indexer picks" in out
+    assert out.strip().endswith("OK")
+
+
+@pytest.mark.parametrize("how", ["scale", "indexer"])
+def test_demo_fails_on_a_wrong_model(capsys, monkeypatch, how):
+    """A wrong attention fails the logits over the engine's picks; a wrong indexer the picks' comparison."""
+    import openmla.engine as engine_pkg
+
+    monkeypatch.setattr(engine_pkg, "load_model", _break(how))
+    assert main(["demo", "--device", DEV, "--model", "tiny-v32", "--dtype", "float32", "--max-new-tokens", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "MISMATCH" in err and (how == "scale" or "indexer picks differ from transformers'" in err), err

@@ -18,7 +18,7 @@ import torch
 from openmla.cli import main as cli_main
 from openmla.engine import EngineConfig, LLMEngine, build_model, load_model, random_state_dict, save_checkpoint
 from openmla.engine.models import DeepseekV32Config, DeepseekV32ForCausalLM, tiny_v32_config
-from openmla.engine.oracle import build_hf_model, check_records, hf_greedy, logit_tolerance
+from openmla.engine.oracle import IndexerPicks, build_hf_model, check_records, hf_greedy, logit_tolerance
 from openmla.metadata import SparseMLAMetadataBuilder
 from openmla.utils import testing
 from openmla.utils.testing import on_gpu, pick
@@ -59,53 +59,19 @@ def tiny():
 
 
 def make_engine(tiny, *, kv_cache_dtype="auto", state_dict=None, record_topk=False, **kw):
-    """An engine over the tiny V3.2; ``record_topk``: every step's top-k of every layer kept (:func:`_record_topk`)."""
+    """An engine over the tiny V3.2; ``record_topk``: every step's top-k of every layer kept (``eng.picks``, an
+    :class:`~openmla.engine.oracle.IndexerPicks`)."""
     cfg, sd, _ = tiny
     model = build_model(cfg, state_dict or sd, device=testing.suite_device(), dtype=DTYPE,
                         kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     opts = dict(ENGINE, record_logits=True, num_spec_tokens=2, cuda_graphs=False)
     opts.update(kw)
-    bufs = _topk_buffers(model, opts["max_num_batched_tokens"], cfg.index_topk) if record_topk else None
-    eng = LLMEngine(model, EngineConfig(**opts))  # captures its CUDA graphs (buffer copies included)
-    if record_topk:
-        _record_topk(eng, bufs)
+    picks = IndexerPicks(model, opts["max_num_batched_tokens"]) if record_topk else None
+    eng = LLMEngine(model, EngineConfig(**opts))  # captures its CUDA graphs (the picks' buffer copies included)
+    if picks is not None:
+        picks.attach(eng)
+    eng.picks = picks
     return eng
-
-
-def _topk_buffers(model, rows: int, topk: int) -> list[torch.Tensor]:
-    """Each layer copies its top-k into a buffer of its own: a device op, so a captured CUDA graph replays it too."""
-    bufs = []
-    for attn in model.attention_layers:
-        buf = torch.full((rows, topk), -1, dtype=torch.int32, device=testing.suite_device())
-
-        def index_topk_positions(*args, _f=attn.index_topk_positions, _buf=buf):
-            out = _f(*args)
-            _buf[: out.shape[0], : out.shape[1]].copy_(out)
-            return out
-
-        attn.index_topk_positions = index_topk_positions
-        bufs.append(buf)
-    return bufs
-
-
-def _record_topk(eng, bufs) -> None:
-    """After every step, save each real row's per-layer top-k: ``eng.topk_history[(req_id, position)]`` lists
-    ``(step, [top-k row per layer])`` (a position is fed again after a rejected draft)."""
-    runner, execute = eng.runner, eng.runner.execute
-    eng.topk_history = {}
-
-    def recording_execute(output, **kw):
-        logits, info = execute(output, **kw)
-        tops = [b.to("cpu", copy=True) for b in bufs]  # a copy on the CPU too: the buffers are rewritten
-        for s, r0 in zip(output.scheduled, info.row_starts):
-            for j in range(s.query_len):
-                rows = [t[r0 + j] for t in tops]
-                eng.topk_history.setdefault((s.request.req_id, s.num_computed_tokens + j), []).append(
-                    (eng.stats.num_steps, rows)
-                )
-        return logits, info
-
-    runner.execute = recording_execute
 
 
 @torch.no_grad()
@@ -123,30 +89,12 @@ def _assert_logits_over_selection(hf, eng, kv_cache_dtype: str) -> None:
     """Every recorded row within the logit tolerance of HF attending, in every layer and at every position, to the
     keys the engine selected there (the step that last fed the position; HF's indexer output replaced): whatever
     the engine's indexer chose, its attention, caches and metadata must be HF's. The rows' top-k must be valid:
-    ``min(pos + 1, topk)`` increasing causal positions, then -1 (so the selection cannot be empty or padded)."""
+    ``min(pos + 1, topk)`` increasing causal positions, then -1 (so the selection cannot be empty or padded;
+    :meth:`IndexerPicks.selection` raises otherwise)."""
     atol, rtol, _ = logit_tolerance(DTYPE, kv_cache_dtype)
-    layers, topk = hf.model.layers, eng.runner.builder.topk
+    assert sorted(eng.picks.layers) == list(range(len(hf.model.layers)))  # every layer is sparse
     for r in eng.records:
-        seq = r.context_ids + r.token_ids
-        S, n = len(seq), len(r.token_ids)
-        sels = []
-        for p in range(S):
-            rows = [rows for step, rows in eng.topk_history[(r.req_id, p)] if step <= r.step][-1]
-            for row in rows:
-                k = min(p + 1, topk)
-                assert row[:k].diff().gt(0).all() and 0 <= row[0] and row[k - 1] <= p and row[k:].eq(-1).all(), (
-                    r.req_id, p, row.tolist())  # fmt: skip
-            sels.append(rows)
-        own = torch.arange(S)[:, None]
-        for li, layer in enumerate(layers):
-            sel = torch.stack([rows[li] for rows in sels])[:, : min(S, sels[0][li].shape[0])]  # HF's width
-            sel = torch.where(sel >= 0, sel, own)[None]  # -1 pads a row that chose all of 0..p: repeat p
-            layer.self_attn.indexer.forward = lambda *a, _sel=sel, **k: _sel
-        try:
-            ref = hf(torch.tensor([seq])).logits[0, -n:].double()
-        finally:
-            for layer in layers:
-                layer.self_attn.indexer.__dict__.pop("forward", None)
+        ref = eng.picks.hf_logits(hf, r)[0].double()
         err = (r.logits.double() - ref).abs().amax(-1)
         bad = err > atol + rtol * ref.abs().amax(-1)
         assert not bool(bad.any()), (r.step, r.req_id, len(r.context_ids), err.max())

@@ -8,14 +8,12 @@ heads so that exact score ties (all heads' relu at 0, trap 2) do not occur in th
 A bf16 model rounds the indexer's inputs, so where two candidates' fp32 scores nearly tie it may pick the other
 one (CPU bf16 run: 1 row of 100, position 27: entries 0, 1, 3, 6 instead of 0, 1, 2, 6), and one swapped entry of
 four moves that row's logits by up to ~1 (a random swap per row, fp32: 0.84 / 1.2 at the worst row), beyond any
-bf16 tolerance. :class:`_IndexerPicks` therefore checks the picks and the attention apart: the engine's picks
-against transformers' own (all equal in fp32; at most a few near-tie rows in bf16), and the logits against
-transformers run with the engine's picks (its indexer's output replaced by a forward hook).
+bf16 tolerance. :class:`~openmla.engine.oracle.IndexerPicks` therefore checks the picks and the attention apart:
+the engine's picks against transformers' own (all equal in fp32; at most a few near-tie rows in bf16), and the
+logits against transformers run with the engine's picks (its indexer's output replaced by a forward hook).
 """
 
 from __future__ import annotations
-
-import re
 
 import pytest
 import torch
@@ -30,7 +28,7 @@ from openmla.engine.models.deepseek_v4 import (
     random_v4_state_dict,
     tiny_v4_config,
 )
-from openmla.engine.oracle import LogitCheck, check_records, hf_greedy, logit_tolerance
+from openmla.engine.oracle import IndexerPicks, check_records, hf_greedy, logit_tolerance
 from openmla.utils import testing
 from openmla.utils.testing import pick
 
@@ -39,7 +37,7 @@ DTYPE = pick(cpu=torch.float32, gpu=torch.bfloat16)
 # decisive routing; `openmla demo --model tiny-v4 --dtype bfloat16 [--kv-cache-dtype fp8_v4]`): 0.041 / cos 1.2e-4
 # with bf16 caches, 0.15 / 1.2e-3 with fp8_v4. The GPU configuration of test_v4_engine_matches_transformers on the CPU
 # (bf16, a torch emulation of the GPU sparse kernel: bf16 P, 132-SM plan): 0.149 / cos 1.6e-4 against transformers'
-# own picks (0.97 of the bound, one near-tie flip), 0.093 / cos 3.1e-4 with the engine's picks (_IndexerPicks).
+# own picks (0.97 of the bound, one near-tie flip), 0.093 / cos 3.1e-4 with the engine's picks (IndexerPicks).
 MAX_NEW = 5
 
 
@@ -86,108 +84,23 @@ def hf_tokens(tiny):
 MAX_PICK_MISMATCH = 0.05
 
 
-class _IndexerPicks:
-    """The engine's CSA indexer picks by (layer, request, position), step by step, and transformers run with them.
-
-    A wrapper of the layers' ``indexer_topk`` copies each result (request-local entry ids, -1 padded) into a
-    persistent buffer per layer, so that replayed CUDA graphs (which captured the copy) record theirs too; a wrapper
-    of the runner's ``execute`` reads the buffers back after every step.
-    """
-
-    def __init__(self, monkeypatch) -> None:
-        self.max_rows = 0  # the engine's max_num_batched_tokens (make_engine sets it)
-        self.bufs: dict[int, torch.Tensor] = {}  # indexer cache data_ptr -> [max_rows, topk] int32
-        self.rows: dict[tuple, list] = {}  # (layer, req_id, position) -> [(step, picks [topk])]
-        self.layer_of: dict[int, int] = {}
-        real = v4_layer.indexer_topk
-
-        def spy(q, weights, k_cache, *args, **kw):
-            out = real(q, weights, k_cache, *args, **kw)
-            buf = self.bufs.get(k_cache.data_ptr())
-            if buf is None:  # first seen in a warm-up run, before any capture
-                buf = torch.full((self.max_rows, out.shape[1]), -1, dtype=torch.int32, device=out.device)
-                self.bufs[k_cache.data_ptr()] = buf
-            buf[: out.shape[0]].copy_(out)
-            return out
-
-        monkeypatch.setattr(v4_layer, "indexer_topk", spy)
-
-    def attach(self, eng) -> None:
-        self.layer_of = {c.indexer.data_ptr(): i for i, c in enumerate(eng.runner.kv_caches) if c.indexer is not None}
-        real = eng.runner.execute
-
-        def execute(output, **kw):
-            logits, info = real(output, **kw)
-            step = eng.stats.num_steps  # the step its records get
-            for ptr, buf in self.bufs.items():
-                got = buf[: info.num_tokens].cpu()
-                for s, r0 in zip(output.scheduled, info.row_starts, strict=True):
-                    for j in range(s.query_len):
-                        key = (self.layer_of[ptr], s.request.req_id, s.num_computed_tokens + j)
-                        self.rows.setdefault(key, []).append((step, got[r0 + j].long()))
-            return logits, info
-
-        eng.runner.execute = execute
-
-    def _forced(self, layer: int, rec, n: int) -> torch.Tensor:
-        """``[n, topk]``: the picks the cache holds for positions 0..n-1 at the record's step (the latest computed)."""
-        rows = []
-        for p in range(n):
-            hist = [x for st, x in self.rows[(layer, rec.req_id, p)] if st <= rec.step]
-            assert hist, f"no indexer picks recorded for request {rec.req_id} position {p} by step {rec.step}"
-            rows.append(hist[-1])
-        return torch.stack(rows)
-
-    def check(self, hf, records, atol: float, rtol: float, cos_tol: float) -> tuple[LogitCheck, int, int]:
-        """:func:`check_records` with transformers' indexer output replaced by the engine's picks; also the number
-        of record rows whose picks differ from transformers' own (as sets) and the number of rows compared."""
-        mods = {int(re.search(r"layers\.(\d+)\.", n).group(1)): m for n, m in hf.named_modules()
-                if type(m).__name__ == "DeepseekV4Indexer"}  # fmt: skip
-        assert sorted(mods) == sorted(self.layer_of.values()) and mods, (sorted(mods), self.layer_of)
-        state, counts = {}, [0, 0]
-
-        def hook(layer):
-            def fn(module, args, out):
-                forced = state[layer][:, : out.shape[-1]].to(out.device)[None]
-                lo = state["first"]
-                for own, want in zip(out[0, lo:].tolist(), forced[0, lo:].tolist(), strict=True):
-                    counts[0] += {i for i in own if i >= 0} != {i for i in want if i >= 0}
-                    counts[1] += 1
-                return forced.to(out.dtype)
-
-            return fn
-
-        handles = [m.register_forward_hook(hook(layer)) for layer, m in mods.items()]
-        total = LogitCheck(0.0, 0.0, 0, [])
-        try:
-            for r in records:
-                n = len(r.context_ids) + len(r.token_ids)
-                state.update({layer: self._forced(layer, r, n) for layer in mods}, first=len(r.context_ids))
-                one = check_records(hf, [r], atol, rtol, cos_tol)
-                total = LogitCheck(max(total.max_abs_diff, one.max_abs_diff), max(total.max_cos_diff, one.max_cos_diff),
-                                   total.num_rows + one.num_rows, total.failures + one.failures)  # fmt: skip
-        finally:
-            for h in handles:
-                h.remove()
-        return total, counts[0], counts[1]
-
-
-def make_engine(tiny, *, kv_cache_dtype="auto", picks: _IndexerPicks | None = None, **kw):
+def make_engine(tiny, *, kv_cache_dtype="auto", record_picks=False, **kw):
+    """An engine over the tiny V4; ``record_picks``: its CSA indexer picks recorded every step (``eng.picks``)."""
     cfg, sd, _ = tiny
     model = build_v4_model(cfg, sd, device=testing.suite_device(), dtype=DTYPE, kv_cache_dtype=kv_cache_dtype)
     opts = dict(block_size=16, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=64, record_logits=True)
     opts.update(kw)
-    if picks is not None:
-        picks.max_rows = opts["max_num_batched_tokens"]
+    picks = IndexerPicks(model, opts["max_num_batched_tokens"]) if record_picks else None  # before graph capture
     eng = LLMEngine(model, EngineConfig(**opts))
     if picks is not None:
         picks.attach(eng)
+    eng.picks = picks
     return eng
 
 
-def _check(tiny, eng, picks: _IndexerPicks, kv_cache_dtype="auto"):
+def _check(tiny, eng, kv_cache_dtype="auto"):
     """The engine's picks against transformers' own, then its logits against transformers run with those picks."""
-    res, mismatched, rows = picks.check(tiny[2], eng.records, *logit_tolerance(DTYPE, kv_cache_dtype))
+    res, mismatched, rows = eng.picks.check(tiny[2], eng.records, *logit_tolerance(DTYPE, kv_cache_dtype))
     print(f"indexer picks differing from transformers': {mismatched} of {rows} rows")
     assert rows > 0
     allowed = 0 if DTYPE == torch.float32 else MAX_PICK_MISMATCH * rows
@@ -196,11 +109,10 @@ def _check(tiny, eng, picks: _IndexerPicks, kv_cache_dtype="auto"):
     return res
 
 
-def test_v4_engine_matches_transformers(tiny, hf_tokens, monkeypatch):
+def test_v4_engine_matches_transformers(tiny, hf_tokens):
     """Ragged batch: prefill, chunked prefill and decode crossing entry boundaries give transformers' logits; the
     SWA ring (48 tokens for a 16-token budget) wraps around for the longest request."""
-    picks = _IndexerPicks(monkeypatch)
-    eng = make_engine(tiny, max_num_batched_tokens=16, picks=picks)
+    eng = make_engine(tiny, max_num_batched_tokens=16, record_picks=True)
     assert eng.runner.swa_ring_blocks * eng.config.block_size < len(PROMPTS[0]) + MAX_NEW
     outs = eng.generate(PROMPTS, MAX_NEW)
     recs = eng.records
@@ -211,7 +123,7 @@ def test_v4_engine_matches_transformers(tiny, hf_tokens, monkeypatch):
         "batched": max(len({r.req_id for r in recs if r.step == s}) for s in range(eng.stats.num_steps)) > 1,
     }
     assert all(kinds.values()), kinds
-    res = _check(tiny, eng, picks)
+    res = _check(tiny, eng)
     print(f"{DTYPE} vs transformers: max |logit diff| {res.max_abs_diff:.3e}, cos diff {res.max_cos_diff:.2e}")
     if DTYPE == torch.float32:
         assert outs == hf_tokens
@@ -219,15 +131,16 @@ def test_v4_engine_matches_transformers(tiny, hf_tokens, monkeypatch):
         assert eng.stats.num_graph_replays > 0
 
 
-def test_v4_verify_and_preemption(tiny, hf_tokens, monkeypatch):
+def test_v4_verify_and_preemption(tiny, hf_tokens):
     """Speculative verify (rejected drafts roll the compressor ring back) under preemption and recompute."""
-    picks = _IndexerPicks(monkeypatch)
-    eng = make_engine(tiny, block_size=4, num_blocks=10, num_spec_tokens=2, max_num_batched_tokens=24, picks=picks)
+    eng = make_engine(
+        tiny, block_size=4, num_blocks=10, num_spec_tokens=2, max_num_batched_tokens=24, record_picks=True
+    )
     outs = eng.generate(PROMPTS[1:], MAX_NEW)
     assert eng.stats.num_preemptions > 0
     assert any(r.is_verify for r in eng.records)
     assert eng.stats.num_accepted_tokens < eng.stats.num_draft_tokens  # some drafts were rejected
-    _check(tiny, eng, picks)
+    _check(tiny, eng)
     if DTYPE == torch.float32:
         assert outs == hf_tokens[1:]
 
@@ -308,8 +221,8 @@ def test_v4_engine_bf16_fp8_v4_caches():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["auto", "fp8_v4"])
 def test_v4_demo_cuda(capsys, kv):
-    """`openmla demo --model tiny-v4` on the GPU (bf16, CUDA graphs) checked against transformers' own picks: the
-    product's demo, where a bf16 near tie of the indexer would show as a mismatch."""
+    """`openmla demo --model tiny-v4` on the GPU (bf16, CUDA graphs): the product's demo, its logits checked against
+    transformers run on the engine's indexer picks (recorded through the graph replays)."""
     from openmla.cli import main as cli_main
 
     assert cli_main(["demo", "--device", "cuda", "--model", "tiny-v4", "--kv-cache-dtype", kv]) == 0

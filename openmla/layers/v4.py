@@ -246,8 +246,16 @@ class DeepseekV4Attention(nn.Module):
             kv_cache_dtype=kv_cache_dtype, block_size=cm.block_size, validate=False, **entries,
         )  # fmt: skip
 
-    def _csa_indices(self, x, qr, md: V4Metadata, cache: V4LayerCache):
-        """The indexer's top-k compressed entries of every row, as compressed-cache slots (and their count)."""
+    def index_topk_entries(self, x, qr, md: V4Metadata, cache: V4LayerCache) -> torch.Tensor:
+        """Write this step's indexer keys and return each row's top-k compressed entries (CSA layers).
+
+        A method of the layer so that a check can wrap it per instance
+        (:class:`openmla.engine.oracle.IndexerPicks` records the picks).
+
+        Returns:
+            torch.Tensor: `[T, index_topk]` int32, request-local entry ids (entry ``i`` covers tokens
+            ``i * r .. i * r + r - 1``) of the best entries among the ``(pos + 1) // r`` the row may see, then -1.
+        """
         ix, cm = self.compressor.indexer, md.compressed[self.ratio]
         T = x.shape[0]
         if self.indexer_cache_dtype == "auto":
@@ -260,11 +268,16 @@ class DeepseekV4Attention(nn.Module):
         qi = rope_tail(ix.q_b_proj(qr).view(T, ix.n_heads, ix.head_dim), md.positions, self.cos_sin_cache)
         w = ix.scorer.weights_proj(x).float() * (ix.head_dim**-0.5 * ix.n_heads**-0.5)
         # Each row scores as its own request over the (pos + 1) // r entries it may see.
-        topk = indexer_topk(
+        return indexer_topk(
             qi, w, cache.indexer, cm.row_block_table, cm.hca_lens, cm.row_query_start_loc, self.index_topk,
             cache_dtype=self.indexer_cache_dtype, max_seq_len=cm.row_block_table.shape[1] * cm.block_size,
             topk_impl=INDEXER_TOPK_IMPL, validate=False,
         )  # fmt: skip
+
+    def _csa_indices(self, x, qr, md: V4Metadata, cache: V4LayerCache):
+        """The indexer's top-k compressed entries of every row, as compressed-cache slots (and their count)."""
+        cm = md.compressed[self.ratio]
+        topk = self.index_topk_entries(x, qr, md, cache)
         return csa_topk_indices(topk, md.query_start_loc, md.seq_lens, md.block_table, block_size=cm.block_size,
                                 ratio=self.ratio, slot_mapping=md.slot_mapping, validate=False)  # fmt: skip
 
