@@ -449,8 +449,8 @@ print("REPORT" + json.dumps(report))
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs compile the kernels for real")
 def test_sparse_mla_compiles_for_sm90():
     """Offline sm90 compile (no GPU): the tiles the launcher picks compile, 64-head tiles run wgmma, and none
-    spills (bf16 and fp8 rows, V3.2 and V4 shapes, fp8_v4 and bf16 with the fused inverse RoPE, splits, one source
-    or two)."""
+    spills or exceeds sm90's shared memory (bf16 and fp8 rows, V3.2 and V4 shapes, fp8_v4 and bf16 with the fused
+    inverse RoPE, splits, one source or two)."""
     pytest.importorskip("triton.backends.nvidia")
     from openmla.utils.sm90_report import run_report_script
 
@@ -462,9 +462,12 @@ def test_sparse_mla_compiles_for_sm90():
                 # one source (V3.2 decode and prefill, a gathered V4 workspace): the 64-key tiles
                 [64, 0, 1, False, False, False], [64, 1, 1, False, False, False], [64, 1, 4, False, False, False],
                 [64, 2, 1, False, False, True], [32, 1, 1, False, False, False]]  # fmt: skip
+    from openmla.ops.gluon.decode import SMEM_LIMIT
+
     for r in run_report_script(_SM90_SCRIPT, variants):
         block_h, fmt = r["variant"][:2]
         assert r["regs"] <= 255, r
+        assert r["shared"] + r["static_shared"] <= SMEM_LIMIT, r  # else the launch fails with out of resources
         if block_h == "merge":
             assert r["stack"] == 0 and r["local"] == 0, r
             continue
