@@ -679,6 +679,37 @@ def _radix_threshold(p_hist, K, PASSES: tl.constexpr):
 
 
 @triton.jit
+def _emit_range(p_row, p_out, lo, hi, thr_key, n_eq, n_out, n_eq_seen, K, BLOCK: tl.constexpr):
+    """Write the positions in [lo, hi) of the keys above ``thr_key`` and of those equal to it whose rank among the
+    equal ones (``n_eq_seen`` of them before ``lo``) is at most ``n_eq``, in position order from slot ``n_out``;
+    returns the next slot."""
+    o_c = tl.arange(0, BLOCK)
+    for c0 in range(lo, hi, BLOCK):
+        o = c0 + o_c
+        b_x = tl.load(p_row + o, mask=o < hi, other=float("-inf"))
+        b_key = _order_key(b_x)
+        m_ok = b_x > float("-inf")
+        m_gt = m_ok & (b_key > thr_key)
+        m_eq = m_ok & (b_key == thr_key)
+        b_eq_rank = n_eq_seen + tl.cumsum(m_eq.to(tl.int32), axis=0)
+        m_take = m_gt | (m_eq & (b_eq_rank <= n_eq))
+        b_off = n_out + tl.cumsum(m_take.to(tl.int32), axis=0) - 1
+        tl.store(p_out + b_off, o, mask=m_take & (b_off < K))
+        n_out += tl.sum(m_take.to(tl.int32), axis=0)
+        n_eq_seen += tl.sum(m_eq.to(tl.int32), axis=0)
+    return n_out
+
+
+@triton.jit
+def _pad_row(p_out, start, K, BLOCK: tl.constexpr):
+    """-1 in slots [start, K) of a top-k row."""
+    o_c = tl.arange(0, BLOCK)
+    for c0 in range(start, K, BLOCK):
+        o = c0 + o_c
+        tl.store(p_out + o, tl.full([BLOCK], -1, dtype=tl.int32), mask=o < K)
+
+
+@triton.jit
 def _topk_split_hist_kernel(
     logits,  # [T, S] fp32
     row_len,  # [T] int32 (HAS_LEN)
@@ -787,23 +818,10 @@ def _topk_split_emit_kernel(
         c_take = c_gt + tl.minimum(tl.maximum(n_eq - eq_before, 0), c_eq)
         n_out = tl.sum(tl.where(o_p < i_p, c_take, 0), axis=0)
         n_eq_seen = tl.sum(tl.where(o_p < i_p, c_eq, 0), axis=0)
-        for c0 in range(lo, hi, BLOCK):
-            o = c0 + o_c
-            b_x = tl.load(p_row + o, mask=o < hi, other=float("-inf"))
-            b_key = _order_key(b_x)
-            m_ok = b_x > float("-inf")
-            m_gt = m_ok & (b_key > thr_key)
-            m_eq = m_ok & (b_key == thr_key)
-            b_eq_rank = n_eq_seen + tl.cumsum(m_eq.to(tl.int32), axis=0)
-            m_take = m_gt | (m_eq & (b_eq_rank <= n_eq))
-            b_off = n_out + tl.cumsum(m_take.to(tl.int32), axis=0) - 1
-            tl.store(out + i_t * stride_o_t + b_off, o, mask=m_take & (b_off < K))
-            n_out += tl.sum(m_take.to(tl.int32), axis=0)
-            n_eq_seen += tl.sum(m_eq.to(tl.int32), axis=0)
+        p_out = out + i_t * stride_o_t
+        _emit_range(p_row, p_out, lo, hi, thr_key, n_eq, n_out, n_eq_seen, K, BLOCK)
         if i_p == P - 1:
-            for c0 in range(tl.minimum(tl.sum(c_take, axis=0), K), K, BLOCK):
-                o = c0 + o_c
-                tl.store(out + i_t * stride_o_t + o, tl.full([BLOCK], -1, dtype=tl.int32), mask=o < K)
+            _pad_row(p_out, tl.minimum(tl.sum(c_take, axis=0), K), K, BLOCK)
 
 
 @triton.jit
@@ -857,25 +875,9 @@ def _indexer_topk_fwd_kernel(
             b_x = tl.load(p_row + o, mask=o < n, other=float("-inf"))
             n_gt += tl.sum(((b_x > float("-inf")) & (_order_key(b_x) > thr_key)).to(tl.int32), axis=0)
         n_eq = K - n_gt
-    # emit: keys above the threshold and the first n_eq keys equal to it, in position order
-    n_out = 0
-    n_eq_seen = 0
-    for c0 in range(0, n, BLOCK):
-        o = c0 + o_c
-        b_x = tl.load(p_row + o, mask=o < n, other=float("-inf"))
-        b_key = _order_key(b_x)
-        m_ok = b_x > float("-inf")
-        m_gt = m_ok & (b_key > thr_key)
-        m_eq = m_ok & (b_key == thr_key)
-        b_eq_rank = n_eq_seen + tl.cumsum(m_eq.to(tl.int32), axis=0)
-        m_take = m_gt | (m_eq & (b_eq_rank <= n_eq))
-        b_off = n_out + tl.cumsum(m_take.to(tl.int32), axis=0) - 1
-        tl.store(p_out + b_off, o, mask=m_take & (b_off < K))
-        n_out += tl.sum(m_take.to(tl.int32), axis=0)
-        n_eq_seen += tl.sum(m_eq.to(tl.int32), axis=0)
-    for c0 in range(tl.minimum(n_out, K), K, BLOCK):
-        o = c0 + o_c
-        tl.store(p_out + o, tl.full([BLOCK], -1, dtype=tl.int32), mask=o < K)
+    zero = tl.zeros([], dtype=tl.int32)
+    n_out = _emit_range(p_row, p_out, 0, n, thr_key, n_eq, zero, zero, K, BLOCK)
+    _pad_row(p_out, tl.minimum(n_out, K), K, BLOCK)
 
 
 def _check_topk_tiling(tiling) -> tuple[int, int]:
