@@ -79,6 +79,20 @@ class SparseShape:
         return self.b * self.q if self.mode == "decode" else self.t
 
 
+def parse_tuning(tok: str, f: dict) -> bool:
+    """A shape token ``tile<N>x<warps>x<stages>`` or ``split<n>`` into ``f`` (``tile`` / ``split``); False for
+    any other token. Raises ValueError on a malformed one."""
+    if tok.startswith("tile"):
+        f["tile"] = tuple(int(x) for x in tok[4:].split("x"))
+        if len(f["tile"]) != 3:
+            raise ValueError(tok)
+        return True
+    if tok.startswith("split"):
+        f["split"] = int(tok[5:])
+        return True
+    return False
+
+
 def parse(spec: str) -> SparseShape:
     """``"decode h128 b128 q2 k2048"`` / ``"prefill h128 t4096 k2048"`` -> :class:`SparseShape`."""
     toks = spec.replace(",", " ").split()
@@ -97,12 +111,8 @@ def parse(spec: str) -> SparseShape:
                 f["dtype"] = tok
             elif tok == "f16dq":
                 f["f16dq"] = True
-            elif tok.startswith("tile"):
-                f["tile"] = tuple(int(x) for x in tok[4:].split("x"))
-                if len(f["tile"]) != 3:
-                    raise ValueError(tok)
-            elif tok.startswith("split"):
-                f["split"] = int(tok[5:])
+            elif parse_tuning(tok, f):
+                pass
             elif tok[0] in "hkbqts":
                 f[tok[0]] = int(tok[1:])
             else:

@@ -33,6 +33,7 @@ import torch
 
 from openmla import allocate_v4_cache, concat_and_cache_v4, gather_cache_v4, sparse_mla
 from openmla.bench.context import BenchContext, cosine
+from openmla.bench.sparse import parse_tuning
 from openmla.utils.perf import decode_bytes
 
 OP = "sparse_mla v4"
@@ -112,12 +113,8 @@ def parse(spec: str) -> V4AttnShape:
         for tok in toks[1:]:
             if tok in flags:
                 f[flags[tok][0]] = flags[tok][1]
-            elif tok.startswith("tile"):
-                f["tile"] = tuple(int(x) for x in tok[4:].split("x"))
-                if len(f["tile"]) != 3:
-                    raise ValueError(tok)
-            elif tok.startswith("split"):
-                f["split"] = int(tok[5:])
+            elif parse_tuning(tok, f):
+                pass
             elif tok[:2] in ("wb", "eb"):
                 f[tok[:2]] = int(tok[2:])
             elif tok[0] in "hkbqtsw":
