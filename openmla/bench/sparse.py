@@ -3,8 +3,11 @@
 A shape spec is space-separated fields: ``decode h<heads> b<batch> [q<qlen>] k<topk> [fp8|bf16]`` (b x qlen query
 rows, each with its own top-k list, the 656-byte ``fp8_ds_mla`` cache by default) or ``prefill h<heads> t<queries>
 k<topk> [s<kv rows>]`` (a bf16 cache of s rows, default 32768); an optional ``tile<BLOCK_N>x<warps>x<stages>``,
-``split<n>`` or ``f16dq`` (fp8 rows dequantised in fp16) times one of ``sparse_mla``'s private variants (tuning).
-Example: ``decode h128 b128 q2 k2048``.
+``split<n>`` or ``f16dq`` (fp8 rows dequantised in fp16) times one of ``sparse_mla``'s private variants (tuning);
+``gluon`` / ``triton`` also time that kernel (``_kernel=``: the sm90 Gluon kernel of openmla/ops/gluon/sparse.py, or
+the portable Triton one) on the same inputs in the same rounds, as provider ``gluon`` / ``triton`` beside
+``openmla`` (``sparse_mla``'s default pick; ``split<n>`` applies to both). Example: ``decode h128 b128 q2 k2048``,
+``decode h64 b64 q1 k2048 triton``.
 
 Each point: slots drawn uniformly (seeded) from a cache of at least 2 GiB of 64-token blocks on the GPU (decode;
 larger than L2), no -1 entries, every top-k entry valid. TFLOPS = 2 * h * rows * topk * (576 + 512) (FlashMLA's
@@ -47,6 +50,12 @@ PRESETS = {
              + [f"prefill h128 t4096 k2048 tile{t}" for t in ("64x8x2", "32x8x2", "32x8x3", "64x8x3")]
              + [f"decode h{h} b1 q1 k2048 split{n}" for h in (16, 128) for n in (1, 4, 8, 16, 32)]
              + [f"decode h{h} b{b} q1 k2048 f16dq" for h, b in ((128, 128), (64, 64), (16, 128))],
+    # the default (the Gluon kernel at 33+ heads on sm90) beside the Triton one; the Gluon kernel at 16 / 32 heads
+    "kernels": [f"decode h{h} b{b} q{q} k2048 triton" for h, b, q in ((128, 128, 1), (64, 64, 1), (128, 1, 1),
+                                                                      (64, 128, 2), (128, 64, 2))]
+               + ["decode h128 b128 q1 k2048 bf16 triton", "prefill h128 t4096 k2048 triton",
+                  "prefill h64 t4096 k2048 triton"]
+               + [f"decode h{h} b128 q1 k2048 gluon" for h in (16, 32)],
 }  # fmt: skip
 
 
@@ -63,12 +72,14 @@ class SparseShape:
     tile: tuple = ()
     split: int = 0
     f16dq: bool = False  # the _fp16_dequant variant (fp8 rows widened and scaled in fp16)
+    kernel: str = ""  # "gluon" / "triton": also time that kernel (provider of the same name)
 
     def __str__(self) -> str:
         extra = (
             (" tile" + "x".join(map(str, self.tile)) if self.tile else "")
             + (f" split{self.split}" if self.split else "")
             + (" f16dq" if self.f16dq else "")
+            + (f" {self.kernel}" if self.kernel else "")
         )
         if self.mode == "decode":
             return f"decode h{self.h} b{self.b} q{self.q} k{self.k}{extra}"
@@ -98,7 +109,8 @@ def parse(spec: str) -> SparseShape:
     toks = spec.replace(",", " ").split()
     bad = ValueError(
         f"bad sparse shape {spec!r}: want 'decode h<heads> b<batch> [q<qlen>] k<topk> [fp8|bf16]' or "
-        "'prefill h<heads> t<queries> k<topk> [s<kv rows>]', optional tile<N>x<warps>x<stages>, split<n>"
+        "'prefill h<heads> t<queries> k<topk> [s<kv rows>]', optional tile<N>x<warps>x<stages>, split<n>, f16dq, "
+        "gluon|triton"
     )
     if not toks or toks[0] not in ("decode", "prefill"):
         raise bad
@@ -111,6 +123,8 @@ def parse(spec: str) -> SparseShape:
                 f["dtype"] = tok
             elif tok == "f16dq":
                 f["f16dq"] = True
+            elif tok in ("gluon", "triton"):
+                f["kernel"] = tok
             elif parse_tuning(tok, f):
                 pass
             elif tok[0] in "hkbqts":
@@ -179,6 +193,22 @@ def run(shape: SparseShape, ctx: BenchContext) -> list[dict]:
 
     own()
     fns, check = {"openmla": own}, None
+    if shape.kernel:  # that kernel on the same inputs, into its own buffers; checked against the default's output
+        out_g, lse_g = torch.empty_like(out), torch.empty_like(lse)
+        priv_g = {"_num_splits_override": shape.split} if shape.split else {}
+
+        def other():
+            openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype=kv_dtype, out=out_g, lse=lse_g,
+                               _kernel=shape.kernel, **priv_g)  # fmt: skip
+
+        try:
+            other()
+            c = cosine(out, out_g)
+            if c < 0.9999:
+                ctx.note(f"# {shape.kernel} vs the default at {shape}: cosine {c:.6f}")
+            fns[shape.kernel] = other
+        except Exception as exc:  # refused or failed: its row stays empty
+            ctx.note(f"# {shape.kernel} failed at {shape}: {type(exc).__name__}: {exc}".splitlines()[0])
     fm = ctx.peer("flash_mla")
     if fm is not None:
         try:

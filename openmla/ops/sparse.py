@@ -69,6 +69,7 @@ _GPU_TILING_ONE_SOURCE = {
 # this many per SM. 16 rows: 197-252 registers x 128 threads, <= 107 KB; 32-64 rows: 147-255 x 256 threads.
 _CTAS_PER_SM = {16: 2, 32: 1, 64: 1}
 _MAX_BLOCK_H = 64  # heads per program at most (H = 128 runs two head blocks over the same rows)
+_GLUON_MIN_HEADS = 32  # sparse_mla's default takes the sm90 Gluon kernel above this many heads
 _INTERPRET_BLOCK_N = 16
 # fp32 q (tests, the CPU oracle engine) on the GPU: 16-key tiles for fp8 rows, half-length ones for 16-bit rows, at
 # most 2 stages, since fp32 rows are twice as wide in shared memory (untuned)
@@ -695,6 +696,7 @@ def sparse_mla(
     _num_splits_override: int | None = None,
     _tiling_override: tuple[int, ...] | None = None,
     _fp16_dequant: bool = False,
+    _kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Sparse MLA attention over per-token top-k slot lists (DeepSeek V3.2 DSA, MQA form; V4's base).
 
@@ -810,10 +812,28 @@ def sparse_mla(
         lse = torch.empty(T, H, dtype=torch.float32, device=dev)
     else:
         check_tensor("lse", lse, dtypes=(torch.float32,), shape=(T, H), device=dev)
+    # _kernel (private, for tests and benchmarks): "gluon" the sm90 Gluon kernel of openmla/ops/gluon/sparse.py (64-head
+    # blocks; ValueError where it does not apply), "triton" the portable kernel below; "auto" takes the Gluon kernel
+    # for 33+ heads where it applies (H200: 1.5-1.75x the Triton kernel, benchmarks/RESULTS.md "Sparse MLA")
+    if _kernel not in ("auto", "triton", "gluon"):
+        raise ValueError(f"_kernel must be 'auto', 'triton' or 'gluon'; got {_kernel!r}")
+    use_gluon, why = False, None
+    if _kernel == "gluon" or (_kernel == "auto" and H > _GLUON_MIN_HEADS and q.is_cuda and not INTERPRET):
+        from openmla.ops.gluon import sparse as gluon_sparse
+
+        why = gluon_sparse.gluon_sparse_unsupported(q, kv_cache, kv_cache_dtype, d_v, ragged=ragged, extra=has_extra,
+                                                    inv_rope=has_rope)  # fmt: skip
+        if why is None and (_tiling_override is not None or _fp16_dequant):
+            why = "_tiling_override / _fp16_dequant are Triton-kernel variants"
+        use_gluon = why is None
+    if _kernel == "gluon" and why is not None:
+        raise ValueError(f"sparse_mla(_kernel='gluon') cannot run this call: {why}")
     if T == 0:
         return out, (lse if return_lse else None)
 
     block_h, block_n, num_warps, num_stages = _tiling(H, fmt, q.dtype == torch.float32, has_extra)
+    if use_gluon:
+        block_h = gluon_sparse.BLOCK_H
     if _tiling_override is not None:  # (BLOCK_N, num_warps, num_stages) or (BLOCK_H, BLOCK_N, warps, stages)
         over = tuple(int(x) for x in _tiling_override)
         block_h, block_n, num_warps, num_stages = over if len(over) == 4 else (block_h, *over)
@@ -837,21 +857,25 @@ def sparse_mla(
     views, stride_b, stride_p = _cache_views(kv_cache, fmt)
     ekv = extra_kv_cache if has_extra else kv_cache
     eviews, e_stride_b, e_stride_p = _cache_views(ekv, fmt)
-    _sparse_mla_fwd_kernel[(T * head_blocks, splits)](
-        q, *views, idx, indptr, lens, *eviews, eidx, eindptr, elens,
-        attn_sink if attn_sink is not None else lse, out, lse, o_part, lse_part, *rope_args,
-        float(sm_scale) * _LOG2E, q.stride(0), q.stride(1), stride_b, stride_p, e_stride_b, e_stride_p,
-        idx.stride(0) if not ragged else 0, eidx.stride(0) if has_extra and not e_ragged else 0,
-        out.stride(0), out.stride(1), lse.stride(0), *rope_strides, T, H, K, EK, nnz, e_nnz,
-        kv_cache.shape[0] * kv_cache.shape[1], ekv.shape[0] * ekv.shape[1],
-        PAGE=kv_cache.shape[1], E_PAGE=ekv.shape[1], FMT=fmt, D_V=d_v, D_T=d_t, D_TP=max(16, d_t),
-        BLOCK_H=block_h, N_HB=head_blocks, BLOCK_N=block_n, NUM_SPLITS=splits, RAGGED=ragged,
-        HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra, E_RAGGED=e_ragged,
-        E_HAS_LEN=extra_topk_length is not None,
-        HAS_SINK=attn_sink is not None, HAS_ROPE=has_rope, ROPE=rope_dim, COMPUTE=compute, F16_DEQUANT=f16_dequant,
-        DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+    if use_gluon:
+        gluon_sparse.sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype, idx, topk_length, attn_sink, out, lse, o_part,
+                                          lse_part, float(sm_scale) * _LOG2E, splits)  # fmt: skip
+    else:
+        _sparse_mla_fwd_kernel[(T * head_blocks, splits)](
+            q, *views, idx, indptr, lens, *eviews, eidx, eindptr, elens,
+            attn_sink if attn_sink is not None else lse, out, lse, o_part, lse_part, *rope_args,
+            float(sm_scale) * _LOG2E, q.stride(0), q.stride(1), stride_b, stride_p, e_stride_b, e_stride_p,
+            idx.stride(0) if not ragged else 0, eidx.stride(0) if has_extra and not e_ragged else 0,
+            out.stride(0), out.stride(1), lse.stride(0), *rope_strides, T, H, K, EK, nnz, e_nnz,
+            kv_cache.shape[0] * kv_cache.shape[1], ekv.shape[0] * ekv.shape[1],
+            PAGE=kv_cache.shape[1], E_PAGE=ekv.shape[1], FMT=fmt, D_V=d_v, D_T=d_t, D_TP=max(16, d_t),
+            BLOCK_H=block_h, N_HB=head_blocks, BLOCK_N=block_n, NUM_SPLITS=splits, RAGGED=ragged,
+            HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra, E_RAGGED=e_ragged,
+            E_HAS_LEN=extra_topk_length is not None,
+            HAS_SINK=attn_sink is not None, HAS_ROPE=has_rope, ROPE=rope_dim, COMPUTE=compute, F16_DEQUANT=f16_dequant,
+            DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
     if splits > 1:
         _sparse_mla_merge_fwd_kernel[(T, triton.cdiv(H, _MERGE_BLOCK_H))](
             o_part, lse_part, attn_sink if attn_sink is not None else lse, out, lse, *rope_args, out.stride(0),
