@@ -237,7 +237,11 @@ def test_flashmla_reads_fp8_v4(device):
         sel = idx[r][idx[r] >= 0].long()
         k = flat[sel]  # [n, 512]
         p = torch.softmax(q[r, 0].float() @ k.T * scale, dim=-1)
-        assert_close(f"flashmla row {r}", p @ k, out[r, 0], 1.6e-2, 1.6e-2, 1e-5)
+        ref = p @ k
+        # FlashMLA rounds P to bf16 before P V: an error of ~2^-9 of the values' scale (|k| ~ 100 here; H200: 0.32 at
+        # 5 of 32768 entries against atol 0.016), while a wrong byte layout misplaces whole values
+        atol = 4e-3 * float(k.abs().max())
+        assert_close(f"flashmla row {r}", ref, out[r, 0], atol, 1.6e-2, 1e-5)
 
 
 def test_strided_index_inputs(device):

@@ -27,8 +27,10 @@ def check_tensor(
     shape: Sequence[int | None] | None = None,
     device: torch.device | None = None,
     last_dim_contiguous: bool = True,
+    kernel: bool = True,
 ) -> torch.Tensor:
-    """Check one tensor argument; ``shape`` entries of None match anything."""
+    """Check one tensor argument; ``shape`` entries of None match anything. ``kernel=False``: a torch-only
+    helper's argument, on any device (no check that a Triton kernel can run there)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
@@ -44,15 +46,18 @@ def check_tensor(
         raise ValueError(f"{name} must be on {device} like the other inputs; got {describe(t)}")
     if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension; got strides {t.stride()}")
-    check_kernel_device(name, t)
+    if kernel:
+        check_kernel_device(name, t)
     return t
 
 
-def check_index(name: str, t, *, ndim: int, device: torch.device | None = None, length: int | None = None):
-    """Integer index tensors (int32/int64); a floating dtype is a TypeError."""
+def check_index(
+    name: str, t, *, ndim: int, device: torch.device | None = None, length: int | None = None, kernel: bool = True
+):
+    """Integer index tensors (int32/int64); a floating dtype is a TypeError (``kernel`` as in check_tensor)."""
     if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.dtype == torch.bool):
         raise TypeError(f"{name} must be an int32 or int64 index tensor; got {describe(t)}")
-    check_tensor(name, t, dtypes=INDEX_DTYPES, ndim=ndim, device=device, last_dim_contiguous=False)
+    check_tensor(name, t, dtypes=INDEX_DTYPES, ndim=ndim, device=device, last_dim_contiguous=False, kernel=kernel)
     if length is not None and t.shape[0] != length:
         raise ValueError(f"{name} must have {length} entries along dim 0; got {describe(t)}")
     return t

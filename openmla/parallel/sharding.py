@@ -106,9 +106,9 @@ def dcp_local_verify_row_lens(
         torch.Tensor: `[num_tokens]`, int32; row-major (request, then row) like the query rows.
     """
     W, rank, I = check_dcp_args(world_size, rank, interleave)
-    check_index("seq_lens", seq_lens, ndim=1)
+    check_index("seq_lens", seq_lens, ndim=1, kernel=False)
     B = seq_lens.shape[0]
-    check_index("query_start_loc", query_start_loc, ndim=1, device=seq_lens.device, length=B + 1)
+    check_index("query_start_loc", query_start_loc, ndim=1, device=seq_lens.device, length=B + 1, kernel=False)
     qsl = query_start_loc.to(torch.int64)
     T = int(qsl[-1]) if num_tokens is None else int(num_tokens)
     rows = torch.arange(T, device=qsl.device)
@@ -169,11 +169,11 @@ def dcp_slot_mapping(
     """
     W, rank, I = check_dcp_args(world_size, rank, interleave)
     bs = _positive_int("block_size", block_size)
-    check_index("positions", positions, ndim=1)
+    check_index("positions", positions, ndim=1, kernel=False)
     dev = positions.device
     T = positions.shape[0]
-    check_index("req_indices", req_indices, ndim=1, device=dev, length=T)
-    check_index("block_table", block_table, ndim=2, device=dev)
+    check_index("req_indices", req_indices, ndim=1, device=dev, length=T, kernel=False)
+    check_index("block_table", block_table, ndim=2, device=dev, kernel=False)
     g = positions.to(torch.int64)
     owned = (g >= 0) & (dcp_owner(g.clamp(min=0), W, I) == rank)
     loc = dcp_local_position(g.clamp(min=0), W, I)
