@@ -6,8 +6,9 @@ of s keys whose last t are queries, ``max_query_len=t``). Defaults: h64 d128 k20
 blocks, scattered over a shuffled block table) and an e4m3 q (vLLM's contract: q's per-head scale folded into the
 weights); ``qbf16`` scores a bf16 q against the fp8 cache, ``bf16`` keeps a bf16 cache (and q).
 An optional ``tile<block_n>x<split>x<warps>x<stages>`` times a scores tiling (the private ``_tiling=`` argument of
-``indexer_logits`` / ``indexer_topk``), and ``ttile<block>x<warps>`` a top-k tiling (``_topk_tiling=``), ``tma`` key
-tiles by TMA (``_tma=True``), ``tsplit<n>`` top-k rows split over n programs (``_topk_split=n``); tuning only.
+``indexer_logits`` / ``indexer_topk``), and ``ttile<block>x<warps>`` a top-k tiling (``_topk_tiling=``), ``tma`` /
+``notma`` key tiles by TMA or by pointer loads (``_tma=``; TMA is the default), ``tsplit<n>`` top-k rows split
+over n programs (``_topk_split=n``); tuning only.
 
 Each point gives four rows: ``indexer_logits`` (the scores pass; bytes = keys read once per request + q + weights
 + the fp32 logits written, so ``frac_bw`` is the fraction of the read bandwidth measured in the same run; FLOPs =
@@ -31,9 +32,11 @@ OP = "indexer_logits"
 BLOCK = 64
 
 PRESETS = {
-    "default": ["decode b128 s32768", "decode b128 s32768 tma", "decode b128 s32768 qbf16", "decode b128 s32768 q2",
-                "decode b64 s8192", "decode b1 s32768", "prefill t4096 s32768", "prefill t4096 s32768 qbf16"],
-    "quick": ["decode b128 s32768", "decode b128 s32768 tma", "decode b128 s32768 q2", "prefill t4096 s32768"],
+    "default": ["decode b128 s32768", "decode b128 s32768 notma", "decode b128 s32768 qbf16", "decode b128 s32768 q2",
+                "decode b64 s8192", "decode b1 s32768", "prefill t4096 s32768", "prefill t4096 s32768 notma",
+                "prefill t4096 s32768 qbf16"],
+    "quick": ["decode b128 s32768", "decode b128 s32768 notma", "decode b128 s32768 q2", "prefill t4096 s32768",
+              "prefill t4096 s32768 notma"],
     "tiny": ["decode b2 s40 h4 d32 k8", "decode b2 s33 q2 h3 d32 k8 qbf16", "prefill t5 s30 h2 d32 k8 bf16"],
 }  # fmt: skip
 
@@ -52,7 +55,7 @@ class IndexerShape:
     qdtype: str = "fp8"
     tile: tuple = ()
     ttile: tuple = ()
-    tma: bool = False
+    tma: bool | None = None  # None: the op's default (TMA); False: the pointer loads
     tsplit: int = 0
 
     def __str__(self) -> str:
@@ -60,7 +63,7 @@ class IndexerShape:
             (" qbf16" if self.qdtype == "bf16" and self.cache == "fp8" else "")
             + (" tile" + "x".join(map(str, self.tile)) if self.tile else "")
             + (" ttile" + "x".join(map(str, self.ttile)) if self.ttile else "")
-            + (" tma" if self.tma else "")
+            + ({True: " tma", False: " notma"}.get(self.tma, ""))
             + (f" tsplit{self.tsplit}" if self.tsplit else "")
         )
         head = f"decode b{self.b} s{self.s} q{self.q}" if self.mode == "decode" else f"prefill t{self.t} s{self.s}"
@@ -86,8 +89,8 @@ def parse(spec: str) -> IndexerShape:
                 f["cache"] = tok
             elif tok.startswith("tsplit"):
                 f["tsplit"] = int(tok[6:])
-            elif tok == "tma":
-                f["tma"] = True
+            elif tok in ("tma", "notma"):
+                f["tma"] = tok == "tma"
             elif tok == "qbf16":
                 f["qdtype"] = "bf16"
             elif tok.startswith("ttile"):
@@ -146,7 +149,7 @@ def run(shape: IndexerShape, ctx: BenchContext) -> list[dict]:
     dev = ctx.device
     # the shape's variant, through the ops' private arguments, passed only when set (the module constants
     # otherwise; a copy of this bench run against an older openmla then passes none)
-    skw = {k: v for k, v in (("_tiling", shape.tile), ("_tma", shape.tma)) if v}
+    skw = {k: v for k, v in (("_tiling", shape.tile),) if v} | ({} if shape.tma is None else {"_tma": shape.tma})
     tkw = {k: v for k, v in (("_topk_tiling", shape.ttile), ("_topk_split", shape.tsplit)) if v}
     args, cache_dtype = _inputs(shape, dev)
     q = args[0]
