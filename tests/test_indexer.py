@@ -258,6 +258,17 @@ def test_logits_topk_ties(S, topk, topk_impl, split, device):
     assert bool((idx[4] == -1).all())
 
 
+def test_topk_auto_picks_by_rows():
+    """The "auto" pick: torch.topk's threshold from _TOPK_TORCH_MIN_ROWS rows on a GPU (where it measured faster),
+    the radix select below and on the CPU."""
+    from openmla.ops.indexer import _TOPK_TORCH_MIN_ROWS as N
+    from openmla.ops.indexer import _pick_topk_impl
+
+    assert [_pick_topk_impl("auto", t, "cuda") for t in (1, N - 1, N, 4 * N)] == ["triton", "triton", "torch", "torch"]
+    assert _pick_topk_impl("auto", 4 * N, "cpu") == "triton"
+    assert [_pick_topk_impl(i, 4 * N, "cuda") for i in ("triton", "torch")] == ["triton", "torch"]
+
+
 def test_topk_impls_agree_and_out_buffer(device):
     lens, qlens, pad = SHAPES["mixed"]
     args = _batch(lens, qlens, 4, 32, 5, "fp8", None, torch.bfloat16, device, pad_rows=pad)
@@ -268,7 +279,7 @@ def test_topk_impls_agree_and_out_buffer(device):
     assert got.data_ptr() == out.data_ptr()
     assert torch.equal(out, openmla.indexer_topk(*args, topk, cache_dtype="fp8", topk_impl="torch"))
     wide = args[3].shape[1] * 5 + 77  # columns past every request: never filled, never scanned (triton)
-    for impl in ("triton", "torch"):
+    for impl in ("triton", "torch", "auto"):
         assert torch.equal(out, openmla.indexer_topk(*args, topk, cache_dtype="fp8", max_seq_len=wide, topk_impl=impl))
     S = args[3].shape[1] * 5 + 3  # a wider output than the block table spans: the extra columns are -inf
     buf = torch.empty(T, 2 * S, device=device)[:, :S]  # strided rows

@@ -36,7 +36,7 @@ PRESETS = {
                 "decode b64 s8192", "decode b1 s32768", "prefill t4096 s32768", "prefill t4096 s32768 notma",
                 "prefill t4096 s32768 qbf16"],
     "quick": ["decode b128 s32768", "decode b128 s32768 notma", "decode b128 s32768 q2", "prefill t4096 s32768",
-              "prefill t4096 s32768 notma"],
+              "prefill t4096 s32768 notma", "prefill t1024 s32768", "prefill t2048 s32768"],
     "tiny": ["decode b2 s40 h4 d32 k8", "decode b2 s33 q2 h3 d32 k8 qbf16", "prefill t5 s30 h2 d32 k8 bf16"],
 }  # fmt: skip
 

@@ -35,8 +35,8 @@ __all__ = ["V4_KV_CACHE_DTYPES", "V4_LAYER_TYPES", "DeepseekV4Attention", "V4Lay
 V4_KV_CACHE_DTYPES = ("auto", "fp8_v4")
 V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 HEAD_DIM, ROPE_DIM = 512, 64
-#: ``indexer_topk``'s top-k pass ("triton" radix select or "torch"; the same result). Read at call time.
-INDEXER_TOPK_IMPL = "triton"
+#: ``indexer_topk``'s top-k pass ("auto", "triton" radix select or "torch"; the same result). Read at call time.
+INDEXER_TOPK_IMPL = "auto"
 
 
 class V4RMSNorm(nn.Module):

@@ -63,8 +63,10 @@ _TOPK_BLOCK = 8192
 _TOPK_WARPS = 16
 _TOPK_BLOCK_INTERPRET = 64  # CPU: tiny rows
 _TOPK_MIN_PART = 4096  # fewest scores a program of a split row scans (rows split only when there are few of them)
-# topk_impl choices; the default "triton" (the radix select) is not yet measured against torch.topk on the H200
-_TOPK_IMPLS = ("triton", "torch")
+# topk_impl choices; "auto": the radix select below _TOPK_TORCH_MIN_ROWS rows, torch.topk's threshold from there on a
+# GPU (H200, 32k scores a row: radix 114 us against 150 at 128 rows, 3637 against 3082 us at 4096 rows)
+_TOPK_IMPLS = ("auto", "triton", "torch")
+_TOPK_TORCH_MIN_ROWS = 1024
 # TMA key tiles where the device has them (private ``_tma=False``: pointer loads); H200 decode b128 s32768 h64 fp8:
 # 158 us (86% of the read bandwidth) against 176 us (77%), benchmarks/RESULTS.md "Lightning indexer"
 _USE_TMA = True
@@ -956,11 +958,19 @@ def _topk_parts(T: int, S: int, block: int, dev, split: int | None = None) -> in
     return max(1, min(triton.cdiv(2 * sms, T), triton.cdiv(S, _TOPK_MIN_PART)))
 
 
+def _pick_topk_impl(impl: str, T: int, device_type: str) -> str:
+    """ "auto" -> "torch" from _TOPK_TORCH_MIN_ROWS rows on a GPU, else "triton"; the others as they are."""
+    if impl != "auto":
+        return impl
+    return "torch" if device_type == "cuda" and T >= _TOPK_TORCH_MIN_ROWS else "triton"
+
+
 def _check_topk(topk, impl, out, T, dev):
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk must be a positive int; got {topk!r}")
     if impl not in _TOPK_IMPLS:
         raise ValueError(f"topk_impl must be one of {_TOPK_IMPLS}; got {impl!r}")
+    impl = _pick_topk_impl(impl, T, dev.type)
     if out is None:
         out = torch.empty(T, topk, dtype=torch.int32, device=dev)
     else:
@@ -973,15 +983,16 @@ def logits_topk(
     topk: int,
     *,
     out: torch.Tensor | None = None,
-    topk_impl: str = "triton",
+    topk_impl: str = "auto",
     _topk_tiling: tuple[int, int] | None = None,
     _topk_split: int | None = None,
 ) -> torch.Tensor:
     """Per row, the positions of the ``topk`` largest scores of ``logits`` `[T, S]` fp32 (-inf and NaN never
     chosen), in increasing position order (ties at the threshold: lower positions first), then -1:
-    int32 `[T, topk]`. ``topk_impl``: "triton" (radix select, the default) or "torch" (``torch.topk`` for the
-    threshold). Private, for tests and the benchmark: ``_topk_tiling=(block, num_warps)`` instead of the module
-    constants, ``_topk_split=parts`` a row split over that many programs (1: never) instead of by the row count."""
+    int32 `[T, topk]`. ``topk_impl``: "triton" (radix select), "torch" (``torch.topk`` for the threshold; the
+    same result) or "auto" (the default: "torch" from 1024 rows on a GPU, else "triton"). Private, for tests and
+    the benchmark: ``_topk_tiling=(block, num_warps)`` instead of the module constants, ``_topk_split=parts`` a row
+    split over that many programs (1: never) instead of by the row count."""
     check_tensor("logits", logits, dtypes=(torch.float32,), ndim=2)
     impl, out = _check_topk(topk, topk_impl, out, logits.shape[0], logits.device)
     tiling, split = _check_topk_tiling(_topk_tiling), _check_topk_split(_topk_split)
@@ -1006,7 +1017,7 @@ def indexer_topk(
     max_seq_len: int | None = None,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
-    topk_impl: str = "triton",
+    topk_impl: str = "auto",
     validate: bool = True,
     _tiling: tuple[int, int, int, int] | None = None,
     _tma: bool = _USE_TMA,
@@ -1023,8 +1034,9 @@ def indexer_topk(
     Args:
         topk (int): entries per row (2048 for V3.2).
         out (torch.Tensor | None): `[T, topk]` int32 to write into (e.g. the engine's shared buffer).
-        topk_impl (str): "triton" (a radix select per row, the default) or "torch" (``torch.topk`` finds each
-            row's threshold); the same result.
+        topk_impl (str): "triton" (a radix select per row), "torch" (``torch.topk`` finds each row's threshold;
+            the same result) or "auto" (the default: "torch" from 1024 rows on a GPU, where it measures faster,
+            else "triton").
         _tiling, _tma, _topk_tiling, _topk_split: private, for tests and the benchmark: those of
             :func:`indexer_logits` and :func:`logits_topk`.
 
