@@ -14,6 +14,7 @@ from openmla.device import INTERPRET
 from openmla.ops.gluon import sparse as gs
 from openmla.ops.gluon.decode import SMEM_LIMIT
 from openmla.reference import ds_mla_row_ref, sparse_mla_ref
+from openmla.reference.v4 import rope_cache_ref, v4_block_bytes, v4_encode_blocks_ref
 from openmla.utils.sm90_report import run_report_script
 from openmla.utils.testing import TOLERANCES, assert_close
 
@@ -21,16 +22,31 @@ SCALE = 576**-0.5
 INF = float("inf")
 HAS_NVIDIA_BACKEND = importlib.util.find_spec("triton.backends.nvidia") is not None
 
-# (FMT, NUM_SPLITS, HAS_LEN, HAS_SINK, PAGE): every specialisation the launcher reaches, by cache format, split or
-# not, with and without lengths / sinks, power-of-two and unit pages
+# (FMT, D_QK, NUM_SPLITS, HAS_LEN, HAS_SINK, PAGE, HAS_EXTRA, E_HAS_LEN, E_PAGE, HAS_ROPE): every specialisation the
+# launcher reaches, by cache format and row width (V3.2 576, V4 512), split or not, with and without lengths / sinks,
+# power-of-two and unit pages; V4 with and without the extra source (its own page) and the fused inverse RoPE
 COMPILE_VARIANTS = [
-    (0, 1, True, True, 64),
-    (0, 4, True, False, 1),
-    (0, 1, False, False, 64),
-    (1, 1, True, True, 64),
-    (1, 4, False, True, 1),
-    (1, 1, False, False, 64),
+    (0, 576, 1, True, True, 64, False, False, 64, False),
+    (0, 576, 4, True, False, 1, False, False, 1, False),
+    (0, 576, 1, False, False, 64, False, False, 64, False),
+    (1, 576, 1, True, True, 64, False, False, 64, False),
+    (1, 576, 4, False, True, 1, False, False, 1, False),
+    (1, 576, 1, False, False, 64, False, False, 64, False),
+    (2, 512, 1, True, True, 256, True, True, 64, True),  # V4 decode / paged prefill
+    (2, 512, 4, True, True, 256, True, True, 64, True),
+    (2, 512, 1, True, True, 256, True, False, 2, False),
+    (2, 512, 1, False, False, 1, True, True, 1, True),
+    (0, 512, 1, True, True, 256, True, True, 64, True),
+    (0, 512, 1, True, True, 1, False, False, 1, True),  # a gathered V4 workspace
+    (0, 512, 4, True, True, 1, False, False, 1, True),
+    (0, 512, 1, False, False, 64, False, False, 64, False),
+    (0, 576, 1, True, False, 64, True, False, 16, False),  # V3.2 bf16 rows with a second source
+    (2, 512, 1, True, True, 64, False, False, 64, False),  # fp8_v4, one source
 ]
+# fp8_v4 (FMT 2): its consumers run on 216 registers and some specialisations spill 8 bytes there (one LDL a tile,
+# the row-max scratch address; sm90 offline, triton 3.6; V4 decode / paged prefill with the inverse RoPE: none), so
+# it is bounded by format, not zero
+SPILL_BOUND = {2: 8}
 
 _COMPILE_SCRIPT = r"""
 import json, sys
@@ -41,15 +57,19 @@ from openmla.utils.sm90_report import resource_report
 from openmla.ops.gluon import sparse as gs
 
 report = []
-for fmt, splits, has_len, has_sink, page in json.loads(sys.argv[1]):
+for v in json.loads(sys.argv[1]):
+    fmt, d_qk, splits, has_len, has_sink, page, extra, e_len, e_page, rope = v
     fn = gs._sparse_mla_gluon_fwd_kernel
-    cons = dict(PAGE=page, FMT=fmt, N_HB=2, NUM_SPLITS=splits, HAS_LEN=has_len, HAS_SINK=has_sink,
-                BLOCK_N=gs.BLOCK_N, STAGES=gs.STAGES, FP8_PASSES=gs.FP8_PASSES, PRODUCER_REGS=gs.PRODUCER_REGS[fmt],
-                num_warps=gs.NUM_WARPS)
+    cons = dict(PAGE=page, E_PAGE=e_page, FMT=fmt, D_QK=d_qk, N_HB=2, NUM_SPLITS=splits, HAS_LEN=has_len,
+                HAS_EXTRA=extra, E_HAS_LEN=e_len, HAS_SINK=has_sink, HAS_ROPE=rope, ROPE=64 if rope else 2,
+                BLOCK_N=gs.BLOCK_N, STAGES=gs.STAGES, FP8_PASSES=gs.FP8_PASSES,
+                PRODUCER_REGS=gs.PRODUCER_REGS[(fmt, d_qk)], num_warps=gs.NUM_WARPS)
     kvt = "*bf16" if fmt == 0 else "*u8"
-    ptr = {"q": "*bf16", "kv": kvt, "kv_f32": "*fp32" if fmt else kvt, "kv_b16": "*bf16" if fmt else kvt,
-           "idx": "*i32", "lens": "*i32", "sink": "*fp32", "out": "*bf16", "lse": "*fp32", "o_part": "*fp32",
-           "lse_part": "*fp32"}
+    views = {"": kvt, "_f32": {0: kvt, 1: "*fp32", 2: kvt}[fmt], "_b16": "*bf16" if fmt else kvt}
+    ptr = {"q": "*bf16", "idx": "*i32", "lens": "*i32", "eidx": "*i32", "elens": "*i32", "sink": "*fp32",
+           "out": "*bf16", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32", "rope_pos": "*i32",
+           "cos_sin": "*fp32"}
+    ptr.update({f"{src}kv{k}": t for src in ("", "e") for k, t in views.items()})
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in cons:
@@ -59,8 +79,8 @@ for fmt, splits, has_len, has_sink, page in json.loads(sys.argv[1]):
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name == "scale_log2":
             sig[name] = "fp32"
-        elif name.startswith("stride_") and name != "stride_i_t":  # as the JIT specialises multiples of 16
-            sig[name] = "i32"
+        elif name.startswith("stride_") and name not in ("stride_i_t", "stride_ei_t", "stride_cs"):
+            sig[name] = "i32"  # as the JIT specialises multiples of 16
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "i32"
@@ -68,7 +88,7 @@ for fmt, splits, has_len, has_sink, page in json.loads(sys.argv[1]):
                        options=dict(num_warps=gs.NUM_WARPS))
     ptx = k.asm["ptx"]
     r = resource_report(k)
-    r.update(variant=[fmt, splits, has_len, has_sink, page], qk=ptx.count("wgmma.mma_async.sync.aligned.m64n32k16"),
+    r.update(variant=v, qk=ptx.count("wgmma.mma_async.sync.aligned.m64n32k16"),
              pv=ptx.count("wgmma.mma_async.sync.aligned.m64n256k16"), cp_async=ptx.count("cp.async.cg.shared.global"),
              noinc=ptx.count("cp.async.mbarrier.arrive.noinc"))
     report.append(r)
@@ -78,52 +98,74 @@ print("REPORT" + json.dumps(report))
 
 @pytest.mark.skipif(not gs.GLUON_AVAILABLE or not HAS_NVIDIA_BACKEND, reason="needs triton's Gluon and NVIDIA backend")
 def test_sparse_gluon_compiles_for_sm90():
-    # offline sm90 compile (no GPU needed): no spill, fits the shared memory, 12 warps (8 consumers + the producer
-    # warpgroup) with registers moved by setmaxnreg; the scores are m64n32k16 (each warpgroup scores 32 of the 64
-    # keys: 9 chunks x 4 k-steps), P V m64n256k16 (each warpgroup 256 of the 512 columns); bf16 rows by cp.async
+    # offline sm90 compile (no GPU needed): no spill (but SPILL_BOUND), fits the shared memory, 12 warps (8 consumers
+    # + the producer warpgroup) with registers moved by setmaxnreg; the scores are m64n32k16 (each warpgroup scores 32
+    # of the 64 keys: 9 (V3.2) or 8 (V4) chunks x 4 k-steps), P V m64n256k16 (each warpgroup 256 of the 512 columns);
+    # bf16 rows by cp.async (9 or 8 [64, 64] copies, 4 a thread), fp8 rows by loads
     for r in run_report_script(_COMPILE_SCRIPT, COMPILE_VARIANTS):
-        name = "FMT={} NUM_SPLITS={} HAS_LEN={} HAS_SINK={} PAGE={}".format(*r["variant"])
-        assert r["regs"] <= 255 and r["stack"] == 0 and r["local"] == 0, f"{name}: spills {r}"
+        v = tuple(r["variant"])
+        name = "FMT={} D_QK={} NUM_SPLITS={} HAS_LEN={} HAS_SINK={} PAGE={} HAS_EXTRA={} E_HAS_LEN={} E_PAGE={} " \
+               "HAS_ROPE={}".format(*v)  # fmt: skip
+        chunks = v[1] // 64
+        assert r["regs"] <= 255 and r["stack"] <= SPILL_BOUND.get(v[0], 0) and r["local"] == 0, f"{name}: spills {r}"
         assert r["shared"] + r["static_shared"] <= SMEM_LIMIT, f"{name}: shared memory {r}"
         assert r["num_warps"] == 12 and r["setmaxnreg"], f"{name}: {r}"
-        assert r["wgmma"] == 40 and r["qk"] == 36 and r["pv"] == 4, f"{name}: wgmma {r}"
-        if r["variant"][0] == 0:
-            assert r["cp_async"] == 9 * 4 and r["noinc"] == 1, f"{name}: cp.async {r}"  # 9 [64, 64] copies, 4 a thread
+        assert r["qk"] == 4 * chunks and r["pv"] == 4 and r["wgmma"] == 4 * chunks + 4, f"{name}: wgmma {r}"
+        if v[0] == 0:
+            assert r["cp_async"] == 4 * chunks and r["noinc"] == 1, f"{name}: cp.async {r}"
         else:
             assert r["cp_async"] == 0, f"{name}: {r}"
 
 
 def test_sparse_gluon_refusals(device):
-    # "auto" takes the Gluon kernel above 32 heads where it applies (an sm90 GPU), else the Triton one; "gluon"
-    # refuses what it does not take (a CPU device here, or an unsupported layout on a GPU) with a ValueError naming
-    # the reason; an unknown name is refused
+    # "auto" takes the Gluon kernel at any head count where it applies (sm90) for V3.2 rows with one source and no
+    # inverse RoPE, else the Triton one: V4 calls (D 512, a second source, the inverse RoPE) stay on the Triton kernel
+    # under "auto" even where "gluon" runs them (unmeasured); "gluon" refuses what it does not take (a CPU device
+    # here, or an unsupported layout on a GPU) with a ValueError naming the reason; an unknown name is refused
     q = torch.randn(2, 64, 576, device=device).bfloat16()
     cache = torch.randn(4, 16, 576, device=device).bfloat16()
     idx = torch.randint(0, 64, (2, 8), dtype=torch.int32, device=device)
     gluon_here = gs.gluon_sparse_unsupported(q, cache, "auto", 512) is None and not INTERPRET
-    for heads, kernel in ((64, "gluon" if gluon_here else "triton"), (32, "triton")):
+    for heads, kernel in ((64, "gluon" if gluon_here else "triton"), (16, "gluon" if gluon_here else "triton")):
         a, la = openmla.sparse_mla(q[:, :heads], cache, idx, SCALE)
         b, lb = openmla.sparse_mla(q[:, :heads], cache, idx, SCALE, _kernel=kernel)
         torch.testing.assert_close(a, b, atol=0, rtol=0)
         torch.testing.assert_close(la, lb, atol=0, rtol=0)
+    q4, cache4 = q[..., :512].contiguous(), cache[..., :512].contiguous()
+    pos = torch.arange(2, dtype=torch.int32, device=device)
+    cs = rope_cache_ref(1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)), 8).to(device)
+    v4_calls = [
+        (q4, cache4, {}),  # V4 rows
+        (q, cache, dict(extra_kv_cache=cache, extra_indices=idx)),  # a second source
+        (q4, cache4, dict(extra_kv_cache=cache4[:2], extra_indices=idx // 2)),
+        (q4, cache4, dict(inv_rope_positions=pos, cos_sin_cache=cs)),  # the inverse RoPE
+    ]
+    for qq, cc, kw in v4_calls:  # "auto" is the Triton kernel there, bit for bit
+        a, la = openmla.sparse_mla(qq, cc, idx, SCALE, **kw)
+        b, lb = openmla.sparse_mla(qq, cc, idx, SCALE, _kernel="triton", **kw)
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+        torch.testing.assert_close(la, lb, atol=0, rtol=0)
+        if gluon_here:  # "gluon" runs them
+            openmla.sparse_mla(qq, cc, idx, SCALE, _kernel="gluon", **kw)
+        else:
+            with pytest.raises(ValueError, match="_kernel='gluon'"):
+                openmla.sparse_mla(qq, cc, idx, SCALE, _kernel="gluon", **kw)
     with pytest.raises(ValueError, match="_kernel must be"):
         openmla.sparse_mla(q, cache, idx, SCALE, _kernel="cuda")
+    ragged = openmla.build_ragged_indices_from_dense(idx, torch.full_like(idx[:, 0], 8))
+    fp8 = _cache(device, 4, 16, "fp8_ds_mla")
     refused = [
-        dict(extra_kv_cache=cache, extra_indices=idx),  # a second source
-        dict(_tiling_override=(32, 8, 2)),
+        (q, cache, idx, dict(_tiling_override=(32, 8, 2))),
+        (q, cache, ragged, {}),  # ragged indices, main or extra
+        (q4, cache4, idx, dict(extra_kv_cache=cache4, extra_indices=ragged)),
+        (q.half(), cache.half(), idx, {}),  # fp16 q
+        (q, fp8, idx, dict(kv_cache_dtype="fp8_ds_mla", extra_kv_cache=fp8, extra_indices=idx)),  # V3.2 fp8 + extra
     ]
     if device.type != "cuda":
-        refused.append({})  # no CUDA device at all
-    for kw in refused:
+        refused.append((q, cache, idx, {}))  # no CUDA device at all
+    for qq, cc, ii, kw in refused:
         with pytest.raises(ValueError, match="_kernel='gluon'"):
-            openmla.sparse_mla(q, cache, idx, SCALE, _kernel="gluon", **kw)
-    with pytest.raises(ValueError, match="_kernel='gluon'"):  # ragged indices
-        openmla.sparse_mla(q, cache, openmla.build_ragged_indices_from_dense(idx, torch.full_like(idx[:, 0], 8)),
-                           SCALE, _kernel="gluon")  # fmt: skip
-    with pytest.raises(ValueError, match="_kernel='gluon'"):  # fp16 q
-        openmla.sparse_mla(q.half(), cache.half(), idx, SCALE, _kernel="gluon")
-    with pytest.raises(ValueError, match="_kernel='gluon'"):  # V4 rows (D = d_v = 512)
-        openmla.sparse_mla(q[..., :512].contiguous(), cache[..., :512].contiguous(), idx, SCALE, _kernel="gluon")
+            openmla.sparse_mla(qq, cc, ii, SCALE, _kernel="gluon", **kw)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -281,3 +323,177 @@ def test_sparse_gluon_buffers_and_strides(device):
     ref_out, ref_lse = sparse_mla_ref(q, cache, idx, SCALE, kv_cache_dtype="fp8_ds_mla", topk_length=lens)
     assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
     assert_close("lse", ref_lse, lse, *_LSE_TOL["fp8_ds_mla"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# V4 on the GPU (D = d_v = 512, K = V = the whole row): a main source and an extra one with their own block sizes,
+# fp8_v4 or bf16, lengths, sinks, the fused inverse RoPE, splits; every unused slot is NaN (0xFF bytes in fp8_v4)
+
+V4_SCALE = 512**-0.5
+V4_DTYPES = ["fp8_v4", "auto"]
+# fp8_v4 rows are exact in bf16 (e4m3 x a power of two, bf16 rope): the kernel's bf16 operands change no score
+_V4_LSE_TOL = {"auto": (1e-3, 1e-3, 1e-6), "fp8_v4": (1e-2, 1e-3, 1e-6)}
+
+
+def _used(idx, lens, num_slots):
+    K = idx.shape[1]
+    counted = torch.arange(K, device=idx.device)[None, :] < (lens[:, None] if lens is not None else K)
+    ok = counted & (idx >= 0) & (idx < num_slots)
+    return torch.unique(idx[ok].long()).cpu()
+
+
+def _v4_cache(device, num_blocks, block_size, kv_cache_dtype, used, seed):
+    """A V4 cache whose slots ``used`` hold random rows (~N(0, 1), a few groups scaled to spread the UE8M0 exponents);
+    every other slot is NaN (bf16) or 0xFF bytes (fp8_v4: NaN e4m3, exponent 255, NaN rope): never to be read."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(len(used), 512, generator=g)
+    rows[:, 64:128] *= 1e-3
+    rows[:, 256:320] *= 4.0
+    if kv_cache_dtype == "auto":
+        cache = torch.full((num_blocks * block_size, 512), float("nan"), dtype=torch.bfloat16)
+        cache[used] = rows.bfloat16()
+        return cache.view(num_blocks, block_size, 512).to(device)
+    host = openmla.allocate_v4_cache(num_blocks, block_size, fill=0xFF, device="cpu")
+    v4_encode_blocks_ref(v4_block_bytes(host), block_size, used, rows)
+    cache = openmla.allocate_v4_cache(num_blocks, block_size, fill=0xFF, device=device)
+    v4_block_bytes(cache).copy_(v4_block_bytes(host))
+    return cache
+
+
+def _v4_run(H, T, kv_cache_dtype, device, *, K=128, K2=512, bs=256, e_bs=64, lens=True, elens=True, extra=True,
+            rope=True, sink=None, seed=0, kernel="gluon", **kw):  # fmt: skip
+    """One V4 call through ``kernel`` (the Gluon one) against the fp32 reference; returns (out, lse, idx lens, extra
+    lens)."""
+    nb, e_nb = max(2, -(-4096 // bs)), max(2, -(-4096 // e_bs))
+    idx, ln = _indices(T, K, nb * bs, device, seed=seed)
+    ln = ln if lens else None
+    args = dict(kv_cache_dtype=kv_cache_dtype, topk_length=ln, attn_sink=sink)
+    cache = _v4_cache(device, nb, bs, kv_cache_dtype, _used(idx, ln, nb * bs), seed)
+    if extra:
+        eidx, eln = _indices(T, K2, e_nb * e_bs, device, seed=seed + 1)
+        eln = eln if elens else None
+        if elens and T >= 4:
+            eln[3] = 0  # a row with main keys only
+        ecache = _v4_cache(device, e_nb, e_bs, kv_cache_dtype, _used(eidx, eln, e_nb * e_bs), seed + 1)
+        args.update(extra_kv_cache=ecache, extra_indices=eidx, extra_topk_length=eln)
+    else:
+        eln = None
+    if rope:
+        num_pos = 4096
+        cs = rope_cache_ref(1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)), num_pos)
+        pos = torch.randint(0, num_pos, (T,), generator=torch.Generator().manual_seed(seed + 2), dtype=torch.int32)
+        args.update(inv_rope_positions=pos.to(device), cos_sin_cache=cs.to(device))
+    q = torch.randn(T, H, 512, generator=torch.Generator().manual_seed(seed + 3)).bfloat16().to(device)
+    out, lse = openmla.sparse_mla(q, cache, idx, V4_SCALE, _kernel=kernel, **args, **kw)
+    ref_out, ref_lse = sparse_mla_ref(q, cache, idx, V4_SCALE, **args)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H, 512) and lse.shape == (T, H)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, *_V4_LSE_TOL[kv_cache_dtype])
+    if T >= 3 and lens and (not extra or elens):  # row 1: no valid key in either source; row 2: lengths 0 in both
+        assert bool((out[1:3] == 0).all()) and bool(torch.isneginf(lse[1:3]).all())
+    return out, lse, ln, eln
+
+
+@_gpu_test
+@pytest.mark.parametrize("kv_cache_dtype", V4_DTYPES)
+@pytest.mark.parametrize("heads,rows", list(itertools.product([64, 128, 96], [1, 37, 300])))
+def test_sparse_gluon_v4(heads, rows, kv_cache_dtype, device):
+    # V4 decode / prefill rows: SWA-like main source (blocks of 256) + compressed-like extra source (blocks of 64),
+    # both with lengths (shorter, 0) and invalid entries, the fused inverse RoPE; the planner's splits at 1 row
+    _v4_run(heads, rows, kv_cache_dtype, device)
+
+
+@_gpu_test
+@pytest.mark.parametrize("kv_cache_dtype", V4_DTYPES)
+@pytest.mark.parametrize("bs,e_bs,K,K2", [(64, 2, 100, 64), (1, 256, 64, 300), (256, 1, 128, 1024)])
+def test_sparse_gluon_v4_block_sizes(bs, e_bs, K, K2, kv_cache_dtype, device):
+    # other block sizes (1, 2, 64, 256) and widths (tiles straddling the two sources at any offset)
+    _v4_run(64, 37, kv_cache_dtype, device, K=K, K2=K2, bs=bs, e_bs=e_bs, seed=bs + e_bs)
+
+
+@_gpu_test
+@pytest.mark.parametrize("kv_cache_dtype", V4_DTYPES)
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("rope", [True, False])
+def test_sparse_gluon_v4_splits_sinks_rope(splits, rope, kv_cache_dtype, device):
+    # forced splits (partials + the Triton merge, which applies the sink and the inverse RoPE; one split: the
+    # kernel's epilogue does) with sinks -inf / +inf / 100 / finite per head
+    H = 128
+    sink = torch.linspace(-2, 2, H, device=device)
+    sink[0], sink[1], sink[2] = -INF, INF, 100.0
+    out, _, _, _ = _v4_run(H, 37, kv_cache_dtype, device, rope=rope, sink=sink, _num_splits_override=splits, seed=11)
+    assert bool((out[:, 1] == 0).all())  # a sink of +inf gives 0
+
+
+@_gpu_test
+@pytest.mark.parametrize("kv_cache_dtype", V4_DTYPES)
+def test_sparse_gluon_v4_one_source_and_lengths(kv_cache_dtype, device, kernel="gluon"):
+    # one source (a gathered workspace or SWA-only layers), with and without lengths / RoPE; an extra source whose
+    # lengths are all 0 (only main keys count) and a main source whose lengths are all 0 (only extra keys)
+    _v4_run(64, 37, kv_cache_dtype, device, extra=False, seed=21, kernel=kernel)
+    _v4_run(128, 300, kv_cache_dtype, device, extra=False, rope=False, lens=False, seed=22, kernel=kernel)
+    _v4_run(64, 37, kv_cache_dtype, device, elens=False, seed=23, kernel=kernel)
+    T = 37
+    zeros = torch.zeros(T, dtype=torch.int32, device=device)
+    for name in ("extra_topk_length", "topk_length"):
+        # compare with the call that drops that source altogether
+        g = torch.Generator().manual_seed(24)
+        q = torch.randn(T, 64, 512, generator=g).bfloat16().to(device)
+        idx, ln = _indices(T, 128, 4096, device, seed=24)
+        eidx, eln = _indices(T, 256, 4096, device, seed=25)
+        cache = _v4_cache(device, 16, 256, kv_cache_dtype, _used(idx, ln, 4096), 24)
+        ecache = _v4_cache(device, 64, 64, kv_cache_dtype, _used(eidx, eln, 4096), 25)
+        kw = dict(kv_cache_dtype=kv_cache_dtype, topk_length=ln, extra_kv_cache=ecache, extra_indices=eidx,
+                  extra_topk_length=eln)  # fmt: skip
+        kw[name] = zeros
+        out, lse = openmla.sparse_mla(q, cache, idx, V4_SCALE, _kernel=kernel, **kw)
+        if name == "extra_topk_length":
+            ref_args = dict(kv_cache_dtype=kv_cache_dtype, topk_length=ln)
+            ref_out, ref_lse = sparse_mla_ref(q, cache, idx, V4_SCALE, **ref_args)
+        else:
+            ref_args = dict(kv_cache_dtype=kv_cache_dtype, topk_length=eln)
+            ref_out, ref_lse = sparse_mla_ref(q, ecache, eidx, V4_SCALE, **ref_args)
+        assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+        assert_close("lse", ref_lse, lse, *_V4_LSE_TOL[kv_cache_dtype])
+
+
+@_gpu_test
+def test_sparse_gluon_v4_nan_in_selected_rows(device, kernel="gluon"):
+    # fp8_v4: a NaN e4m3 byte, an exponent byte 255 (its whole group of 64) and a NaN rope value in selected rows of
+    # both sources count as 0 (exponent byte 0, 2^-127, too)
+    T, K, bs = 3, 24, 16
+    g = torch.Generator().manual_seed(5)
+    idx = torch.randint(0, 64, (T, K), generator=g, dtype=torch.int32)
+    eidx = torch.randint(0, 64, (T, K), generator=g, dtype=torch.int32)
+    cache = _v4_cache(device, 4, bs, "fp8_v4", torch.arange(64), 5)
+    ecache = _v4_cache(device, 8, 8, "fp8_v4", torch.arange(64), 6)
+    for c, page, sl in ((cache, bs, idx), (ecache, 8, eidx)):
+        blk = v4_block_bytes(c)
+        s0, s1, s2, s3 = (int(v) for v in sl[0, :4])
+        blk[s0 // page, (s0 % page) * 576 + 5] = 0x7F  # NaN e4m3
+        blk[s1 // page, page * 576 + (s1 % page) * 8 + 2] = 0xFF  # NaN scale of group 2
+        blk[s2 // page, (s2 % page) * 576 + 448 + 6 : (s2 % page) * 576 + 448 + 8] = 0xFF  # NaN rope value
+        blk[s3 // page, page * 576 + (s3 % page) * 8 + 4] = 0  # 2^-127
+    q = torch.randn(T, 64, 512, generator=g).bfloat16().to(device)
+    kw = dict(kv_cache_dtype="fp8_v4", extra_kv_cache=ecache, extra_indices=eidx.to(device))
+    out, lse = openmla.sparse_mla(q, cache, idx.to(device), V4_SCALE, _kernel=kernel, **kw)
+    ref_out, ref_lse = sparse_mla_ref(q, cache, idx.to(device), V4_SCALE, **kw)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, *_V4_LSE_TOL["fp8_v4"])
+
+
+@_gpu_test
+@pytest.mark.parametrize("kv_cache_dtype", V4_DTYPES)
+def test_sparse_gluon_v4_matches_triton(kv_cache_dtype, device):
+    # the same V4 call through both kernels: the dequantised rows are the same bf16 values, so the two differ only by
+    # accumulation order (P in bf16 both); one split each, and the planner's
+    H, T = 128, 37
+    sink = torch.linspace(-1, 1, H, device=device)
+    for splits in (1, None):
+        kw = {} if splits is None else dict(_num_splits_override=splits)
+        a, la, _, _ = _v4_run(H, T, kv_cache_dtype, device, sink=sink, seed=31, **kw)
+        b, lb, _, _ = _v4_run(H, T, kv_cache_dtype, device, sink=sink, seed=31, kernel="triton", **kw)
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(la, lb, atol=1e-3, rtol=1e-4)

@@ -50,12 +50,12 @@ PRESETS = {
              + [f"prefill h128 t4096 k2048 tile{t}" for t in ("64x8x2", "32x8x2", "32x8x3", "64x8x3")]
              + [f"decode h{h} b1 q1 k2048 split{n}" for h in (16, 128) for n in (1, 4, 8, 16, 32)]
              + [f"decode h{h} b{b} q1 k2048 f16dq" for h, b in ((128, 128), (64, 64), (16, 128))],
-    # the default (the Gluon kernel at 33+ heads on sm90) beside the Triton one; the Gluon kernel at 16 / 32 heads
+    # the default (the Gluon kernel on sm90) beside the Triton one
     "kernels": [f"decode h{h} b{b} q{q} k2048 triton" for h, b, q in ((128, 128, 1), (64, 64, 1), (128, 1, 1),
-                                                                      (64, 128, 2), (128, 64, 2))]
+                                                                      (64, 128, 2), (128, 64, 2), (16, 128, 1),
+                                                                      (32, 128, 1), (1, 128, 1))]
                + ["decode h128 b128 q1 k2048 bf16 triton", "prefill h128 t4096 k2048 triton",
-                  "prefill h64 t4096 k2048 triton"]
-               + [f"decode h{h} b128 q1 k2048 gluon" for h in (16, 32)],
+                  "prefill h64 t4096 k2048 triton"],
 }  # fmt: skip
 
 

@@ -17,6 +17,11 @@ gathers both into one bf16 workspace (``gather_cache_v4``, timed with it) and re
 which route prefill should take); the peer runs FlashMLA's sparse prefill on the gathered workspace (gather untimed);
 a note names a point whose two routes disagree.
 
+``gluon`` / ``triton`` (any point) also time that kernel (``sparse_mla(_kernel=...)``: the sm90 Gluon kernel of
+openmla/ops/gluon/sparse.py, which ``sparse_mla``'s default does not take for V4 yet, or the portable Triton one) on
+the same inputs in the same rounds, as provider ``gluon`` / ``triton`` beside ``openmla`` (the default's pick;
+``split<n>`` applies to both), checked against the default's output (a note below cosine 0.9999).
+
 TFLOPS = 2 * h * (attended keys) * (512 + 512) (FlashMLA's count for MODEL1); bytes = unique rows read x bytes a row
 + q + out. Decode's peer is ``flash_mla_with_kvcache`` with ``indices`` / ``extra_k_cache`` /
 ``extra_indices_in_kvcache`` / ``extra_topk_length`` / ``attn_sink`` on the same fp8_v4 bytes; it takes 64 or 128
@@ -55,6 +60,13 @@ PRESETS = {
     "quick": ["v4decode h64 b128 q2 w128 k512", "v4decode h128 b128 q2 w128 k1024", "v4decode h16 b128 q2 w128 k512",
               "v4prefill h128 t4096 k1024", "v4prefill h64 t4096 k512 w128 paged",
               "v4prefill h64 t4096 k512 w128 paged gather"],
+    # the Gluon kernel beside the default (the Triton kernel for V4) at the quick points and a few more
+    "kernels": [f"{p} gluon" for p in ("v4decode h64 b128 q2 w128 k512", "v4decode h128 b128 q2 w128 k1024",
+                                        "v4decode h64 b128 q2 w128 k512 eb2 elen",
+                                        "v4decode h64 b128 q2 w128 k512 bf16", "v4decode h64 b128 q2 w128 k512 norope",
+                                        "v4decode h64 b1 q2 w128 k512", "v4prefill h128 t4096 k1024",
+                                        "v4prefill h64 t4096 k512", "v4prefill h64 t4096 k512 w128 paged",
+                                        "v4prefill h64 t4096 k512 w128 paged gather")],
     "tiny": ["v4decode h2 b2 q2 w8 k8 wb16 eb4", "v4decode h3 b1 q1 w4 k6 eb2 elen bf16",
              "v4prefill h2 t6 k8 s32", "v4prefill h2 t6 k8 w4 paged gather"],  # CPU (interpreter)
     # tuning: tiles (32x8x2 spills 8-16 bytes at 64 heads offline, the others none; 16-key tiles at 16 heads take
@@ -86,6 +98,7 @@ class V4AttnShape:
     gather: bool = False  # paged prefill through a gathered bf16 workspace
     tile: tuple = ()
     split: int = 0
+    kernel: str = ""  # "gluon" / "triton": also time that kernel (provider of the same name)
     spec: str = ""
 
     def __str__(self) -> str:
@@ -102,7 +115,7 @@ def parse(spec: str) -> V4AttnShape:
     bad = ValueError(
         f"bad sparse_v4 shape {spec!r}: want 'v4decode h<heads> b<batch> [q<qlen>] [w<window>] k<topk> [wb<n>] "
         "[eb<n>] [elen] [bf16] [norope]' or 'v4prefill h<heads> t<queries> k<topk> [s<rows>] [w<window> paged]', "
-        "optional tile<N>x<warps>x<stages>, split<n>"
+        "optional tile<N>x<warps>x<stages>, split<n>, gluon|triton"
     )
     if not toks or toks[0] not in ("v4decode", "v4prefill"):
         raise bad
@@ -113,6 +126,8 @@ def parse(spec: str) -> V4AttnShape:
         for tok in toks[1:]:
             if tok in flags:
                 f[flags[tok][0]] = flags[tok][1]
+            elif tok in ("gluon", "triton"):
+                f["kernel"] = tok
             elif parse_tuning(tok, f):
                 pass
             elif tok[:2] in ("wb", "eb"):
@@ -170,6 +185,26 @@ def _priv(shape: V4AttnShape) -> dict:
     return priv
 
 
+def _add_kernel(shape: V4AttnShape, ctx: BenchContext, fns: dict, call, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """``shape.kernel`` (``_kernel=``) on the same inputs into its own buffers, as provider ``fns[shape.kernel]``;
+    ``call(out, lse, **kw)`` runs the point's openmla call. A note when refused or off the default's output."""
+    if not shape.kernel:
+        return
+    out_k, lse_k = torch.empty_like(out), torch.empty_like(lse)
+
+    def other():
+        call(out_k, lse_k, _kernel=shape.kernel)
+
+    try:
+        other()
+        c = cosine(out, out_k)
+        if c < 0.9999:
+            ctx.note(f"# {shape.kernel} vs the default at {shape}: cosine {c:.6f}")
+        fns[shape.kernel] = other
+    except Exception as exc:  # refused or failed: its row stays empty
+        ctx.note(f"# {shape.kernel} failed at {shape}: {type(exc).__name__}: {exc}".splitlines()[0])
+
+
 def _run_decode(shape: V4AttnShape, ctx: BenchContext) -> list[dict]:
     dev = ctx.device
     h, b, ql, w, k, rows = shape.h, shape.b, shape.q, shape.w, shape.k, shape.rows
@@ -194,11 +229,15 @@ def _run_decode(shape: V4AttnShape, ctx: BenchContext) -> list[dict]:
               extra_topk_length=elen, **_priv(shape))  # fmt: skip
     rope = dict(inv_rope_positions=pos, cos_sin_cache=cs) if shape.rope else {}
 
+    def call(o, ls, **k):
+        sparse_mla(q, cache, idx, SCALE, out=o, lse=ls, **kw, **rope, **k)
+
     def own():
-        sparse_mla(q, cache, idx, SCALE, out=out, lse=lse, **kw, **rope)
+        call(out, lse)
 
     own()
     fns, check = {"openmla": own}, None
+    _add_kernel(shape, ctx, fns, call, out, lse)
     fm = ctx.peer("flash_mla")
     if fm is not None:
         try:
@@ -248,12 +287,16 @@ def _run_prefill_ws(shape: V4AttnShape, ctx: BenchContext) -> list[dict]:
     lse = torch.empty(t, h, dtype=torch.float32, device=dev)
     kv = ws.view(s, 1, D)
 
+    def call(o, ls, **k):
+        sparse_mla(q, kv, idx, SCALE, attn_sink=sink, inv_rope_positions=pos, cos_sin_cache=cs, out=o, lse=ls,
+                   **_priv(shape), **k)  # fmt: skip
+
     def own():
-        sparse_mla(q, kv, idx, SCALE, attn_sink=sink, inv_rope_positions=pos, cos_sin_cache=cs, out=out, lse=lse,
-                   **_priv(shape))  # fmt: skip
+        call(out, lse)
 
     own()
     fns, check = {"openmla": own}, None
+    _add_kernel(shape, ctx, fns, call, out, lse)
     fm = ctx.peer("flash_mla")
     if fm is not None:
         try:
@@ -303,15 +346,21 @@ def _run_prefill_paged(shape: V4AttnShape, ctx: BenchContext) -> list[dict]:
     wlens = (lens + kk).int()
     widx = torch.cat([eidx, torch.where(idx >= 0, idx + n_c, -1).int()], 1)  # the first wlens entries are valid
 
-    def own():
+    def call_paged(o, ls, **k):
         sparse_mla(q, cache, idx, SCALE, kv_cache_dtype="fp8_v4", topk_length=lens, attn_sink=sink,
-                   extra_kv_cache=ecache, extra_indices=eidx, out=out, lse=lse, **rope, **_priv(shape))  # fmt: skip
+                   extra_kv_cache=ecache, extra_indices=eidx, out=o, lse=ls, **rope, **_priv(shape), **k)  # fmt: skip
 
-    def own_ws():
+    def call_ws(o, ls, **k):
         gather_cache_v4(ecache, ebt, e_seq, out=ws, validate=False)
         gather_cache_v4(cache, bt, seq, out=ws[n_c:], validate=False)
-        sparse_mla(q, ws.view(-1, 1, D), widx, SCALE, topk_length=wlens, attn_sink=sink, out=out, lse=lse, **rope,
-                   **_priv(shape))  # fmt: skip
+        sparse_mla(q, ws.view(-1, 1, D), widx, SCALE, topk_length=wlens, attn_sink=sink, out=o, lse=ls, **rope,
+                   **_priv(shape), **k)  # fmt: skip
+
+    def own():
+        call_paged(out, lse)
+
+    def own_ws():
+        call_ws(out, lse)
 
     own()
     ref = out.clone()
@@ -320,6 +369,7 @@ def _run_prefill_paged(shape: V4AttnShape, ctx: BenchContext) -> list[dict]:
     if agree < 0.999:
         ctx.note(f"# {shape}: the paged and gathered routes differ (cosine {agree:.6f})")
     fns, check = {"openmla": own_ws if shape.gather else own}, None
+    _add_kernel(shape, ctx, fns, call_ws if shape.gather else call_paged, out, lse)
     fm = ctx.peer("flash_mla")
     if fm is not None:
         try:
@@ -339,6 +389,8 @@ def _run_prefill_paged(shape: V4AttnShape, ctx: BenchContext) -> list[dict]:
     nb = {"openmla": decode_bytes(t + n_c, own_bytes, t, h, d_qk=D, d_v=D),
           "flashmla": decode_bytes(t + n_c, BF16_ROW, t, h, d_qk=D, d_v=D)}  # fmt: skip
     dt = {"openmla": "fp8", "flashmla": "bf16"}
+    if shape.kernel:  # the other kernel runs the same route
+        nb[shape.kernel], dt[shape.kernel] = nb["openmla"], dt["openmla"]
     return ctx.rows(OP, str(shape), timings, flops=2.0 * h * keys * 2 * D, nbytes=nb, dtype=dt, peer="flashmla",
                     check=check)  # fmt: skip
 

@@ -69,7 +69,6 @@ _GPU_TILING_ONE_SOURCE = {
 # this many per SM. 16 rows: 197-252 registers x 128 threads, <= 107 KB; 32-64 rows: 147-255 x 256 threads.
 _CTAS_PER_SM = {16: 2, 32: 1, 64: 1}
 _MAX_BLOCK_H = 64  # heads per program at most (H = 128 runs two head blocks over the same rows)
-_GLUON_MIN_HEADS = 32  # sparse_mla's default takes the sm90 Gluon kernel above this many heads
 _INTERPRET_BLOCK_N = 16
 # fp32 q (tests, the CPU oracle engine) on the GPU: 16-key tiles for fp8 rows, half-length ones for 16-bit rows, at
 # most 2 stages, since fp32 rows are twice as wide in shared memory (untuned)
@@ -814,14 +813,17 @@ def sparse_mla(
         check_tensor("lse", lse, dtypes=(torch.float32,), shape=(T, H), device=dev)
     # _kernel (private, for tests and benchmarks): "gluon" the sm90 Gluon kernel of openmla/ops/gluon/sparse.py (64-head
     # blocks; ValueError where it does not apply), "triton" the portable kernel below; "auto" takes the Gluon kernel
-    # for 33+ heads where it applies (H200: 1.5-1.75x the Triton kernel, benchmarks/RESULTS.md "Sparse MLA")
+    # where it applies and was measured (H200, V3.2 h16-h128: 1.15-1.8x the Triton kernel, benchmarks/RESULTS.md)
     if _kernel not in ("auto", "triton", "gluon"):
         raise ValueError(f"_kernel must be 'auto', 'triton' or 'gluon'; got {_kernel!r}")
     use_gluon, why = False, None
-    if _kernel == "gluon" or (_kernel == "auto" and H > _GLUON_MIN_HEADS and q.is_cuda and not INTERPRET):
+    auto_gluon = q.is_cuda and not INTERPRET
+    auto_gluon = auto_gluon and D == 576 and not has_extra and not has_rope  # V4 cases: unmeasured, explicit only
+    if _kernel == "gluon" or (_kernel == "auto" and auto_gluon):
         from openmla.ops.gluon import sparse as gluon_sparse
 
-        why = gluon_sparse.gluon_sparse_unsupported(q, kv_cache, kv_cache_dtype, d_v, ragged=ragged, extra=has_extra,
+        why = gluon_sparse.gluon_sparse_unsupported(q, kv_cache, kv_cache_dtype, d_v, ragged=ragged or e_ragged,
+                                                    extra_kv_cache=extra_kv_cache if has_extra else None,
                                                     inv_rope=has_rope)  # fmt: skip
         if why is None and (_tiling_override is not None or _fp16_dequant):
             why = "_tiling_override / _fp16_dequant are Triton-kernel variants"
@@ -859,7 +861,11 @@ def sparse_mla(
     eviews, e_stride_b, e_stride_p = _cache_views(ekv, fmt)
     if use_gluon:
         gluon_sparse.sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype, idx, topk_length, attn_sink, out, lse, o_part,
-                                          lse_part, float(sm_scale) * _LOG2E, splits)  # fmt: skip
+                                          lse_part, float(sm_scale) * _LOG2E, splits,
+                                          extra_kv_cache=extra_kv_cache if has_extra else None,
+                                          extra_indices=eidx if has_extra else None,
+                                          extra_topk_length=extra_topk_length if has_extra else None,
+                                          inv_rope=rope_args if has_rope else None)  # fmt: skip
     else:
         _sparse_mla_fwd_kernel[(T * head_blocks, splits)](
             q, *views, idx, indptr, lens, *eviews, eidx, eindptr, elens,

@@ -1,30 +1,41 @@
-"""Hopper (sm90) tier of sparse MLA (V3.2 DSA) for 64-head blocks: a warp-specialised Gluon kernel.
+"""Hopper (sm90) tier of sparse MLA (V3.2 DSA and V4) for 64-head blocks: a warp-specialised Gluon kernel.
 
-Same contract as :func:`openmla.ops.sparse.sparse_mla`'s Triton kernel (``_sparse_mla_fwd_kernel``) for one source,
-dense indices, q ``[T, H, 576]`` bf16, d_v 512 and a bf16 (``"auto"``) or ``"fp8_ds_mla"`` cache: one program owns
-(query row, a block of 64 heads, one split of the row's key list), the grid is ``(T x head blocks, splits)`` with the
-head blocks of a row adjacent (H = 128: the second reads the row's keys from L2). One split writes ``out`` and the
-sink-free natural-log ``lse`` (sink applied to ``out``); several write the normalised fp32 partials and LSEs that
-``_sparse_mla_merge_fwd_kernel`` merges (``o_part [S, T, H, 512]``, ``lse_part [S, T, H]``, -inf for no key).
+Same contract as :func:`openmla.ops.sparse.sparse_mla`'s Triton kernel (``_sparse_mla_fwd_kernel``) for dense
+indices, bf16 q and d_v 512: V3.2 rows (q ``[T, H, 576]``: 512 latent + 64 rope, V = the latent; bf16 ``"auto"`` or
+``"fp8_ds_mla"`` cache) and V4 rows (q ``[T, H, 512]``, K = V = the whole row; bf16 ``"auto"`` or ``"fp8_v4"``), one
+source or two (``extra_kv_cache``: its own block size and strides, dense ``[T, K2]`` indices, optional lengths),
+sinks, and V4's fused inverse RoPE of the output. One program owns (query row, a block of 64 heads, one split of
+the row's concatenated key list: main entries ``[0, n1)``, then extra entries ``[n1, n1 + n2)``, as the Triton
+kernel; a tile that straddles the two takes each row from its own cache), the grid is ``(T x head blocks, splits)``
+with the head blocks of a row adjacent (H = 128: the second reads the row's keys from L2). One split writes ``out``
+(sink and inverse RoPE applied) and the sink-free natural-log ``lse``; several write the normalised fp32 partials
+and LSEs that ``_sparse_mla_merge_fwd_kernel`` merges (it applies the sink and the rotation; ``o_part [S, T, H,
+512]``, ``lse_part [S, T, H]``, -inf for no key).
 
 Why (docs/sparse_mla.md "H200 figures"): Triton gives the scores dot warps ``[8, 1]`` at 64 rows, so both
 warpgroups compute the whole score tile, and it overlaps nothing. Here:
 
-* a 4-warp producer partition gathers each 64-key tile into a ring of ``STAGES`` bf16 tiles ``[64, 512]`` + ``[64,
-  64]`` (128-byte swizzle, wgmma operands), waiting on per-stage "empty" mbarriers and signalling "ready" ones.
-  bf16 rows: ``cp.async`` of 16 bytes (masked rows are zero-filled, never read), completion tracked by
-  ``cp.async.mbarrier.arrive.noinc`` (ready count = producer threads). fp8_ds_mla rows: 16-byte loads of the e4m3
-  bytes into registers, ``e4m3 x fp32 scale`` rounded to bf16 (NaN -> 0, as the Triton kernel), stored into the
-  stage, fence, partition barrier, one arrive: the dequant runs beside the consumers' MMAs instead of before them.
-* two consumer warpgroups (8 warps): ``S = Q K^T`` as 9 chained async wgmmas with
+* a 4-warp producer partition gathers each 64-key tile into a ring of ``STAGES`` bf16 tiles ``[64, 512]`` (+ ``[64,
+  64]`` rope for V3.2; 128-byte swizzle, wgmma operands), waiting on per-stage "empty" mbarriers and signalling
+  "ready" ones. bf16 rows: ``cp.async`` of 16 bytes (masked rows are zero-filled, never read), completion tracked by
+  ``cp.async.mbarrier.arrive.noinc`` (ready count = producer threads). fp8 rows (``fp8_ds_mla`` 656 bytes,
+  ``fp8_v4`` 576 data bytes + 8 exponent bytes after the block's rows): 16-byte loads of the e4m3 bytes into
+  registers, ``e4m3 x fp32 scale`` rounded to bf16 (NaN -> 0, as the Triton kernel), stored into the stage, fence,
+  partition barrier, one arrive: the dequant runs beside the consumers' MMAs instead of before them.
+* two consumer warpgroups (8 warps): ``S = Q K^T`` as 9 (V3.2) or 8 (V4) chained async wgmmas with
   ``NVMMADistributedLayout([3, 0], warps_per_cta=[4, 2])``, so each warpgroup scores half of the tile's keys
   (m64n32k16, no duplicated QK^T); online softmax in base 2 in registers (the row max across the warpgroups through
   the compiler's shared-memory reduction, row sums kept per key column until the epilogue); P (bf16) through shared
   memory; ``O += P V`` with each warpgroup owning 256 of the 512 output columns (128 fp32 registers a thread).
-  The consumers recompute each key's validity from the index row (a slot < 0 or >= num_slots, or past the split,
-  scores -inf; its zero-filled row adds nothing to P V).
+  The consumers recompute each key's validity from the index row(s) (a slot < 0 or >= its source's slots, or past
+  the split, scores -inf; its zero-filled row adds nothing to P V).
 
-Shared memory: Q 73,728 + 2 stages x 73,728 + P 8,192 (+ barriers / reduction scratch) < 232,448 B.
+One kernel body: ``D_QK`` (576 / 512: the rope chunk and its ring exist or not), ``FMT`` (the producer),
+``HAS_EXTRA`` and ``HAS_ROPE`` are constexprs; V3.2's one-source specialisations compile to the code they had before
+V4's were added (sm90 offline SASS, the loops' instruction counts unchanged).
+
+Shared memory: V3.2 Q 73,728 + 2 stages x 73,728 + P 8,192; V4 Q 65,536 + 2 x 65,536 + P 8,192 (+ barriers /
+reduction scratch) < 232,448 B.
 """
 
 from __future__ import annotations
@@ -46,20 +57,24 @@ from openmla.ops.gluon.decode import SMEM_LIMIT
 
 __all__ = ["BLOCK_H", "GLUON_AVAILABLE", "gluon_sparse_unsupported", "sparse_mla_fwd_gluon"]
 
-D_QK, D_V, D_R = 576, 512, 64
+D_QK, D_V, D_R = 576, 512, 64  # V3.2 rows; V4 rows are D_V wide (K = V)
+D_QKS = (D_QK, D_V)  # the q widths the kernel takes
 BLOCK_H = 64  # heads per program: one wgmma M of 64 per warpgroup
 BLOCK_N = 64  # keys per tile: each consumer warpgroup scores 32 of them
-STAGES = 2  # bf16 tiles in the ring (73,728 B each)
+STAGES = 2  # bf16 tiles in the ring (73,728 B each for V3.2, 65,536 for V4)
 NUM_WARPS = 8  # the two consumer warpgroups (the default partition)
-# registers of a producer thread (setmaxnreg) by cache format; the consumers get the rest of the register file
-PRODUCER_REGS = {0: 56, 1: 88}
-FP8_PASSES = 2  # row blocks of a tile the fp8 producer loads and dequantises in turn (registers)
-_FORMATS = {"auto": 0, "fp8_ds_mla": 1}
+# registers of a producer thread (setmaxnreg) by (cache format, D_QK); the consumers get the rest of the register
+# file. V4's consumers need 216-232 (sm90 offline: at 208-224 they spilled 8-24 bytes), so its bf16 producer runs on
+# 40 (consumers 232) and its fp8_v4 one on 72 (consumers 216; 56 spilled in the producer)
+PRODUCER_REGS = {(0, 576): 56, (1, 576): 88, (0, 512): 40, (2, 512): 72}
+FP8_PASSES = 2  # row blocks of a tile the fp8 producers load and dequantise in turn (registers)
+_FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
+_V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8 exponent bytes after the block's rows
 
 
-def _smem_bytes() -> int:
+def _smem_bytes(d_qk: int = D_QK) -> int:
     """Shared memory of one program: Q + the bf16 ring + P + barriers / reduction scratch (an upper bound)."""
-    return BLOCK_H * D_QK * 2 + STAGES * BLOCK_N * D_QK * 2 + BLOCK_H * BLOCK_N * 2 + 2048
+    return BLOCK_H * d_qk * 2 + STAGES * BLOCK_N * d_qk * 2 + BLOCK_H * BLOCK_N * 2 + 2048
 
 
 if GLUON_AVAILABLE:
@@ -75,6 +90,21 @@ if GLUON_AVAILABLE:
         return gl.where(ok, slot, 0), ok
 
     @gluon.jit
+    def _tile_slots2(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, BLOCK_N: gl.constexpr,
+                     layout: gl.constexpr):  # fmt: skip
+        """Two sources: entries ``[n0, n0 + BLOCK_N)`` of the concatenated list (main ``[0, n1)``, then extra):
+        (main slots, valid main, extra slots, valid extra), slots 0 where invalid; each entry is in one source."""
+        o_n = n0 + gl.arange(0, BLOCK_N, layout=layout)
+        m_n = o_n < hi
+        m_a = m_n & (o_n < n1)
+        slot = gl.load(p_idx + o_n, mask=m_a, other=-1)
+        ok = m_a & (slot >= 0) & (slot < num_slots)
+        m_b = m_n & (o_n >= n1)
+        e_slot = gl.load(p_eidx + (o_n - n1), mask=m_b, other=-1)
+        e_ok = m_b & (e_slot >= 0) & (e_slot < e_num_slots)
+        return gl.where(ok, slot, 0), ok, gl.where(e_ok, e_slot, 0), e_ok
+
+    @gluon.jit
     def _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE: gl.constexpr):
         """int64 element offsets of cache rows from (checked, >= 0) slots: block and offset as uint32 (a shift and a
         mask for a power-of-two PAGE), then widened."""
@@ -82,41 +112,63 @@ if GLUON_AVAILABLE:
         return (s // PAGE).to(gl.int64) * stride_kv_b + (s % PAGE).to(gl.int64) * stride_kv_p
 
     @gluon.jit
-    def _gather_bf16(kv, p_idx, lat, rope, ready, empty, lo, hi, n_tiles, stride_kv_b, stride_kv_p, num_slots,
-                     PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    def _v4_offsets(slot, stride_kv_b, PAGE: gl.constexpr):
+        """fp8_v4 byte offsets of (checked) slots: the token's data row (576 bytes at p * 576 in its block) and its
+        exponent bytes (at PAGE * 576 + p * 8)."""
+        s = slot.to(gl.uint32, bitcast=True)
+        blk = (s // PAGE).to(gl.int64) * stride_kv_b
+        i_p = (s % PAGE).to(gl.int64)
+        return blk + i_p * 576, blk + PAGE * 576 + i_p * 8
+
+    @gluon.jit
+    def _gather_bf16(kv, ekv, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1, n_tiles, stride_kv_b, stride_kv_p,
+                     stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE: gl.constexpr, E_PAGE: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr,
+                     HAS_EXTRA: gl.constexpr):  # fmt: skip
         """Producer, bf16 rows: cp.async every valid row of a tile into its stage (16 bytes a thread; invalid rows
-        zero-filled, never read); each thread's copies complete the stage's ready barrier (noinc arrive)."""
+        zero-filled, never read); each thread's copies complete the stage's ready barrier (noinc arrive). HAS_TAIL:
+        the rope columns 512..575 into their own ring; HAS_EXTRA: each row from its own source."""
         NW: gl.constexpr = gl.num_warps()
         LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])  # [16, 64] a pass
         ROW: gl.constexpr = gl.SliceLayout(1, LAYOUT)
         o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LAYOUT)), 0)
         for j in range(n_tiles):
             stage = j % STAGES
-            slot, ok = _tile_slots(p_idx, lo + j * BLOCK_N, hi, num_slots, BLOCK_N, ROW)
-            p_row = gl.expand_dims(kv + _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE), 1)
+            if HAS_EXTRA:
+                slot, ok, e_slot, e_ok = _tile_slots2(p_idx, p_eidx, lo + j * BLOCK_N, hi, n1, num_slots, e_num_slots,
+                                                      BLOCK_N, ROW)  # fmt: skip
+                p_row = gl.where(ok, kv + _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE),
+                                 ekv + _row_offsets(e_slot, stride_ekv_b, stride_ekv_p, E_PAGE))  # fmt: skip
+                p_row = gl.expand_dims(p_row, 1)
+                ok = ok | e_ok
+            else:
+                slot, ok = _tile_slots(p_idx, lo + j * BLOCK_N, hi, num_slots, BLOCK_N, ROW)
+                p_row = gl.expand_dims(kv + _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE), 1)
             m2 = gl.expand_dims(ok, 1)
             mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # fresh barriers pass parity 1 at once
             dst = lat.index(stage)
             for c in gl.static_range(8):
                 async_copy.async_copy_global_to_shared(dst.slice(c * 64, 64, dim=1), p_row + (c * 64 + o_c), mask=m2)
-            async_copy.async_copy_global_to_shared(rope.index(stage), p_row + (512 + o_c), mask=m2)
+            if HAS_TAIL:
+                async_copy.async_copy_global_to_shared(rope.index(stage), p_row + (512 + o_c), mask=m2)
             async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
 
     @gluon.jit
     def _dequant_group(b_q, b_s):
-        """e4m3 bytes [N, 128] x the row's fp32 group scale [N] -> bf16 (fp32 product rounded to bf16, as the Triton
-        kernel), NaN (byte or scale) -> 0; invalid rows were loaded as byte 0 and scale 0. (Clearing NaN in fp16
-        before widening costs more here: byte permutes, sm90 offline SASS 1664 -> 1871 a tile.)"""
+        """e4m3 bytes [N, G] x the row's fp32 group scale [N] -> bf16 (fp32 product rounded to bf16, as the Triton
+        kernel), NaN (byte or scale) -> 0; invalid rows were loaded as byte 0 and a finite scale. (Clearing NaN in
+        fp16 before widening costs more here: byte permutes, sm90 offline SASS 1664 -> 1871 a tile.)"""
         b_v = b_q.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(b_s, 1)
         return gl.where(b_v != b_v, 0.0, b_v).to(gl.bfloat16)
 
     @gluon.jit
-    def _gather_fp8(kv, kv_f32, kv_b16, p_idx, lat, rope, ready, empty, lo, hi, n_tiles, stride_kv_b, stride_kv_p,
-                    num_slots, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    PASSES: gl.constexpr):  # fmt: skip
+    def _gather_fp8(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1,
+                    n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
+                    PAGE: gl.constexpr, E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    PASSES: gl.constexpr, HAS_EXTRA: gl.constexpr):  # fmt: skip
         """Producer, fp8_ds_mla rows (656 bytes: 512 e4m3, 4 fp32 scales, 64 bf16): a tile in PASSES row blocks,
         each loaded (16 bytes a thread) then dequantised into the bf16 stage; then fence, partition barrier and one
-        arrive on the stage's ready barrier."""
+        arrive on the stage's ready barrier. HAS_EXTRA: each row's three views from its own source."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = BLOCK_N // PASSES
         B8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])  # e4m3 bytes, [16, 128] a pass
@@ -130,23 +182,41 @@ if GLUON_AVAILABLE:
             dst = lat.index(stage)
             for h in gl.static_range(PASSES):
                 n0 = lo + j * BLOCK_N + h * R
-                slot, ok = _tile_slots(p_idx, n0, hi, num_slots, R, ROW8)
-                row = _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE)  # bytes
+                if HAS_EXTRA:
+                    slot, ok, e_slot, e_ok = _tile_slots2(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, R, ROW8)
+                    row = _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE)  # bytes
+                    e_row = _row_offsets(e_slot, stride_ekv_b, stride_ekv_p, E_PAGE)
+                    p_row = gl.where(ok, kv + row, ekv + e_row)
+                    p_s = gl.where(ok, kv_f32 + row // 4, ekv_f32 + e_row // 4) + 128  # the 4 fp32 scales at byte 512
+                    ok = ok | e_ok
+                else:
+                    slot, ok = _tile_slots(p_idx, n0, hi, num_slots, R, ROW8)
+                    row = _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE)  # bytes
+                    p_row = kv + row
+                    p_s = kv_f32 + row // 4 + 128  # the 4 fp32 scales at byte 512
                 m2 = gl.expand_dims(ok, 1)
-                p_b = gl.expand_dims(kv + row, 1) + o_b
+                p_b = gl.expand_dims(p_row, 1) + o_b
                 # every load of the pass first (one latency), then the conversions
                 q0 = gl.load(p_b, mask=m2, other=0)
                 q1 = gl.load(p_b + 128, mask=m2, other=0)
                 q2 = gl.load(p_b + 256, mask=m2, other=0)
                 q3 = gl.load(p_b + 384, mask=m2, other=0)
-                p_s = kv_f32 + row // 4 + 128  # the 4 fp32 scales at byte 512
                 s0 = gl.load(p_s, mask=ok, other=0.0)
                 s1 = gl.load(p_s + 1, mask=ok, other=0.0)
                 s2 = gl.load(p_s + 2, mask=ok, other=0.0)
                 s3 = gl.load(p_s + 3, mask=ok, other=0.0)
-                slot_r, ok_r = _tile_slots(p_idx, n0, hi, num_slots, R, ROW16)
-                row_r = _row_offsets(slot_r, stride_kv_b, stride_kv_p, PAGE)
-                p_r = gl.expand_dims(kv_b16 + row_r // 2 + 264, 1) + o_r  # 64 bf16 at byte 528
+                if HAS_EXTRA:
+                    slot_r, ok_r, e_slot_r, e_ok_r = _tile_slots2(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots,
+                                                                  R, ROW16)  # fmt: skip
+                    r_a = _row_offsets(slot_r, stride_kv_b, stride_kv_p, PAGE)
+                    r_b = _row_offsets(e_slot_r, stride_ekv_b, stride_ekv_p, E_PAGE)
+                    p_r = gl.where(ok_r, kv_b16 + r_a // 2, ekv_b16 + r_b // 2)
+                    p_r = gl.expand_dims(p_r + 264, 1) + o_r  # 64 bf16 at byte 528
+                    ok_r = ok_r | e_ok_r
+                else:
+                    slot_r, ok_r = _tile_slots(p_idx, n0, hi, num_slots, R, ROW16)
+                    row_r = _row_offsets(slot_r, stride_kv_b, stride_kv_p, PAGE)
+                    p_r = gl.expand_dims(kv_b16 + row_r // 2 + 264, 1) + o_r  # 64 bf16 at byte 528
                 b_r = gl.load(p_r, mask=gl.expand_dims(ok_r, 1), other=0.0)
                 if h == 0:
                     mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
@@ -161,20 +231,152 @@ if GLUON_AVAILABLE:
             mbarrier.arrive(ready.index(stage), count=1)
 
     @gluon.jit
-    def _qk(q_smem, lat, rope, s_init):
-        """Start ``S = Q K^T`` for one tile: 8 latent chunks + the rope chunk, chained async wgmmas."""
+    def _v4_scale(p_e, ok):
+        """UE8M0 exponent bytes -> fp32 scales 2^(byte - 127) [N] (byte 255: NaN, byte 0: 2^-127), as the Triton
+        kernel's ``_v4_scale``; an invalid row reads byte 127 (scale 1, its bytes are 0)."""
+        b_e = gl.load(p_e, mask=ok, other=127).to(gl.int32)
+        b_s = (b_e << 23).to(gl.float32, bitcast=True)
+        return gl.where(b_e == 255, float("nan"), gl.where(b_e == 0, 5.877471754111438e-39, b_s))
+
+    @gluon.jit
+    def _gather_v4(kv, kv_b16, ekv, ekv_b16, p_idx, p_eidx, lat, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
+                   stride_ekv_b, num_slots, e_num_slots, PAGE: gl.constexpr, E_PAGE: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PASSES: gl.constexpr,
+                   HAS_EXTRA: gl.constexpr):  # fmt: skip
+        """Producer, fp8_v4 rows (SPEC §2.4: a token's 448 e4m3 in 7 groups of 64 with a UE8M0 exponent each, then
+        64 bf16 rope; the exponents after the block's rows): a tile in PASSES row blocks, each loaded (16 bytes a
+        thread: a row's 64 values in 4 threads, so one row layout serves every load) then dequantised into the bf16
+        stage (columns 448..511 the rope values, NaN -> 0); fence, partition barrier, one arrive."""
+        NW: gl.constexpr = gl.num_warps()
+        R: gl.constexpr = BLOCK_N // PASSES
+        VEC: gl.constexpr = R * 64 // (NW * 32)  # values a thread per [R, 64] load (16 at R = 32: 16-byte loads)
+        B64: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // 64, 64 // VEC], [NW, 1], [1, 0])  # bytes or bf16
+        ROW: gl.constexpr = gl.SliceLayout(1, B64)
+        o_b = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, B64)), 0)
+        for j in range(n_tiles):
+            stage = j % STAGES
+            dst = lat.index(stage)
+            for h in gl.static_range(PASSES):
+                n0 = lo + j * BLOCK_N + h * R
+                if HAS_EXTRA:
+                    slot, ok, e_slot, e_ok = _tile_slots2(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, R, ROW)
+                    row, ex = _v4_offsets(slot, stride_kv_b, PAGE)
+                    e_row, e_ex = _v4_offsets(e_slot, stride_ekv_b, E_PAGE)
+                    p_row = gl.where(ok, kv + row, ekv + e_row)
+                    p_ex = gl.where(ok, kv + ex, ekv + e_ex)
+                    p_rope = gl.where(ok, kv_b16 + row // 2, ekv_b16 + e_row // 2) + 224  # 64 bf16 at byte 448
+                    ok = ok | e_ok
+                else:
+                    slot, ok = _tile_slots(p_idx, n0, hi, num_slots, R, ROW)
+                    row, ex = _v4_offsets(slot, stride_kv_b, PAGE)
+                    p_row = kv + row
+                    p_ex = kv + ex
+                    p_rope = kv_b16 + row // 2 + 224  # 64 bf16 at byte 448
+                m2 = gl.expand_dims(ok, 1)
+                p_b = gl.expand_dims(p_row, 1) + o_b
+                # every load of the pass first (one latency), then the conversions
+                q0 = gl.load(p_b, mask=m2, other=0)
+                q1 = gl.load(p_b + 64, mask=m2, other=0)
+                q2 = gl.load(p_b + 128, mask=m2, other=0)
+                q3 = gl.load(p_b + 192, mask=m2, other=0)
+                q4 = gl.load(p_b + 256, mask=m2, other=0)
+                q5 = gl.load(p_b + 320, mask=m2, other=0)
+                q6 = gl.load(p_b + 384, mask=m2, other=0)
+                b_r = gl.load(gl.expand_dims(p_rope, 1) + o_b, mask=m2, other=0.0)
+                s0 = _v4_scale(p_ex, ok)
+                s1 = _v4_scale(p_ex + 1, ok)
+                s2 = _v4_scale(p_ex + 2, ok)
+                s3 = _v4_scale(p_ex + 3, ok)
+                s4 = _v4_scale(p_ex + 4, ok)
+                s5 = _v4_scale(p_ex + 5, ok)
+                s6 = _v4_scale(p_ex + 6, ok)
+                if h == 0:
+                    mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+                part = dst.slice(h * R, R, dim=0)
+                part.slice(0, 64, dim=1).store(_dequant_group(q0, s0))
+                part.slice(64, 64, dim=1).store(_dequant_group(q1, s1))
+                part.slice(128, 64, dim=1).store(_dequant_group(q2, s2))
+                part.slice(192, 64, dim=1).store(_dequant_group(q3, s3))
+                part.slice(256, 64, dim=1).store(_dequant_group(q4, s4))
+                part.slice(320, 64, dim=1).store(_dequant_group(q5, s5))
+                part.slice(384, 64, dim=1).store(_dequant_group(q6, s6))
+                part.slice(448, 64, dim=1).store(gl.where(b_r != b_r, 0.0, b_r))
+            fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
+            gl.thread_barrier()  # the producer warps' stores are all done
+            mbarrier.arrive(ready.index(stage), count=1)
+
+    @gluon.jit
+    def _producer(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1,
+                  n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
+                  PAGE: gl.constexpr, E_PAGE: gl.constexpr, FMT: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, PASSES: gl.constexpr, HAS_TAIL: gl.constexpr,
+                  HAS_EXTRA: gl.constexpr):  # fmt: skip
+        """The producer warpgroup: the cache format's gather."""
+        if FMT == 0:
+            _gather_bf16(kv, ekv, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
+                         stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N,
+                         STAGES, HAS_TAIL, HAS_EXTRA)  # fmt: skip
+        elif FMT == 1:
+            _gather_fp8(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1,
+                        n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE,
+                        E_PAGE, BLOCK_N, STAGES, PASSES, HAS_EXTRA)  # fmt: skip
+        else:
+            _gather_v4(kv, kv_b16, ekv, ekv_b16, p_idx, p_eidx, lat, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
+                       stride_ekv_b, num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N, STAGES, PASSES,
+                       HAS_EXTRA)  # fmt: skip
+
+    @gluon.jit
+    def _qk(q_smem, lat, rope, s_init, HAS_TAIL: gl.constexpr):
+        """Start ``S = Q K^T`` for one tile: 8 latent chunks (+ the rope chunk), chained async wgmmas."""
         s = warpgroup_mma(q_smem.index(0), lat.slice(0, 64, dim=1).permute((1, 0)), s_init, use_acc=False,
                           is_async=True)  # fmt: skip
         for c in gl.static_range(1, 8):
             s = warpgroup_mma(q_smem.index(c), lat.slice(c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(q_smem.index(8), rope.permute((1, 0)), s, is_async=True)
+        if HAS_TAIL:
+            s = warpgroup_mma(q_smem.index(8), rope.permute((1, 0)), s, is_async=True)
         return s
 
     @gluon.jit
-    def _consumer(q, q_smem, lat, rope, p_smem, ready, empty, p_idx, sink, out, lse, o_part, lse_part, scale_log2,
-                  stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_l_t, T, H, i_t, i_hb, i_s, lo, hi, n_tiles,
-                  num_slots, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                  HAS_SINK: gl.constexpr, FENCE: gl.constexpr):  # fmt: skip
+    def _tile_ok(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, BLOCK_N: gl.constexpr, layout: gl.constexpr,
+                 HAS_EXTRA: gl.constexpr):  # fmt: skip
+        """Which entries of ``[n0, n0 + BLOCK_N)`` name a valid key (of either source)."""
+        if HAS_EXTRA:
+            _, ok, _, e_ok = _tile_slots2(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, BLOCK_N, layout)
+            ok = ok | e_ok
+        else:
+            _, ok = _tile_slots(p_idx, n0, hi, num_slots, BLOCK_N, layout)
+        return ok
+
+    @gluon.jit
+    def _inverse_rope(x, rope_pos, i_t, cos_sin, stride_cs, num_pos, ROPE: gl.constexpr):
+        """fp32 ``x [M, N]`` (a token's heads) with its last ROPE columns' interleaved pairs rotated by minus the
+        token's angle, ``(a, b) -> (a c + b s, b c - a s)`` (SPEC §7.8, the Triton kernel's ``_inverse_rope_tail``);
+        a position outside ``[0, num_pos)`` gets cos 1, sin 0. ``x`` is seen as ``[M, N / ROPE, ROPE / 2, 2]`` so
+        that cos / sin are ROPE / 2 values (a few registers a thread, not one per pair column: 64 there spilled)
+        and only the last ROPE-wide column block takes the rotation."""
+        M: gl.constexpr = x.shape[0]
+        N: gl.constexpr = x.shape[1]
+        NC: gl.constexpr = N // ROPE
+        a, b = gl.split(gl.reshape(x, [M, NC, ROPE // 2, 2]))
+        L2: gl.constexpr = gl.SliceLayout(0, a.type.layout)  # (column block, pair)
+        o_k = gl.arange(0, ROPE // 2, layout=gl.SliceLayout(0, L2))
+        pos = gl.load(rope_pos + i_t).to(gl.int64)
+        m_k = (o_k >= 0) & (pos >= 0) & (pos < num_pos)
+        p_cs = cos_sin + pos * stride_cs + o_k
+        b_cos = gl.expand_dims(gl.expand_dims(gl.load(p_cs, mask=m_k, other=1.0).to(gl.float32), 0), 0)
+        b_sin = gl.expand_dims(gl.expand_dims(gl.load(p_cs + ROPE // 2, mask=m_k, other=0.0).to(gl.float32), 0), 0)
+        last = gl.expand_dims(gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(1, L2)) == NC - 1, 1), 0)
+        a2 = gl.where(last, a * b_cos + b * b_sin, a)
+        b2 = gl.where(last, b * b_cos - a * b_sin, b)
+        return gl.reshape(gl.join(a2, b2), [M, N])
+
+    @gluon.jit
+    def _consumer(q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse, o_part, lse_part,
+                  rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_l_t, stride_cs,
+                  num_pos, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles, num_slots, e_num_slots, D_QK: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_EXTRA: gl.constexpr,
+                  HAS_SINK: gl.constexpr, HAS_ROPE: gl.constexpr, ROPE: gl.constexpr,
+                  FENCE: gl.constexpr):  # fmt: skip
         """The two consumer warpgroups: Q to shared memory, the online softmax over the ring's tiles, the epilogue."""
         BLOCK_M: gl.constexpr = 64
         NW: gl.constexpr = gl.num_warps()
@@ -188,13 +390,13 @@ if GLUON_AVAILABLE:
         COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
 
-        # Q [64, 576] -> 9 swizzled chunks (rows past H are zeros: finite scores, never stored)
+        # Q [64, D_QK] -> D_QK / 64 swizzled chunks (rows past H are zeros: finite scores, never stored)
         o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
         o_h = i_hb * BLOCK_M + o_m
         m_ld = gl.expand_dims(o_h < H, 1)
         p_q = q + i_t * stride_q_t + gl.expand_dims(o_h.to(gl.int64) * stride_q_h, 1)
         o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
-        for c in gl.static_range(9):
+        for c in gl.static_range(D_QK // 64):
             q_smem.index(c).store(gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0))
         fence_async_shared()
         gl.thread_barrier()
@@ -203,15 +405,19 @@ if GLUON_AVAILABLE:
         b_lv = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)  # row sums per key column until the epilogue
         acc = gl.zeros([BLOCK_M, 512], gl.float32, O_LAYOUT)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
+        # V4: the row sums as each thread's 4 column groups summed in registers (4 registers, not 16; the consumer
+        # spilled without it); V3.2 keeps them per key column (its code unchanged)
+        b_lc = gl.sum(gl.reshape(s_zero, [BLOCK_M, 2, 4, 8]), axis=2)
+        ROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, b_lc.type.layout))
         for j in range(n_tiles):
             stage = j % STAGES
-            _, ok = _tile_slots(p_idx, lo + j * BLOCK_N, hi, num_slots, BLOCK_N, COL_S)
+            ok = _tile_ok(p_idx, p_eidx, lo + j * BLOCK_N, hi, n1, num_slots, e_num_slots, BLOCK_N, COL_S, HAS_EXTRA)
             m_n = gl.expand_dims(ok, 0)
             mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
             if FENCE:  # cp.async wrote the stage (generic proxy): order it before the wgmma reads
                 fence_async_shared()
             k_lat = lat.index(stage)
-            b_s = _qk(q_smem, k_lat, rope.index(stage), s_zero)
+            b_s = _qk(q_smem, k_lat, rope.index(stage), s_zero, D_QK > 512)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
 
             b_s = gl.where(m_n, b_s * scale_log2, float("-inf"))
@@ -219,7 +425,11 @@ if GLUON_AVAILABLE:
             b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
             b_alpha = gl.exp2(b_m - b_m_use)
             b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 1))
-            b_lv = b_lv * gl.expand_dims(b_alpha, 1) + b_p
+            if D_QK > 512:
+                b_lv = b_lv * gl.expand_dims(b_alpha, 1) + b_p
+            else:
+                b_a3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(b_alpha, ROW_L), 1), 2)
+                b_lc = b_lc * b_a3 + gl.sum(gl.reshape(b_p, [BLOCK_M, 2, 4, 8]), axis=2)
             b_m = b_m_new
             p_smem.store(b_p.to(gl.bfloat16))
             fence_async_shared()
@@ -232,7 +442,10 @@ if GLUON_AVAILABLE:
             mbarrier.arrive(empty.index(stage), count=1)  # the producer may refill it
 
         # epilogue: natural-log LSE of the scaled scores (sink-free), -inf and zeros for a row with no key
-        b_l = gl.sum(b_lv, axis=1)
+        if D_QK > 512:
+            b_l = gl.sum(b_lv, axis=1)
+        else:
+            b_l = gl.convert_layout(gl.sum(gl.sum(b_lc, axis=2), axis=1), ROW_S)
         empty_r = b_l == 0.0
         b_lse = gl.where(empty_r, float("-inf"), (b_m + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)
         b_r = gl.where(empty_r, 0.0, 1.0 / gl.where(empty_r, 1.0, b_l))
@@ -248,9 +461,12 @@ if GLUON_AVAILABLE:
                 b_r = b_r * gl.where(empty_r, 0.0, 1.0 / (1.0 + e))
             gl.store(lse + i_t * stride_l_t + o_hs, b_lse, mask=m_hs)
             b_o = acc * gl.expand_dims(gl.convert_layout(b_r, ROW_O), 1)
+            if HAS_ROPE:  # after normalisation and sink (a rotation commutes with the row scaling), as Triton's
+                b_o = gl.convert_layout(_inverse_rope(b_o, rope_pos, i_t, cos_sin, stride_cs, num_pos, ROPE),
+                                        O_LAYOUT)  # fmt: skip
             p_o = out + i_t * stride_o_t + gl.expand_dims(o_ho.to(gl.int64) * stride_o_h, 1) + o_v
             gl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
-        else:
+        else:  # the merge kernel applies the sink and the inverse RoPE
             gl.store(lse_part + (i_s * T + i_t) * H + o_hs, b_lse, mask=m_hs)
             b_o = acc * gl.expand_dims(gl.convert_layout(b_r, ROW_O), 1)
             part = ((i_s * T + i_t) * H + o_ho.to(gl.int64)) * 512
@@ -258,36 +474,56 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _sparse_mla_gluon_fwd_kernel(
-        q,  # [T, H, 576] bf16
-        kv,  # [num_blocks, PAGE, 576] bf16 (FMT 0) or uint8 [num_blocks, PAGE, 656] (FMT 1)
+        q,  # [T, H, D_QK] bf16
+        kv,  # [num_blocks, PAGE, D_QK] bf16 (FMT 0), uint8 [num_blocks, PAGE, 656] (FMT 1) or fp8_v4 bytes (FMT 2)
         kv_f32,  # FMT 1: the same memory as fp32
-        kv_b16,  # FMT 1: the same memory as bf16
+        kv_b16,  # FMT 1, 2: the same memory as bf16
         idx,  # [T, K] int32 global slots
         lens,  # [T] int32 (HAS_LEN)
+        ekv,  # the extra source, like kv (HAS_EXTRA)
+        ekv_f32,
+        ekv_b16,
+        eidx,  # [T, EK] int32 (HAS_EXTRA)
+        elens,  # [T] int32 (E_HAS_LEN)
         sink,  # [H] fp32 (HAS_SINK)
         out,  # [T, H, 512] bf16
         lse,  # [T, H] fp32
         o_part,  # [NUM_SPLITS, T, H, 512] fp32 (NUM_SPLITS > 1)
         lse_part,  # [NUM_SPLITS, T, H] fp32
+        rope_pos,  # [T] int (HAS_ROPE): the token's position, whose angle the output's last ROPE dims undo
+        cos_sin,  # [P, ROPE] float (HAS_ROPE): [cos | sin] per position
         scale_log2,  # sm_scale * log2(e)
         stride_q_t,
         stride_q_h,
         stride_kv_b,
         stride_kv_p,
+        stride_ekv_b,
+        stride_ekv_p,
         stride_i_t,
+        stride_ei_t,
         stride_o_t,
         stride_o_h,
         stride_l_t,
+        stride_cs,
+        num_pos,
         T,
         H,
         K,
+        EK,
         num_slots,
+        e_num_slots,
         PAGE: gl.constexpr,
+        E_PAGE: gl.constexpr,
         FMT: gl.constexpr,
+        D_QK: gl.constexpr,
         N_HB: gl.constexpr,
         NUM_SPLITS: gl.constexpr,
         HAS_LEN: gl.constexpr,
+        HAS_EXTRA: gl.constexpr,
+        E_HAS_LEN: gl.constexpr,
         HAS_SINK: gl.constexpr,
+        HAS_ROPE: gl.constexpr,
+        ROPE: gl.constexpr,
         BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
         FP8_PASSES: gl.constexpr,
@@ -297,13 +533,22 @@ if GLUON_AVAILABLE:
         """One program per (row, 64-head block, split); see the module docstring."""
         gl.static_assert(num_warps == 8, "two consumer warpgroups in the default partition")
         gl.static_assert(BLOCK_N == 64, "64-key tiles: each consumer warpgroup scores 32 keys")
+        gl.static_assert((D_QK == 576 and FMT != 2) or (D_QK == 512 and FMT != 1), "V3.2 rows or V4 rows")
         i_hb = gl.program_id(0) % N_HB
         i_t = (gl.program_id(0) // N_HB).to(gl.int64)
         i_s = gl.program_id(1)
         p_idx = idx + i_t * stride_i_t
-        n = K
+        n1 = K
         if HAS_LEN:
-            n = gl.minimum(gl.maximum(gl.load(lens + i_t), 0), K)
+            n1 = gl.minimum(gl.maximum(gl.load(lens + i_t), 0), K)
+        n = n1
+        p_eidx = p_idx
+        if HAS_EXTRA:  # the extra entries follow the main ones in one list (the Triton kernel's split rule)
+            p_eidx = eidx + i_t * stride_ei_t
+            n2 = EK
+            if E_HAS_LEN:
+                n2 = gl.minimum(gl.maximum(gl.load(elens + i_t), 0), EK)
+            n = n1 + n2
         chunk = gl.cdiv(gl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = i_s * chunk
         hi = gl.minimum(lo + chunk, n)
@@ -311,9 +556,12 @@ if GLUON_AVAILABLE:
 
         SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.bfloat16)
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, 64, 64], SW)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, 64, 64], SW)
         lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], SW)
-        rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SW)
+        if D_QK > 512:
+            rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SW)
+        else:
+            rope = lat  # no rope columns (V4): never read
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK_N], P_SMEM)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -324,22 +572,15 @@ if GLUON_AVAILABLE:
             mbarrier.init(empty.index(st), count=1)
         fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
 
-        if FMT == 0:
-            gl.warp_specialize([
-                (_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, p_idx, sink, out, lse, o_part, lse_part,
-                             scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_l_t, T, H, i_t, i_hb,
-                             i_s, lo, hi, n_tiles, num_slots, BLOCK_N, STAGES, NUM_SPLITS, HAS_SINK, True)),
-                (_gather_bf16, (kv, p_idx, lat, rope, ready, empty, lo, hi, n_tiles, stride_kv_b, stride_kv_p,
-                                num_slots, PAGE, BLOCK_N, STAGES)),
-            ], [PW], [PRODUCER_REGS])  # fmt: skip
-        else:
-            gl.warp_specialize([
-                (_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, p_idx, sink, out, lse, o_part, lse_part,
-                             scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_l_t, T, H, i_t, i_hb,
-                             i_s, lo, hi, n_tiles, num_slots, BLOCK_N, STAGES, NUM_SPLITS, HAS_SINK, False)),
-                (_gather_fp8, (kv, kv_f32, kv_b16, p_idx, lat, rope, ready, empty, lo, hi, n_tiles, stride_kv_b,
-                               stride_kv_p, num_slots, PAGE, BLOCK_N, STAGES, FP8_PASSES)),
-            ], [PW], [PRODUCER_REGS])  # fmt: skip
+        gl.warp_specialize([
+            (_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse, o_part, lse_part,
+                         rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_l_t,
+                         stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles, num_slots, e_num_slots, D_QK,
+                         BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA, HAS_SINK, HAS_ROPE, ROPE, FMT == 0)),
+            (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi,
+                         n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
+                         PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA)),
+        ], [PW], [PRODUCER_REGS])  # fmt: skip
 
         for st in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(st))
@@ -347,11 +588,13 @@ if GLUON_AVAILABLE:
 
 
 def gluon_sparse_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, kv_cache_dtype: str, d_v: int, *,
-                             ragged: bool = False, extra: bool = False,
+                             ragged: bool = False, extra_kv_cache: torch.Tensor | None = None,
                              inv_rope: bool = False) -> str | None:  # fmt: skip
     """Why the Gluon kernel cannot run this (already validated) call, or None when it can: it needs Gluon, an sm90
-    CUDA device, bf16 q ``[T, H, 576]``, d_v 512, a bf16 ``"auto"`` or ``"fp8_ds_mla"`` cache, one source, dense
-    indices and no inverse RoPE."""
+    CUDA device, bf16 q ``[T, H, 576]`` (V3.2) or ``[T, H, 512]`` (V4), d_v 512, a bf16 ``"auto"``, ``"fp8_ds_mla"``
+    or ``"fp8_v4"`` cache (and extra cache; not fp8_ds_mla with one), dense indices (``ragged``: either source's are
+    ragged) and int32 slots. The fused inverse RoPE (``inv_rope``) is supported: the argument documents the call."""
+    del inv_rope
     if not GLUON_AVAILABLE:
         return "triton.experimental.gluon is not installed"
     if q.device.type != "cuda":
@@ -360,39 +603,58 @@ def gluon_sparse_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, kv_cache_d
         return f"it needs an sm90 (Hopper) GPU; got sm{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
     if kv_cache_dtype not in _FORMATS:
         return f"kv_cache_dtype must be one of {tuple(_FORMATS)}; got {kv_cache_dtype!r}"
-    if q.dtype != torch.bfloat16 or q.shape[2] != D_QK:
-        return f"q must be bf16 [T, H, {D_QK}]; got {q.dtype} {tuple(q.shape)}"
+    if q.dtype != torch.bfloat16 or q.shape[2] not in D_QKS:
+        return f"q must be bf16 [T, H, {D_QK}] or [T, H, {D_V}]; got {q.dtype} {tuple(q.shape)}"
     if d_v != D_V:
         return f"d_v must be {D_V}; got {d_v}"
-    if extra:
-        return "a second source (extra_kv_cache) is not supported"
     if ragged:
         return "ragged indices are not supported (pass dense [T, K] indices with topk_length)"
-    if inv_rope:
-        return "the fused inverse RoPE (inv_rope_positions) is not supported"
-    if kv_cache_dtype == "auto" and kv_cache.dtype != torch.bfloat16:
-        return f"an 'auto' cache must be bf16; got {kv_cache.dtype}"
-    if kv_cache.shape[0] * kv_cache.shape[1] >= 2**31:
-        return "the cache has 2^31 slots or more (int32 slots)"
+    if extra_kv_cache is not None and kv_cache_dtype == "fp8_ds_mla":  # V3.2 has one source
+        return "fp8_ds_mla with a second source is not supported (its producer spills, sm90 offline)"
+    for name, cache in (("", kv_cache), ("extra ", extra_kv_cache)):
+        if cache is None:
+            continue
+        if kv_cache_dtype == "auto" and cache.dtype != torch.bfloat16:
+            return f"an 'auto' {name}cache must be bf16; got {cache.dtype}"
+        if cache.shape[0] * cache.shape[1] >= 2**31:
+            return f"the {name}cache has 2^31 slots or more (int32 slots)"
     return None
 
 
 def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out, lse, o_part, lse_part,
-                         scale_log2: float, num_splits: int) -> None:  # fmt: skip
+                         scale_log2: float, num_splits: int, *, extra_kv_cache=None, extra_indices=None,
+                         extra_topk_length=None, inv_rope=None) -> None:  # fmt: skip
     """Launch the Gluon kernel over ``T x cdiv(H, 64)`` programs x ``num_splits`` (arguments as
-    ``_sparse_mla_fwd_kernel``'s; validated by the caller and :func:`gluon_sparse_unsupported`). One split writes
-    ``out`` / ``lse``; several write ``o_part`` / ``lse_part`` for ``_sparse_mla_merge_fwd_kernel``."""
+    ``_sparse_mla_fwd_kernel``'s, caches as ``sparse_mla`` validated them (fp8_v4: uint8 ``[nb, bs, 584]``);
+    validated by the caller and :func:`gluon_sparse_unsupported`). ``inv_rope``: ``(positions [T], cos_sin [P, R])``
+    or None. One split writes ``out`` / ``lse``; several write ``o_part`` / ``lse_part`` for
+    ``_sparse_mla_merge_fwd_kernel`` (which applies the sink and the inverse RoPE then)."""
+    from openmla.ops.sparse import _cache_views  # the Triton kernel's views and strides of a cache
+
     fmt = _FORMATS[kv_cache_dtype]
-    if _smem_bytes() > SMEM_LIMIT:  # pragma: no cover - a constant check
-        raise ValueError(f"the Gluon sparse kernel needs {_smem_bytes()} B of shared memory (> {SMEM_LIMIT})")
-    T, H, _ = q.shape
+    T, H, d_qk = q.shape
+    if _smem_bytes(d_qk) > SMEM_LIMIT:  # pragma: no cover - a constant check
+        raise ValueError(f"the Gluon sparse kernel needs {_smem_bytes(d_qk)} B of shared memory (> {SMEM_LIMIT})")
     n_hb = triton.cdiv(H, BLOCK_H)
-    views = [kv_cache] * 3 if fmt == 0 else [kv_cache, kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)]
+    has_extra = extra_kv_cache is not None
+    views, stride_b, stride_p = _cache_views(kv_cache, fmt)
+    ekv = extra_kv_cache if has_extra else kv_cache
+    eviews, e_stride_b, e_stride_p = _cache_views(ekv, fmt)
+    eidx = extra_indices if has_extra else idx
+    if inv_rope is not None:
+        cos_sin = inv_rope[1]
+        rope_args, stride_cs, num_pos, rope_dim = inv_rope, cos_sin.stride(0), cos_sin.shape[0], cos_sin.shape[1]
+    else:
+        rope_args, stride_cs, num_pos, rope_dim = (lse, lse), 0, 0, 2
     _sparse_mla_gluon_fwd_kernel[(T * n_hb, num_splits)](
-        q, *views, idx, lens if lens is not None else idx, sink if sink is not None else lse, out, lse, o_part,
-        lse_part, scale_log2, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), idx.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), T, H, idx.shape[1], kv_cache.shape[0] * kv_cache.shape[1],
-        PAGE=kv_cache.shape[1], FMT=fmt, N_HB=n_hb, NUM_SPLITS=num_splits, HAS_LEN=lens is not None,
-        HAS_SINK=sink is not None, BLOCK_N=BLOCK_N, STAGES=STAGES, FP8_PASSES=FP8_PASSES,
-        PRODUCER_REGS=PRODUCER_REGS[fmt], num_warps=NUM_WARPS,
+        q, *views, idx, lens if lens is not None else idx, *eviews, eidx,
+        extra_topk_length if extra_topk_length is not None else eidx, sink if sink is not None else lse, out, lse,
+        o_part, lse_part, *rope_args, scale_log2, q.stride(0), q.stride(1), stride_b, stride_p, e_stride_b, e_stride_p,
+        idx.stride(0), eidx.stride(0), out.stride(0), out.stride(1), lse.stride(0), stride_cs, num_pos, T, H,
+        idx.shape[1], eidx.shape[1] if has_extra else 0, kv_cache.shape[0] * kv_cache.shape[1],
+        ekv.shape[0] * ekv.shape[1], PAGE=kv_cache.shape[1], E_PAGE=ekv.shape[1], FMT=fmt, D_QK=d_qk, N_HB=n_hb,
+        NUM_SPLITS=num_splits, HAS_LEN=lens is not None, HAS_EXTRA=has_extra,
+        E_HAS_LEN=has_extra and extra_topk_length is not None, HAS_SINK=sink is not None,
+        HAS_ROPE=inv_rope is not None, ROPE=rope_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, FP8_PASSES=FP8_PASSES,
+        PRODUCER_REGS=PRODUCER_REGS[(fmt, d_qk)], num_warps=NUM_WARPS,
     )  # fmt: skip
