@@ -47,6 +47,17 @@ COMPILE_VARIANTS = [
 # the row-max scratch address; sm90 offline, triton 3.6; V4 decode / paged prefill with the inverse RoPE: none), so
 # it is bounded by format, not zero
 SPILL_BOUND = {2: 8}
+# the private variants (sparse_mla(_gluon_opts=...), OPTS bits of gs.GLUON_OPTS) on V3.2 specialisations: the same
+# bounds (no spill), the 11th field is OPTS
+OPTS_VARIANTS = [
+    (1, 576, 1, True, True, 64, False, False, 64, False, 1),  # nanpack
+    (1, 576, 4, False, True, 1, False, False, 1, False, 1),
+    (1, 576, 1, True, True, 64, False, False, 64, False, 2),  # lazy
+    (1, 576, 4, False, True, 1, False, False, 1, False, 3),  # nanpack + lazy
+    (1, 576, 1, False, False, 64, False, False, 64, False, 3),
+    (0, 576, 1, True, True, 64, False, False, 64, False, 2),  # lazy, bf16 rows
+    (0, 576, 4, True, False, 1, False, False, 1, False, 2),
+]
 
 _COMPILE_SCRIPT = r"""
 import json, sys
@@ -58,12 +69,13 @@ from openmla.ops.gluon import sparse as gs
 
 report = []
 for v in json.loads(sys.argv[1]):
-    fmt, d_qk, splits, has_len, has_sink, page, extra, e_len, e_page, rope = v
+    fmt, d_qk, splits, has_len, has_sink, page, extra, e_len, e_page, rope = v[:10]
+    opts = v[10] if len(v) > 10 else 0
     fn = gs._sparse_mla_gluon_fwd_kernel
     cons = dict(PAGE=page, E_PAGE=e_page, FMT=fmt, D_QK=d_qk, N_HB=2, NUM_SPLITS=splits, HAS_LEN=has_len,
                 HAS_EXTRA=extra, E_HAS_LEN=e_len, HAS_SINK=has_sink, HAS_ROPE=rope, ROPE=64 if rope else 2,
                 BLOCK_N=gs.BLOCK_N, STAGES=gs.STAGES, FP8_PASSES=gs.FP8_PASSES,
-                PRODUCER_REGS=gs.PRODUCER_REGS[(fmt, d_qk)], num_warps=gs.NUM_WARPS)
+                PRODUCER_REGS=gs.PRODUCER_REGS[(fmt, d_qk)], num_warps=gs.NUM_WARPS, OPTS=opts)
     kvt = "*bf16" if fmt == 0 else "*u8"
     views = {"": kvt, "_f32": {0: kvt, 1: "*fp32", 2: kvt}[fmt], "_b16": "*bf16" if fmt else kvt}
     ptr = {"q": "*bf16", "idx": "*i32", "lens": "*i32", "eidx": "*i32", "elens": "*i32", "sink": "*fp32",
@@ -102,10 +114,10 @@ def test_sparse_gluon_compiles_for_sm90():
     # + the producer warpgroup) with registers moved by setmaxnreg; the scores are m64n32k16 (each warpgroup scores 32
     # of the 64 keys: 9 (V3.2) or 8 (V4) chunks x 4 k-steps), P V m64n256k16 (each warpgroup 256 of the 512 columns);
     # bf16 rows by cp.async (9 or 8 [64, 64] copies, 4 a thread), fp8 rows by loads
-    for r in run_report_script(_COMPILE_SCRIPT, COMPILE_VARIANTS):
+    for r in run_report_script(_COMPILE_SCRIPT, COMPILE_VARIANTS + OPTS_VARIANTS):
         v = tuple(r["variant"])
         name = "FMT={} D_QK={} NUM_SPLITS={} HAS_LEN={} HAS_SINK={} PAGE={} HAS_EXTRA={} E_HAS_LEN={} E_PAGE={} " \
-               "HAS_ROPE={}".format(*v)  # fmt: skip
+               "HAS_ROPE={}".format(*v[:10]) + (f" OPTS={v[10]}" if len(v) > 10 else "")  # fmt: skip
         chunks = v[1] // 64
         assert r["regs"] <= 255 and r["stack"] <= SPILL_BOUND.get(v[0], 0) and r["local"] == 0, f"{name}: spills {r}"
         assert r["shared"] + r["static_shared"] <= SMEM_LIMIT, f"{name}: shared memory {r}"
@@ -115,6 +127,23 @@ def test_sparse_gluon_compiles_for_sm90():
             assert r["cp_async"] == 4 * chunks and r["noinc"] == 1, f"{name}: cp.async {r}"
         else:
             assert r["cp_async"] == 0, f"{name}: {r}"
+
+
+def test_sparse_gluon_opts_validation():
+    # _gluon_opts names -> OPTS bits; unknown names, V4 / two-source calls and nanpack on a bf16 cache are refused
+    assert gs.gluon_opts_bits((), "auto", 576, False) == 0
+    assert gs.gluon_opts_bits(("nanpack", "lazy"), "fp8_ds_mla", 576, False) == 3
+    assert gs.gluon_opts_bits(("lazy",), "auto", 576, False) == 2
+    for args in [(("prefetch",), "fp8_ds_mla", 576, False), ("lazy", "auto", 576, False),
+                 (("lazy",), "auto", 512, False), (("lazy",), "auto", 576, True),
+                 (("nanpack",), "auto", 576, False)]:  # fmt: skip
+        with pytest.raises(ValueError, match="_gluon_opts"):
+            gs.gluon_opts_bits(*args)
+    q = torch.randn(1, 64, 576).bfloat16()
+    cache = torch.randn(2, 16, 576).bfloat16()
+    idx = torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="_gluon_opts needs _kernel='gluon'"):
+        openmla.sparse_mla(q, cache, idx, SCALE, _gluon_opts=("lazy",))
 
 
 def test_sparse_gluon_refusals(device):
@@ -255,45 +284,62 @@ def _run(H, T, K, block_size, kv_cache_dtype, device, lens=True, **kw):
 
 CACHE_DTYPES = ["auto", "fp8_ds_mla"]
 _MAIN = list(itertools.product([64, 128], [64, 100, 2048], [1, 64], CACHE_DTYPES))
+# the private variants (_gluon_opts): each V3.2 GPU test below runs the default and each variant ("nanpack" only
+# with the fp8_ds_mla cache: _opts_kw skips it on bf16 rows)
+GLUON_OPTS = [(), ("nanpack",), ("lazy",), ("nanpack", "lazy")]
+
+
+def _opts_kw(opts, kv_cache_dtype):
+    if "nanpack" in opts and kv_cache_dtype != "fp8_ds_mla":
+        pytest.skip("nanpack changes the fp8_ds_mla producer only")
+    return {"_gluon_opts": opts} if opts else {}
 
 
 @_gpu_test
+@pytest.mark.parametrize("opts", GLUON_OPTS, ids=lambda v: "+".join(v) or "default")
 @pytest.mark.parametrize("heads,topk,block_size,kv_cache_dtype", _MAIN, ids=lambda v: str(v))
-def test_sparse_gluon(heads, topk, block_size, kv_cache_dtype, device):
-    _run(heads, 37, topk, block_size, kv_cache_dtype, device)
+def test_sparse_gluon(heads, topk, block_size, kv_cache_dtype, opts, device):
+    _run(heads, 37, topk, block_size, kv_cache_dtype, device, **_opts_kw(opts, kv_cache_dtype))
 
 
 @_gpu_test
+@pytest.mark.parametrize("opts", GLUON_OPTS, ids=lambda v: "+".join(v) or "default")
 @pytest.mark.parametrize("kv_cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("heads,rows", [(64, 1), (128, 1), (64, 300), (128, 300)])
-def test_sparse_gluon_rows(heads, rows, kv_cache_dtype, device):
+def test_sparse_gluon_rows(heads, rows, kv_cache_dtype, opts, device):
     # one row (the planner splits it over the SMs) and 300 rows (no split), top-k 2048, no lengths
-    _run(heads, rows, 2048, 64, kv_cache_dtype, device, lens=rows > 1)
+    _run(heads, rows, 2048, 64, kv_cache_dtype, device, lens=rows > 1, **_opts_kw(opts, kv_cache_dtype))
 
 
 @_gpu_test
+@pytest.mark.parametrize("opts", GLUON_OPTS, ids=lambda v: "+".join(v) or "default")
 @pytest.mark.parametrize("heads", [40, 96])
-def test_sparse_gluon_masked_heads(heads, device):
+def test_sparse_gluon_masked_heads(heads, opts, device):
     # head counts that are not a multiple of 64: the last head block's rows past H are masked
     for kv_cache_dtype in CACHE_DTYPES:
-        _run(heads, 37, 100, 64, kv_cache_dtype, device)
+        if "nanpack" in opts and kv_cache_dtype != "fp8_ds_mla":
+            continue
+        _run(heads, 37, 100, 64, kv_cache_dtype, device, **({"_gluon_opts": opts} if opts else {}))
 
 
 @_gpu_test
+@pytest.mark.parametrize("opts", GLUON_OPTS, ids=lambda v: "+".join(v) or "default")
 @pytest.mark.parametrize("kv_cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("splits", [1, 2, 5])
-def test_sparse_gluon_splits_and_sinks(splits, kv_cache_dtype, device):
+def test_sparse_gluon_splits_and_sinks(splits, kv_cache_dtype, opts, device):
     # forced split counts (partials + the Triton merge; splits past a short row are empty) with sinks -inf /
     # finite / +inf / 100 per head
     H = 128
     sink = torch.linspace(-2, 2, H, device=device)
     sink[0], sink[1], sink[2] = -INF, INF, 100.0
-    out, lse = _run(H, 37, 2048, 64, kv_cache_dtype, device, attn_sink=sink, _num_splits_override=splits)
+    out, lse = _run(H, 37, 2048, 64, kv_cache_dtype, device, attn_sink=sink, _num_splits_override=splits,
+                    **_opts_kw(opts, kv_cache_dtype))  # fmt: skip
     assert bool((out[:, 1] == 0).all())  # a sink of +inf gives 0
 
 
 @_gpu_test
-def test_sparse_gluon_nan_in_selected_fp8_rows(device):
+@pytest.mark.parametrize("opts", GLUON_OPTS, ids=lambda v: "+".join(v) or "default")
+def test_sparse_gluon_nan_in_selected_fp8_rows(opts, device):
     # fp8_ds_mla: a NaN e4m3 byte, a NaN scale (its whole group of 128) and a NaN rope value in selected rows count
     # as 0
     cache = _cache(device, 4, 16, "fp8_ds_mla")
@@ -305,7 +351,7 @@ def test_sparse_gluon_nan_in_selected_fp8_rows(device):
     flat[s1, 512:516] = 0xFF
     flat[s2, 600:602] = 0xFF
     q = torch.randn(3, 64, 576, device=device).bfloat16()
-    _check(q, cache, idx, "fp8_ds_mla")
+    _check(q, cache, idx, "fp8_ds_mla", **_opts_kw(opts, "fp8_ds_mla"))
 
 
 @_gpu_test

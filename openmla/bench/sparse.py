@@ -6,7 +6,9 @@ k<topk> [s<kv rows>]`` (a bf16 cache of s rows, default 32768); an optional ``ti
 ``split<n>`` or ``f16dq`` (fp8 rows dequantised in fp16) times one of ``sparse_mla``'s private variants (tuning);
 ``gluon`` / ``triton`` also time that kernel (``_kernel=``: the sm90 Gluon kernel of openmla/ops/gluon/sparse.py, or
 the portable Triton one) on the same inputs in the same rounds, as provider ``gluon`` / ``triton`` beside
-``openmla`` (``sparse_mla``'s default pick; ``split<n>`` applies to both). Example: ``decode h128 b128 q2 k2048``,
+``openmla`` (``sparse_mla``'s default pick; ``split<n>`` applies to both); ``g:<variant>[+<variant>...]`` times the
+Gluon kernel with those private variants (``_gluon_opts``: ``nanpack``, ``lazy``) as provider ``g:<variants>``
+beside the default. Example: ``decode h128 b128 q2 k2048``,
 ``decode h64 b64 q1 k2048 triton``.
 
 Each point: slots drawn uniformly (seeded) from a cache of at least 2 GiB of 64-token blocks on the GPU (decode;
@@ -56,6 +58,10 @@ PRESETS = {
                                                                       (32, 128, 1), (1, 128, 1))]
                + ["decode h128 b128 q1 k2048 bf16 triton", "prefill h128 t4096 k2048 triton",
                   "prefill h64 t4096 k2048 triton"],
+    # the Gluon kernel's private variants beside the default (fp8 points: every variant; bf16: "lazy")
+    "gopts": [f"decode {p} q1 k2048 g:{v}" for p in ("h128 b128", "h64 b64", "h16 b128", "h128 b1")
+              for v in ("nanpack", "lazy", "nanpack+lazy")]
+             + ["decode h128 b128 q1 k2048 bf16 g:lazy", "prefill h128 t4096 k2048 g:lazy"],
 }  # fmt: skip
 
 
@@ -73,13 +79,14 @@ class SparseShape:
     split: int = 0
     f16dq: bool = False  # the _fp16_dequant variant (fp8 rows widened and scaled in fp16)
     kernel: str = ""  # "gluon" / "triton": also time that kernel (provider of the same name)
+    gopts: tuple = ()  # the Gluon kernel's private variants (_gluon_opts; provider "g:<variants>")
 
     def __str__(self) -> str:
         extra = (
             (" tile" + "x".join(map(str, self.tile)) if self.tile else "")
             + (f" split{self.split}" if self.split else "")
             + (" f16dq" if self.f16dq else "")
-            + (f" {self.kernel}" if self.kernel else "")
+            + (f" g:{'+'.join(self.gopts)}" if self.gopts else f" {self.kernel}" if self.kernel else "")
         )
         if self.mode == "decode":
             return f"decode h{self.h} b{self.b} q{self.q} k{self.k}{extra}"
@@ -110,7 +117,7 @@ def parse(spec: str) -> SparseShape:
     bad = ValueError(
         f"bad sparse shape {spec!r}: want 'decode h<heads> b<batch> [q<qlen>] k<topk> [fp8|bf16]' or "
         "'prefill h<heads> t<queries> k<topk> [s<kv rows>]', optional tile<N>x<warps>x<stages>, split<n>, f16dq, "
-        "gluon|triton"
+        "gluon|triton|g:<variant>[+<variant>]"
     )
     if not toks or toks[0] not in ("decode", "prefill"):
         raise bad
@@ -125,6 +132,8 @@ def parse(spec: str) -> SparseShape:
                 f["f16dq"] = True
             elif tok in ("gluon", "triton"):
                 f["kernel"] = tok
+            elif tok.startswith("g:") and len(tok) > 2:
+                f["kernel"], f["gopts"] = "gluon", tuple(tok[2:].split("+"))
             elif parse_tuning(tok, f):
                 pass
             elif tok[0] in "hkbqts":
@@ -196,6 +205,9 @@ def run(shape: SparseShape, ctx: BenchContext) -> list[dict]:
     if shape.kernel:  # that kernel on the same inputs, into its own buffers; checked against the default's output
         out_g, lse_g = torch.empty_like(out), torch.empty_like(lse)
         priv_g = {"_num_splits_override": shape.split} if shape.split else {}
+        if shape.gopts:
+            priv_g["_gluon_opts"] = shape.gopts
+        name = f"g:{'+'.join(shape.gopts)}" if shape.gopts else shape.kernel
 
         def other():
             openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype=kv_dtype, out=out_g, lse=lse_g,
@@ -205,10 +217,10 @@ def run(shape: SparseShape, ctx: BenchContext) -> list[dict]:
             other()
             c = cosine(out, out_g)
             if c < 0.9999:
-                ctx.note(f"# {shape.kernel} vs the default at {shape}: cosine {c:.6f}")
-            fns[shape.kernel] = other
+                ctx.note(f"# {name} vs the default at {shape}: cosine {c:.6f}")
+            fns[name] = other
         except Exception as exc:  # refused or failed: its row stays empty
-            ctx.note(f"# {shape.kernel} failed at {shape}: {type(exc).__name__}: {exc}".splitlines()[0])
+            ctx.note(f"# {name} failed at {shape}: {type(exc).__name__}: {exc}".splitlines()[0])
     fm = ctx.peer("flash_mla")
     if fm is not None:
         try:

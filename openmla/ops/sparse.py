@@ -696,6 +696,7 @@ def sparse_mla(
     _tiling_override: tuple[int, ...] | None = None,
     _fp16_dequant: bool = False,
     _kernel: str = "auto",
+    _gluon_opts: tuple[str, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Sparse MLA attention over per-token top-k slot lists (DeepSeek V3.2 DSA, MQA form; V4's base).
 
@@ -830,6 +831,12 @@ def sparse_mla(
         use_gluon = why is None
     if _kernel == "gluon" and why is not None:
         raise ValueError(f"sparse_mla(_kernel='gluon') cannot run this call: {why}")
+    # _gluon_opts (private, benchmarks / tests): the Gluon kernel's variants (gluon_opts_bits), _kernel="gluon" only
+    gluon_bits = 0
+    if _gluon_opts:
+        if _kernel != "gluon":
+            raise ValueError(f"_gluon_opts needs _kernel='gluon'; got _kernel={_kernel!r}")
+        gluon_bits = gluon_sparse.gluon_opts_bits(_gluon_opts, kv_cache_dtype, D, has_extra)
     if T == 0:
         return out, (lse if return_lse else None)
 
@@ -865,7 +872,7 @@ def sparse_mla(
                                           extra_kv_cache=extra_kv_cache if has_extra else None,
                                           extra_indices=eidx if has_extra else None,
                                           extra_topk_length=extra_topk_length if has_extra else None,
-                                          inv_rope=rope_args if has_rope else None)  # fmt: skip
+                                          inv_rope=rope_args if has_rope else None, opts=gluon_bits)  # fmt: skip
     else:
         _sparse_mla_fwd_kernel[(T * head_blocks, splits)](
             q, *views, idx, indptr, lens, *eviews, eidx, eindptr, elens,

@@ -55,7 +55,14 @@ from openmla.ops.gluon._lang import (
 )
 from openmla.ops.gluon.decode import SMEM_LIMIT
 
-__all__ = ["BLOCK_H", "GLUON_AVAILABLE", "gluon_sparse_unsupported", "sparse_mla_fwd_gluon"]
+__all__ = [
+    "BLOCK_H",
+    "GLUON_AVAILABLE",
+    "GLUON_OPTS",
+    "gluon_opts_bits",
+    "gluon_sparse_unsupported",
+    "sparse_mla_fwd_gluon",
+]
 
 D_QK, D_V, D_R = 576, 512, 64  # V3.2 rows; V4 rows are D_V wide (K = V)
 D_QKS = (D_QK, D_V)  # the q widths the kernel takes
@@ -69,7 +76,34 @@ NUM_WARPS = 8  # the two consumer warpgroups (the default partition)
 PRODUCER_REGS = {(0, 576): 56, (1, 576): 88, (0, 512): 40, (2, 512): 72}
 FP8_PASSES = 2  # row blocks of a tile the fp8 producers load and dequantise in turn (registers)
 _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
+# private variants (``sparse_mla(_gluon_opts=...)``, bits of the kernel's OPTS constexpr; 0 = the default code),
+# V3.2 one-source calls only:
+# "nanpack" (fp8_ds_mla): the producer's NaN -> 0 on the packed bf16 pairs (set.num.u32.bf16x2 + and: one
+#   instruction a value, not FSETP + FSEL on each fp32); the same bf16 values (the fp32 product rounded to bf16)
+# "lazy": the consumers' lazy row max of decode_seesaw (moves only past LAZY_T), the O rescale skipped per warp by a
+#   vote when none of its rows' factors changed
+GLUON_OPTS = {"nanpack": 1, "lazy": 2}
+_FP8_ONLY_OPTS = 1
 _V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8 exponent bytes after the block's rows
+
+
+def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool) -> int:
+    """The kernel's OPTS bits for ``sparse_mla(_gluon_opts=...)`` (names of GLUON_OPTS; () = 0, the default code).
+    ValueError for an unknown name, or a call the variants do not cover (they are V3.2, one source; "nanpack"
+    the fp8_ds_mla producer)."""
+    if isinstance(opts, str) or not isinstance(opts, (tuple, list, frozenset, set)):
+        raise ValueError(f"_gluon_opts must be a tuple of names from {tuple(GLUON_OPTS)}; got {opts!r}")
+    bits = 0
+    for name in opts:
+        if name not in GLUON_OPTS:
+            raise ValueError(f"_gluon_opts: unknown variant {name!r} (one of {tuple(GLUON_OPTS)})")
+        bits |= GLUON_OPTS[name]
+    if bits and (d_qk != D_QK or has_extra):
+        raise ValueError(f"_gluon_opts {tuple(opts)} cover V3.2 calls (q [T, H, {D_QK}], one source) only")
+    if bits & _FP8_ONLY_OPTS and kv_cache_dtype != "fp8_ds_mla":
+        raise ValueError(f"_gluon_opts 'nanpack' changes the fp8_ds_mla producer; the cache is "
+                         f"{kv_cache_dtype!r}")  # fmt: skip
+    return bits
 
 
 def _smem_bytes(d_qk: int = D_QK) -> int:
@@ -78,6 +112,7 @@ def _smem_bytes(d_qk: int = D_QK) -> int:
 
 
 if GLUON_AVAILABLE:
+    from openmla.ops.gluon.decode_seesaw import LAZY_T, RESCALE_ASM, RESCALE_CONSTRAINTS
 
     @gluon.jit
     def _tile_slots(p_idx, n0, hi, num_slots, BLOCK_N: gl.constexpr, layout: gl.constexpr):
@@ -162,10 +197,30 @@ if GLUON_AVAILABLE:
         return gl.where(b_v != b_v, 0.0, b_v).to(gl.bfloat16)
 
     @gluon.jit
+    def _bf16_nan_to_zero(b_v):
+        """bf16 NaN -> +0 on packed pairs: a 0xFFFF mask per non-NaN half (``set.num``), then ``and``."""
+        return gl.inline_asm_elementwise("{ .reg .b32 m; set.num.u32.bf16x2 m, $1, $1; and.b32 $0, $1, m; }",
+                                         "=r,r", [b_v], dtype=gl.bfloat16, is_pure=True, pack=2)  # fmt: skip
+
+    @gluon.jit
+    def _dequant_group_nanpack(b_q, b_s):
+        """``_dequant_group`` with NaN -> 0 after the bf16 pack (on pairs): the same bf16 values (an fp32 NaN
+        rounds to a bf16 NaN, which becomes +0; everything else is the fp32 product rounded to bf16)."""
+        b_v = b_q.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(b_s, 1)
+        return _bf16_nan_to_zero(b_v.to(gl.bfloat16))
+
+    @gluon.jit
+    def _dequant(b_q, b_s, NANPACK: gl.constexpr):
+        if NANPACK:
+            return _dequant_group_nanpack(b_q, b_s)
+        else:
+            return _dequant_group(b_q, b_s)
+
+    @gluon.jit
     def _gather_fp8(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1,
                     n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
                     PAGE: gl.constexpr, E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    PASSES: gl.constexpr, HAS_EXTRA: gl.constexpr):  # fmt: skip
+                    PASSES: gl.constexpr, HAS_EXTRA: gl.constexpr, NANPACK: gl.constexpr = False):  # fmt: skip
         """Producer, fp8_ds_mla rows (656 bytes: 512 e4m3, 4 fp32 scales, 64 bf16): a tile in PASSES row blocks,
         each loaded (16 bytes a thread) then dequantised into the bf16 stage; then fence, partition barrier and one
         arrive on the stage's ready barrier. HAS_EXTRA: each row's three views from its own source."""
@@ -221,10 +276,10 @@ if GLUON_AVAILABLE:
                 if h == 0:
                     mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
                 part = dst.slice(h * R, R, dim=0)
-                part.slice(0, 128, dim=1).store(_dequant_group(q0, s0))
-                part.slice(128, 128, dim=1).store(_dequant_group(q1, s1))
-                part.slice(256, 128, dim=1).store(_dequant_group(q2, s2))
-                part.slice(384, 128, dim=1).store(_dequant_group(q3, s3))
+                part.slice(0, 128, dim=1).store(_dequant(q0, s0, NANPACK))
+                part.slice(128, 128, dim=1).store(_dequant(q1, s1, NANPACK))
+                part.slice(256, 128, dim=1).store(_dequant(q2, s2, NANPACK))
+                part.slice(384, 128, dim=1).store(_dequant(q3, s3, NANPACK))
                 rope.index(stage).slice(h * R, R, dim=0).store(gl.where(b_r != b_r, 0.0, b_r))
             fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
             gl.thread_barrier()  # the producer warps' stores are all done
@@ -309,9 +364,9 @@ if GLUON_AVAILABLE:
     def _producer(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1,
                   n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
                   PAGE: gl.constexpr, E_PAGE: gl.constexpr, FMT: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, PASSES: gl.constexpr, HAS_TAIL: gl.constexpr,
-                  HAS_EXTRA: gl.constexpr):  # fmt: skip
-        """The producer warpgroup: the cache format's gather."""
+                  STAGES: gl.constexpr, PASSES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_EXTRA: gl.constexpr,
+                  OPTS: gl.constexpr):  # fmt: skip
+        """The producer warpgroup: the cache format's gather (OPTS: the private variants' bits)."""
         if FMT == 0:
             _gather_bf16(kv, ekv, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
                          stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N,
@@ -319,7 +374,7 @@ if GLUON_AVAILABLE:
         elif FMT == 1:
             _gather_fp8(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1,
                         n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE,
-                        E_PAGE, BLOCK_N, STAGES, PASSES, HAS_EXTRA)  # fmt: skip
+                        E_PAGE, BLOCK_N, STAGES, PASSES, HAS_EXTRA, (OPTS & 1) != 0)  # fmt: skip
         else:
             _gather_v4(kv, kv_b16, ekv, ekv_b16, p_idx, p_eidx, lat, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
                        stride_ekv_b, num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N, STAGES, PASSES,
@@ -371,13 +426,52 @@ if GLUON_AVAILABLE:
         return gl.reshape(gl.join(a2, b2), [M, N])
 
     @gluon.jit
+    def _softmax_step(b_s, ok, b_m, b_lv, b_lc, scale_log2, ROW_L: gl.constexpr, HAS_TAIL: gl.constexpr,
+                      LAZY: gl.constexpr):  # fmt: skip
+        """One tile's online softmax (base 2): scores of invalid keys -inf, the row max (LAZY: moved only past
+        LAZY_T), P, the rescale factor of the old max, the row sums (per key column, or per column group for V4)."""
+        b_s = gl.where(gl.expand_dims(ok, 0), b_s * scale_log2, float("-inf"))
+        if LAZY:
+            b_mx = gl.max(b_s, axis=1)
+            b_m_new = gl.where(b_mx > b_m + LAZY_T, b_mx, b_m)
+        else:
+            b_m_new = gl.maximum(b_m, gl.max(b_s, axis=1))
+        b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = gl.exp2(b_m - b_m_use)
+        b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 1))
+        if HAS_TAIL:
+            b_lv = b_lv * gl.expand_dims(b_alpha, 1) + b_p
+        else:
+            b_a3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(b_alpha, ROW_L), 1), 2)
+            b_lc = b_lc * b_a3 + gl.sum(gl.reshape(b_p, [b_p.shape[0], 2, 4, 8]), axis=2)
+        return b_p, b_alpha, b_m_new, b_lv, b_lc
+
+    @gluon.jit
+    def _rescale(acc, b_alpha, ROW_O: gl.constexpr, LAZY: gl.constexpr):
+        """O times the rows' factors; LAZY: a warp multiplies only when one of its rows' factors is not exactly 1
+        (a vote, then a uniform branch around the 128 multiplies, as decode_seesaw's ``_seesaw_rescale_lazy``)."""
+        b_a = gl.convert_layout(b_alpha, ROW_O)
+        if LAZY:
+            moved = gl.inline_asm_elementwise(
+                "{ .reg .pred p, q; setp.neu.f32 p, $2, 0f3F800000; setp.neu.or.f32 p, $3, 0f3F800000, p; "
+                "vote.sync.any.pred q, p, -1; selp.u32 $0, 1, 0, q; mov.u32 $1, $0; }",
+                "=r,=r,f,f", [b_a], dtype=gl.int32, is_pure=True, pack=2)  # fmt: skip
+            return gl.inline_asm_elementwise(RESCALE_ASM, RESCALE_CONSTRAINTS,
+                                             [acc, gl.expand_dims(moved, 1), gl.expand_dims(b_a, 1)],
+                                             dtype=gl.float32, is_pure=True, pack=128)  # fmt: skip
+        else:
+            return acc * gl.expand_dims(b_a, 1)
+
+    @gluon.jit
     def _consumer(q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse, o_part, lse_part,
                   rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_l_t, stride_cs,
                   num_pos, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles, num_slots, e_num_slots, D_QK: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_EXTRA: gl.constexpr,
-                  HAS_SINK: gl.constexpr, HAS_ROPE: gl.constexpr, ROPE: gl.constexpr,
-                  FENCE: gl.constexpr):  # fmt: skip
-        """The two consumer warpgroups: Q to shared memory, the online softmax over the ring's tiles, the epilogue."""
+                  HAS_SINK: gl.constexpr, HAS_ROPE: gl.constexpr, ROPE: gl.constexpr, FENCE: gl.constexpr,
+                  OPTS: gl.constexpr):  # fmt: skip
+        """The two consumer warpgroups: Q to shared memory, the online softmax over the ring's tiles, the epilogue
+        (OPTS: the private variants' bits; "lazy" 2)."""
+        LAZY: gl.constexpr = (OPTS & 2) != 0
         BLOCK_M: gl.constexpr = 64
         NW: gl.constexpr = gl.num_warps()
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -411,31 +505,21 @@ if GLUON_AVAILABLE:
         ROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, b_lc.type.layout))
         for j in range(n_tiles):
             stage = j % STAGES
-            ok = _tile_ok(p_idx, p_eidx, lo + j * BLOCK_N, hi, n1, num_slots, e_num_slots, BLOCK_N, COL_S, HAS_EXTRA)
-            m_n = gl.expand_dims(ok, 0)
+            ok = _tile_ok(p_idx, p_eidx, lo + j * BLOCK_N, hi, n1, num_slots, e_num_slots, BLOCK_N, COL_S,
+                          HAS_EXTRA)  # fmt: skip
             mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
             if FENCE:  # cp.async wrote the stage (generic proxy): order it before the wgmma reads
                 fence_async_shared()
             k_lat = lat.index(stage)
             b_s = _qk(q_smem, k_lat, rope.index(stage), s_zero, D_QK > 512)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
-
-            b_s = gl.where(m_n, b_s * scale_log2, float("-inf"))
-            b_m_new = gl.maximum(b_m, gl.max(b_s, axis=1))
-            b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-            b_alpha = gl.exp2(b_m - b_m_use)
-            b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 1))
-            if D_QK > 512:
-                b_lv = b_lv * gl.expand_dims(b_alpha, 1) + b_p
-            else:
-                b_a3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(b_alpha, ROW_L), 1), 2)
-                b_lc = b_lc * b_a3 + gl.sum(gl.reshape(b_p, [BLOCK_M, 2, 4, 8]), axis=2)
-            b_m = b_m_new
+            b_p, b_alpha, b_m, b_lv, b_lc = _softmax_step(b_s, ok, b_m, b_lv, b_lc, scale_log2, ROW_L,
+                                                          D_QK > 512, LAZY)  # fmt: skip
             p_smem.store(b_p.to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()  # each warpgroup reads all of P
 
-            acc = acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_O), 1)
+            acc = _rescale(acc, b_alpha, ROW_O, LAZY)
             acc = warpgroup_mma(p_smem, k_lat, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             gl.thread_barrier()  # both warpgroups are done with this stage and with P
@@ -529,6 +613,7 @@ if GLUON_AVAILABLE:
         FP8_PASSES: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
+        OPTS: gl.constexpr = 0,
     ):
         """One program per (row, 64-head block, split); see the module docstring."""
         gl.static_assert(num_warps == 8, "two consumer warpgroups in the default partition")
@@ -576,10 +661,10 @@ if GLUON_AVAILABLE:
             (_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse, o_part, lse_part,
                          rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_l_t,
                          stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles, num_slots, e_num_slots, D_QK,
-                         BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA, HAS_SINK, HAS_ROPE, ROPE, FMT == 0)),
+                         BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA, HAS_SINK, HAS_ROPE, ROPE, FMT == 0, OPTS)),
             (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi,
                          n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
-                         PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA)),
+                         PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA, OPTS)),
         ], [PW], [PRODUCER_REGS])  # fmt: skip
 
         for st in gl.static_range(STAGES):
@@ -623,12 +708,13 @@ def gluon_sparse_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, kv_cache_d
 
 def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out, lse, o_part, lse_part,
                          scale_log2: float, num_splits: int, *, extra_kv_cache=None, extra_indices=None,
-                         extra_topk_length=None, inv_rope=None) -> None:  # fmt: skip
+                         extra_topk_length=None, inv_rope=None, opts: int = 0) -> None:  # fmt: skip
     """Launch the Gluon kernel over ``T x cdiv(H, 64)`` programs x ``num_splits`` (arguments as
     ``_sparse_mla_fwd_kernel``'s, caches as ``sparse_mla`` validated them (fp8_v4: uint8 ``[nb, bs, 584]``);
     validated by the caller and :func:`gluon_sparse_unsupported`). ``inv_rope``: ``(positions [T], cos_sin [P, R])``
     or None. One split writes ``out`` / ``lse``; several write ``o_part`` / ``lse_part`` for
-    ``_sparse_mla_merge_fwd_kernel`` (which applies the sink and the inverse RoPE then)."""
+    ``_sparse_mla_merge_fwd_kernel`` (which applies the sink and the inverse RoPE then). ``opts``: the OPTS bits
+    of :func:`gluon_opts_bits` (0: the default code)."""
     from openmla.ops.sparse import _cache_views  # the Triton kernel's views and strides of a cache
 
     fmt = _FORMATS[kv_cache_dtype]
@@ -656,5 +742,5 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
         NUM_SPLITS=num_splits, HAS_LEN=lens is not None, HAS_EXTRA=has_extra,
         E_HAS_LEN=has_extra and extra_topk_length is not None, HAS_SINK=sink is not None,
         HAS_ROPE=inv_rope is not None, ROPE=rope_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, FP8_PASSES=FP8_PASSES,
-        PRODUCER_REGS=PRODUCER_REGS[(fmt, d_qk)], num_warps=NUM_WARPS,
+        PRODUCER_REGS=PRODUCER_REGS[(fmt, d_qk)], num_warps=NUM_WARPS, **({"OPTS": opts} if opts else {}),
     )  # fmt: skip
