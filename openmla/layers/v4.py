@@ -13,7 +13,11 @@ Sliding-window layers use the plain RoPE table, compressed layers (their q/kv, c
 inverse RoPE) the "compress" table: the model passes each layer its ``[P, 64]`` ``[cos | sin]`` table.
 
 Attention runs :func:`openmla.sparse_mla` in every model dtype (bf16/fp16/fp32 q; fp32 with fp32 "auto" or fp8_v4
-caches is the CPU oracle configuration), the inverse RoPE fused into its epilogue.
+caches is the CPU oracle configuration), the inverse RoPE fused into its epilogue. Two routes (the same keys, one
+softmax): **paged**, the SWA and compressed caches read directly (decode, verify, short queries, CUDA graphs); and,
+for the trailing prefill requests of a step where :data:`PREFILL_ROUTE` picks it, **gathered**: both caches
+dequantised into one q-dtype workspace (SPEC §7.6, ``dequantize_and_gather_k_cache`` + ``combine_topk_swa_indices``)
+read as one "auto" source (on the H200, fp8_v4 h64 t4096: 1.66 ms gather included against 3.29 ms paged).
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ import torch
 from torch import nn
 
 from openmla.metadata.v4 import V4Metadata
-from openmla.ops.cache_v4 import allocate_v4_cache, concat_and_cache_v4
+from openmla.ops._validate import capturing
+from openmla.ops.cache_v4 import allocate_v4_cache, concat_and_cache_v4, dequantize_and_gather_k_cache
 from openmla.ops.compressor import allocate_compressor_state, compress_kv
 from openmla.ops.indexer import INDEXER_CACHE_DTYPES, alloc_indexer_k_cache, concat_and_cache_indexer_k, indexer_topk
 from openmla.ops.sparse import sparse_mla
-from openmla.ops.v4_indices import csa_topk_indices
+from openmla.ops.v4_indices import combine_topk_swa_indices, csa_topk_indices, hca_indices
 
 __all__ = ["V4_KV_CACHE_DTYPES", "V4_LAYER_TYPES", "DeepseekV4Attention", "V4LayerCache", "V4RMSNorm"]
 
@@ -37,6 +42,48 @@ V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_c
 HEAD_DIM, ROPE_DIM = 512, 64
 #: ``indexer_topk``'s top-k pass ("auto", "triton" radix select or "torch"; the same result). Read at call time.
 INDEXER_TOPK_IMPL = "auto"
+#: Prefill attention route, read at call time: "auto" (gathered where :func:`gather_split` says it pays, fp8_v4
+#: caches only: for an "auto" cache the gather is a plain copy that saves no dequantisation), "paged" (never), or
+#: "gathered" (the trailing requests of >= GATHER_MIN_QUERY_LEN rows, cost rule and cache dtype ignored; tests).
+PREFILL_ROUTE = "auto"
+#: Requests with fewer new rows (decode, speculative verify) always read the paged caches.
+GATHER_MIN_QUERY_LEN = 128
+#: "auto": gather only when the gathered rows' key reads are at least this many times the workspace rows written
+#: (the gather reads each fp8 row once and writes it in bf16; then each key read is bf16, about half the cost).
+GATHER_MIN_READS_PER_ROW = 4
+#: "auto": the largest workspace, in 512-wide rows (2^18 bf16 rows = 256 MiB); larger keeps the paged route.
+GATHER_MAX_WORKSPACE_ROWS = 1 << 18
+_ROUTES = ("auto", "paged", "gathered")
+
+
+def gather_split(qlens: list[int], seq_lens: list[int], *, ratio: int, topk: int | None, window: int,
+                 route: str = "auto") -> tuple[int, int, int] | None:  # fmt: skip
+    """Host-side plan of the gathered route for one layer: ``(k0, N, M)`` or None (all paged).
+
+    Requests ``k0..B-1`` (the longest suffix whose queries have >= :data:`GATHER_MIN_QUERY_LEN` rows: the engine
+    schedules decodes first) go through a workspace ``[B - k0, M, 512]``: ``N = max(seq_len // ratio)`` compressed
+    rows (0 for ``ratio`` 1, a sliding layer), then ``gather_len = min(seq_len, qlen + window - 1)`` window rows.
+    ``topk``: compressed entries a row reads (CSA's top-k; None: all of them, HCA; 0: none). Under ``route``
+    "auto" the plan also needs ``reads >= GATHER_MIN_READS_PER_ROW * rows`` and ``rows <= GATHER_MAX_WORKSPACE_ROWS``
+    (rows = ``(B - k0) * M``, reads ~ ``sum qlen * (min(seq // ratio, topk) + min(seq, window))``).
+    """
+    B = len(qlens)
+    k0 = B
+    while k0 > 0 and qlens[k0 - 1] >= GATHER_MIN_QUERY_LEN:
+        k0 -= 1
+    if k0 == B:
+        return None
+    reqs = range(k0, B)
+    N = max(seq_lens[b] // ratio for b in reqs) if ratio > 1 else 0
+    M = N + max(min(seq_lens[b], qlens[b] + window - 1) for b in reqs)
+    if route == "auto":
+        rows = (B - k0) * M
+        cap = (lambda n: n) if topk is None else (lambda n: min(n, topk))
+        reads = sum(qlens[b] * (cap(seq_lens[b] // ratio if ratio > 1 else 0) + min(seq_lens[b], window))
+                    for b in reqs)  # fmt: skip
+        if rows > GATHER_MAX_WORKSPACE_ROWS or reads < GATHER_MIN_READS_PER_ROW * rows:
+            return None
+    return k0, N, M
 
 
 class V4RMSNorm(nn.Module):
@@ -274,13 +321,6 @@ class DeepseekV4Attention(nn.Module):
             topk_impl=INDEXER_TOPK_IMPL, validate=False,
         )  # fmt: skip
 
-    def _csa_indices(self, x, qr, md: V4Metadata, cache: V4LayerCache):
-        """The indexer's top-k compressed entries of every row, as compressed-cache slots (and their count)."""
-        cm = md.compressed[self.ratio]
-        topk = self.index_topk_entries(x, qr, md, cache)
-        return csa_topk_indices(topk, md.query_start_loc, md.seq_lens, md.block_table, block_size=cm.block_size,
-                                ratio=self.ratio, slot_mapping=md.slot_mapping, validate=False)  # fmt: skip
-
     def prepare(self, x: torch.Tensor, md: V4Metadata, cache: V4LayerCache):
         """Everything before the attention: writes this step's rows (SWA, compressor, indexer) into ``cache``.
 
@@ -288,6 +328,11 @@ class DeepseekV4Attention(nn.Module):
             (q `[T, H, 512]` normed and RoPE'd, (compressed cache, its slots `[T, K]` int32, lens `[T]` int32),
             all None for a sliding-window layer).
         """
+        q, extra, _ = self._prepare(x, md, cache)
+        return q, extra
+
+    def _prepare(self, x: torch.Tensor, md: V4Metadata, cache: V4LayerCache):
+        """:meth:`prepare`, plus the CSA indexer's request-local top-k `[T, K]` (None for other layers)."""
         T, H = x.shape[0], self.num_heads
         pos, table = md.positions, self.cos_sin_cache
         qr = self.q_a_norm(self.q_a_proj(x))
@@ -298,23 +343,91 @@ class DeepseekV4Attention(nn.Module):
         concat_and_cache_v4(kv[:, :nope], kv[:, nope:], cache.swa, md.slot_mapping,
                             kv_cache_dtype=self.kv_cache_dtype, validate=False)  # fmt: skip
         if self.compressor is None:
-            return q, (None, None, None)
+            return q, (None, None, None), None
         self._compress(self.compressor, x, md, cache.state, cache.compressed, self.kv_cache_dtype)
-        if self.is_csa:
-            idx, lens = self._csa_indices(x, qr, md, cache)
+        cm, local = md.compressed[self.ratio], None
+        if self.is_csa:  # the indexer's request-local top-k, as compressed-cache slots for the paged route
+            local = self.index_topk_entries(x, qr, md, cache)
+            idx, lens = csa_topk_indices(local, md.query_start_loc, md.seq_lens, md.block_table,
+                                         block_size=cm.block_size, ratio=self.ratio, slot_mapping=md.slot_mapping,
+                                         validate=False)  # fmt: skip
         else:
-            cm = md.compressed[self.ratio]
             idx, lens = cm.hca_indices, cm.hca_lens
-        return q, (cache.compressed, idx, lens)
+        return q, (cache.compressed, idx, lens), local
+
+    def _prefill_split(self, md: V4Metadata) -> tuple[int, int, int] | None:
+        """:func:`gather_split` for this step, from the metadata's host copies (no device sync); None: all paged
+        (route off, a CUDA graph being captured, no host copies, or padding rows past the last request)."""
+        route = PREFILL_ROUTE
+        if route not in _ROUTES:
+            raise ValueError(f"PREFILL_ROUTE must be one of {_ROUTES}; got {route!r}")
+        if route == "paged" or (route == "auto" and self.kv_cache_dtype != "fp8_v4") or capturing():
+            return None
+        if md.max_query_len < GATHER_MIN_QUERY_LEN:  # decode / verify steps: no host work
+            return None
+        if md.query_start_loc_cpu is None or md.seq_lens_cpu is None or md.swa_block_table is None:
+            return None
+        qsl, B = md.query_start_loc_cpu.tolist(), md.num_reqs
+        if B == 0 or qsl[B] != md.num_tokens:
+            return None
+        qlens = [qsl[b + 1] - qsl[b] for b in range(B)]
+        topk = 0 if self.compressor is None else (self.index_topk if self.is_csa else None)
+        return gather_split(qlens, md.seq_lens_cpu.tolist(), ratio=self.ratio, topk=topk, window=self.window,
+                            route=route)  # fmt: skip
+
+    def _paged_attention(self, q, md: V4Metadata, cache: V4LayerCache, extra, rows: slice, out=None):
+        """Rows ``rows`` over the paged SWA (main) and compressed (extra) caches."""
+        idx, lens = (None, None) if extra[1] is None else (extra[1][rows], extra[2][rows])
+        o, _ = sparse_mla(  # one softmax over the window and the compressed slots; the inverse RoPE fused
+            q[rows], cache.swa, md.swa_indices[rows], self.scaling, kv_cache_dtype=self.kv_cache_dtype,
+            topk_length=md.swa_lens[rows], attn_sink=self.sinks.float(), d_v=HEAD_DIM, extra_kv_cache=extra[0],
+            extra_indices=idx, extra_topk_length=lens, inv_rope_positions=md.positions[rows],
+            cos_sin_cache=self.cos_sin_cache, out=out, return_lse=False, validate=False,
+        )  # fmt: skip
+        return o
+
+    def _gathered_attention(self, q, md: V4Metadata, cache: V4LayerCache, local, k0: int, N: int, M: int, r0: int,
+                            out: torch.Tensor) -> None:  # fmt: skip
+        """Rows ``r0:`` (requests ``k0:``) through a workspace ``[B - k0, M, 512]`` of q's dtype (SPEC §7.6):
+        rows ``[0, N)`` each request's compressed entries, then its last ``min(seq, qlen + W - 1)`` tokens."""
+        R, dt = md.num_reqs - k0, self.kv_cache_dtype
+        qsl, seq = md.query_start_loc[k0:], md.seq_lens[k0:]
+        g = torch.minimum(seq, qsl[1:] - qsl[:-1] + (self.window - 1))
+        ws = torch.empty(R, M, HEAD_DIM, dtype=q.dtype, device=q.device)
+        if N:
+            dequantize_and_gather_k_cache(ws, cache.compressed, seq // self.ratio, md.block_table[k0:],
+                                          kv_cache_dtype=dt, validate=False)  # fmt: skip
+        dequantize_and_gather_k_cache(ws, cache.swa, seq, md.swa_block_table[k0:], gather_lens=g, offset=N,
+                                      kv_cache_dtype=dt, validate=False)  # fmt: skip
+        Tq = q.shape[0] - r0
+        if self.is_csa:  # the indexer's request-local picks
+            ids, topk = local[r0:], self.index_topk
+        elif N:  # HCA: every visible entry, request-local
+            ids, topk = hca_indices(qsl, seq, None, block_size=1, ratio=self.ratio, width=N, num_tokens=Tq,
+                                    validate=False)[0], N  # fmt: skip
+        else:
+            ids, topk = torch.empty(Tq, 0, dtype=torch.int32, device=q.device), 0
+        idx, lens = combine_topk_swa_indices(ids, qsl, seq, g, window=self.window, ratio=self.ratio, topk=topk,
+                                             M=M, N=N, validate=False)  # fmt: skip
+        sparse_mla(
+            q[r0:], ws.view(R * M, 1, HEAD_DIM), idx, self.scaling, kv_cache_dtype="auto", topk_length=lens,
+            attn_sink=self.sinks.float(), d_v=HEAD_DIM, inv_rope_positions=md.positions[r0:],
+            cos_sin_cache=self.cos_sin_cache, out=out[r0:], return_lse=False, validate=False,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor, md: V4Metadata, cache: V4LayerCache) -> torch.Tensor:
         """``x [T, hidden]`` (T = ``md.num_tokens``) -> ``[T, hidden]``; writes this step's rows into ``cache``."""
-        T, pos, table = x.shape[0], md.positions, self.cos_sin_cache
-        q, extra = self.prepare(x, md, cache)
-        o, _ = sparse_mla(  # one softmax over the window and the compressed slots; the inverse RoPE fused
-            q, cache.swa, md.swa_indices, self.scaling, kv_cache_dtype=self.kv_cache_dtype, topk_length=md.swa_lens,
-            attn_sink=self.sinks.float(), d_v=HEAD_DIM, extra_kv_cache=extra[0], extra_indices=extra[1],
-            extra_topk_length=extra[2], inv_rope_positions=pos, cos_sin_cache=table, return_lse=False, validate=False,
-        )  # fmt: skip
+        T = x.shape[0]
+        q, extra, local = self._prepare(x, md, cache)
+        split = self._prefill_split(md)
+        if split is None:
+            o = self._paged_attention(q, md, cache, extra, slice(None))
+        else:  # decode rows [0, r0) paged, the trailing prefill requests gathered, into one output
+            k0, N, M = split
+            r0 = int(md.query_start_loc_cpu[k0])
+            o = torch.empty_like(q)
+            if r0:
+                self._paged_attention(q, md, cache, extra, slice(0, r0), out=o[:r0])
+            self._gathered_attention(q, md, cache, local, k0, N, M, r0, o)
         o = self.o_a_proj(o.reshape(T, self.o_groups, -1)).flatten(1)
         return self.o_b_proj(o)

@@ -89,6 +89,10 @@ class V4Metadata:
         swa_indices (torch.Tensor): `[T, window]` int32 SWA slots. swa_lens (torch.Tensor): `[T]` int32.
         compressed (dict[int, V4CompressedMetadata]): per compression ratio.
         block_size (int), window (int), num_tokens (int), num_reqs (int), max_query_len (int).
+        swa_block_table (torch.Tensor | None): `[B, max_blocks]` int32, the SWA cache's block table (the ring's
+            with ``swa_ring_blocks``, else ``block_table``): the gathered prefill route reads the window through it.
+        query_start_loc_cpu (torch.Tensor | None), seq_lens_cpu (torch.Tensor | None): the spec's host copies, so
+            a layer can plan a prefill workspace without a host synchronisation (None when the spec has none).
     """
 
     positions: torch.Tensor
@@ -105,6 +109,9 @@ class V4Metadata:
     num_tokens: int
     num_reqs: int
     max_query_len: int
+    swa_block_table: torch.Tensor | None = None
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
 
 
 class V4MetadataBuilder:
@@ -233,4 +240,7 @@ class V4MetadataBuilder:
             num_tokens=T,
             num_reqs=B,
             max_query_len=spec.max_query_len,
+            swa_block_table=swa_bt,
+            query_start_loc_cpu=spec.query_start_loc_cpu,
+            seq_lens_cpu=spec.seq_lens_cpu,
         )
