@@ -207,6 +207,51 @@ def test_decode_peer_side_by_side(monkeypatch, spec):
     assert any(line.split()[-1] == f"{own['check']:.5f}" for line in report.table_lines([own, peer]))
 
 
+def test_decode_variant_specs():
+    """Tuning fields: each a provider of its own name, settings joined by '+', clashes and unknown settings refused."""
+    s = decode.parse("h128 b32 s4096 q1 pair pair+spans1 split1024+itemcost0 slots264 triton reduce+maxsplit2048")
+    assert (s.h, s.b, s.s, s.q) == (128, 32, 4096, 1)
+    assert s.variants == ("pair", "pair+spans1", "split1024+itemcost0", "slots264", "triton", "reduce+maxsplit2048")
+    assert str(s) == "h128 b32 s4096 q1 pair pair+spans1 split1024+itemcost0 slots264 triton reduce+maxsplit2048"
+    assert decode.parse(str(s)) == s
+    assert decode.parse_variant("pair+spans1") == {"plan": {"_spans": True}, "variant": "pair"}
+    assert decode.parse_variant("split1024+itemcost0") == {"plan": {"_min_split": 1024, "_max_split": 1024,
+                                                                    "_item_cost": 0}}  # fmt: skip
+    assert decode.parse_variant("gluon+spans0") == {"plan": {"_spans": False}, "backend": "gluon"}
+    assert decode.parse_variant("reduce+minsplit512") == {"plan": {"_min_split": 512}, "reduce": True}
+    for bad in ("spans0+spans1", "gluon+triton", "pair+triton", "reduce+pair", "split1024+minsplit64", "openmla",
+                "split", "maxsplitx", "tile32x8x2", "pair+pair"):  # fmt: skip
+        with pytest.raises(ValueError):
+            decode.parse_variant(bad)
+        with pytest.raises(ValueError):
+            decode.parse(f"h2 b1 s16 {bad}")
+    with pytest.raises(ValueError):
+        decode.parse("h2 b1 s16 pair pair")  # one provider a name
+    assert all(decode.parse(x).variants for x in decode.PRESETS["issue34"][:4])
+
+
+def test_decode_variant_run():
+    """A point with variants: one row each beside the default, its check against the default's output; a variant
+    that cannot run here (the Gluon tier on the CPU) leaves a note and no row."""
+    dev = DEV
+    notes = []
+    ctx = BenchContext(dev, Timer(dev, rep=5, rounds=1), peers=False, quick=False, bw_gbs=1.0, peak_tflops=1.0,
+                       env=dict(gpu="cpu", torch="t", triton="tr", git="x", label=""), note=notes.append)  # fmt: skip
+    ctx.family = "decode"
+    spec = "h2 b3 s70~40 q1 maxsplit32+itemcost0 split16 triton+spans0 reduce+maxsplit32"
+    if dev.type == "cpu":
+        spec += " gluon"
+    rows = decode.run(decode.parse(spec), ctx)
+    names = ["openmla", "maxsplit32+itemcost0", "split16", "triton+spans0", "reduce+maxsplit32"]
+    assert [r["provider"] for r in rows] == names
+    for r in rows[1:]:
+        assert r["check"] > 0.9999 and float(r["p50_us"]) > 0 and r["shape"] == rows[0]["shape"], r
+        assert r["dtype"] == "bf16" and r["bytes"] == rows[0]["bytes"]
+    assert rows[0]["check"] == ""  # no peer
+    if dev.type == "cpu":
+        assert any(n.startswith("# gluon failed at") for n in notes), notes
+
+
 def test_prefill_peer_layout():
     """The SDPA peer gets the batch as ``[B, H, L, D]`` and its output comes back as openmla's ``[T, H, d_v]``
     (the math backend stands in for cuDNN on the CPU)."""

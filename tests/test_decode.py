@@ -217,6 +217,8 @@ def test_decode_errors(device):
         openmla.mla_decode(q[:1], cache, bt, sl, qsl, SCALE)
     with pytest.raises(ValueError, match="max_query_len"):
         openmla.plan_decode(sl, torch.tensor([0, 1, 4], dtype=torch.int32, device=device), 4, max_query_len=2)
+    with pytest.raises(ValueError, match="_gluon_kernel"):  # the benchmark's private kernel pick
+        openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, _gluon_kernel="fast")
 
 
 @settings(max_examples=pick(8, 25), deadline=None)

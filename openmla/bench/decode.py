@@ -10,17 +10,28 @@ TFLOPS = 2 * h * qlen * sum(seq_lens) * (576 + 512) (FlashMLA's count: every que
 bytes = the KV rows of every request + q + out (``openmla.utils.perf``). FlashMLA (``flash_mla``, optional) runs
 the same q, block table and lengths on the bf16 cache (fp8 points too: an fp8 point is compared with FlashMLA's
 bf16 decode); ``check`` is the cosine similarity of the two outputs.
+
+Tuning (issue 34): any further field is a variant, timed as its own provider (named by the field) beside the default
+in the same rounds, on the same inputs, into its own buffers, its ``check`` the cosine against the default's output.
+A variant is settings joined by ``+``: ``triton`` / ``gluon`` (``mla_decode``'s backend), ``seesaw`` / ``pair`` (that
+Gluon kernel, forced), ``spans0`` / ``spans1`` (``plan_decode``'s ``_spans``: pair runs the spanning schedule where the
+plan has one), ``minsplit<N>``, ``maxsplit<N>``, ``split<N>`` (both), ``itemcost<N>``, ``slots<N>`` (the planner's
+constants for this variant's plan: ``plan_decode``'s ``_min_split`` etc.), ``reduce`` (the reduce kernel alone, on
+that variant's plan, after one full call: meaningful where the default path runs a reduce).
+Example: ``h128 b32 s4096 q1 pair pair+spans1 reduce``.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import re
 from dataclasses import dataclass
 
 import torch
 
 import openmla
+import openmla.ops.decode as _dec
 from openmla.bench.context import BenchContext, cosine
 from openmla.utils.perf import decode_bytes, decode_flops
 
@@ -43,7 +54,20 @@ PRESETS = {
     "full": [f"h{h} b{b} s{s} q{q}" for q in (1, 2) for h in (16, 32, 64, 128) for b in (1, 8, 32, 64, 128)
              for s in (1024, 4096, 8192, 32768)],  # 160 points: use --rounds 1 --rep 20
     "tiny": ["h2 b2 s70 q1", "h4 b3 s50~30 q2", "h2 b2 s40 q1 fp8"],  # CPU (interpreter)
+    # issue 34's weak shapes with the alternatives the plan analysis points at, b132 probes (is a b128 s8k batch on
+    # 128 of 132 SMs limited by the SMs or by HBM?) and the shapes that are ahead (pair at b1: the rule "pair for
+    # 2+ readers at any batch" must keep it); about 4-5 minutes on an H200 with FlashMLA
+    "issue34": ["h128 b32 s4096 q1 pair pair+spans1 reduce", "h128 b8 s4096 q1 pair pair+spans1 reduce",
+                "h16 b128 s8192~4096 q1 maxsplit4096 maxsplit2048 maxsplit1024 gluon reduce",
+                "h64 b128 s8192 q1 pair pair+spans1", "h64 b132 s8192 q1", "h32 b128 s8192 q1 pair",
+                "h16 b128 s8192 q1 gluon", "h16 b132 s8192 q1", "h128 b128 s8192 q1", "h128 b128 s8192 q2",
+                "h128 b1 s32768 q1 pair pair+spans1", "h16 b1 s32768 q1"],
 }  # fmt: skip
+
+# variant settings: (pattern, what it sets); plan settings become plan_decode's private keywords
+_PLAN_INTS = {"minsplit": ("_min_split",), "maxsplit": ("_max_split",), "split": ("_min_split", "_max_split"),
+              "itemcost": ("_item_cost",), "slots": ("_slots",)}  # fmt: skip
+_RESERVED = ("openmla", "flashmla", "before")  # provider names taken
 
 
 @dataclass(frozen=True)
@@ -55,10 +79,11 @@ class DecodeShape:
     dtype: str = "bf16"  # the cache's
     lo: int = 0  # s<lo>..<s>
     std: int = 0  # s<s>~<std>
+    variants: tuple = ()  # tuning variants (module docstring), each timed as the provider of its name
 
     def __str__(self) -> str:
         s = f"{self.s}~{self.std}" if self.std else f"{self.lo}..{self.s}" if self.lo else f"{self.s}"
-        return f"h{self.h} b{self.b} s{s} q{self.q}"
+        return f"h{self.h} b{self.b} s{s} q{self.q}" + "".join(f" {v}" for v in self.variants)
 
     def lengths(self) -> list[int]:
         """Keys of each request (seeded draws for ragged batches)."""
@@ -71,9 +96,45 @@ class DecodeShape:
         return [self.s] * self.b
 
 
+def parse_variant(tok: str) -> dict:
+    """A variant field (``pair+spans1``, ``maxsplit2048``, ``reduce``, ...) -> its settings: ``backend``, ``variant``,
+    ``reduce`` and ``plan`` (plan_decode's private keywords). Raises ValueError on an unknown or clashing setting."""
+    got: dict = {"plan": {}}
+    if tok in _RESERVED:
+        raise ValueError(tok)
+    for part in tok.split("+"):
+        m = re.fullmatch(r"([a-z]+)(\d*)", part)
+        name, num = (m.group(1), m.group(2)) if m else ("", "")
+        if part in ("triton", "gluon"):
+            key, val = "backend", part
+        elif part in ("seesaw", "pair"):
+            key, val = "variant", part
+        elif part in ("spans0", "spans1"):
+            key, val = "_spans", part == "spans1"
+        elif part == "reduce":
+            key, val = "reduce", True
+        elif name in _PLAN_INTS and num:
+            key, val = name, int(num)
+        else:
+            raise ValueError(part)
+        if key in got or key in got["plan"] or (key in _PLAN_INTS and any(k in got["plan"] for k in _PLAN_INTS[key])):
+            raise ValueError(part)  # set twice
+        if key in _PLAN_INTS:
+            got["plan"].update(dict.fromkeys(_PLAN_INTS[key], val))
+        elif key == "_spans":
+            got["plan"]["_spans"] = val
+        else:
+            got[key] = val
+    gluon_on_triton = "variant" in got and got.get("backend") == "triton"
+    if gluon_on_triton or (got.get("reduce") and ("backend" in got or "variant" in got)):
+        raise ValueError(tok)  # a Gluon kernel on the Triton backend; the reduce alone times no split kernel
+    return got
+
+
 def parse(spec: str) -> DecodeShape:
     """``"h128 b128 s8192 q2 fp8"`` -> :class:`DecodeShape` (ValueError on a bad spec)."""
     f: dict = {}
+    variants: list[str] = []
     try:
         for tok in spec.replace(",", " ").split():
             if tok in ("bf16", "fp8"):
@@ -82,14 +143,19 @@ def parse(spec: str) -> DecodeShape:
                 f["s"], f["std"] = (int(x) for x in tok[1:].split("~"))
             elif tok[0] == "s" and ".." in tok:
                 f["lo"], f["s"] = (int(x) for x in tok[1:].split(".."))
-            elif tok[0] in "hbsq":
+            elif tok[0] in "hbsq" and tok[1:].isdigit():
                 f[tok[0]] = int(tok[1:])
             else:
-                raise ValueError(tok)
-        shape = DecodeShape(**f)
+                parse_variant(tok)
+                if tok in variants:
+                    raise ValueError(tok)
+                variants.append(tok)
+        shape = DecodeShape(**f, variants=tuple(variants))
     except (ValueError, TypeError, IndexError):
         raise ValueError(f"bad decode shape {spec!r}: want 'h<heads> b<batch> s<keys>|s<mean>~<std>|s<lo>..<hi> "
-                         "[q<qlen>] [bf16|fp8]'") from None  # fmt: skip
+                         "[q<qlen>] [bf16|fp8] [variant ...]', a variant being settings joined by '+': triton, "
+                         "gluon, seesaw, pair, spans0, spans1, minsplit<N>, maxsplit<N>, split<N>, itemcost<N>, "
+                         "slots<N>, reduce") from None  # fmt: skip
     if min(shape.h, shape.b, shape.s, shape.q) < 1 or shape.q > 16 or (shape.lo and not 1 <= shape.lo <= shape.s):
         raise ValueError(f"bad decode shape {spec!r}: sizes must be >= 1, qlen <= 16, lo <= hi")
     return shape
@@ -122,6 +188,15 @@ def run(shape: DecodeShape, ctx: BenchContext) -> list[dict]:
 
     own()
     fns, check, old_check = {"openmla": own}, None, None
+    checks = {}  # variant -> cosine against the default's output
+    for name in shape.variants:
+        try:
+            fns[name], checks[name] = _variant_fn(name, q, kv, block_table, seq_lens, qsl, h, ql, s_max, kv_dtype,
+                                                  own_kw, out)  # fmt: skip
+            if checks[name] < 0.9999:
+                ctx.note(f"# {name} vs the default at {shape}: cosine {checks[name]:.6f}")
+        except Exception as exc:  # refused or failed: its row stays out, the note says why
+            ctx.note(f"# {name} failed at {shape}: {type(exc).__name__}: {exc}".splitlines()[0])
     old = ctx.baseline  # --against: the older openmla on the same inputs, its own plan and buffers
     if old is not None:
         plan_o = old.plan_decode(seq_lens, qsl, h, max_query_len=ql, max_seq_len=s_max, kv_cache_dtype=kv_dtype)
@@ -149,7 +224,7 @@ def run(shape: DecodeShape, ctx: BenchContext) -> list[dict]:
         del cache  # only the peer reads the bf16 copy
     timings = ctx.time(fns, graph=True)
     keys = sum(lens)
-    ours = ("openmla", "before")  # read the cache openmla reads; the peer reads bf16
+    ours = ("openmla", "before", *shape.variants)  # read the cache openmla reads; the peer reads bf16
     nbytes = {p: decode_bytes(keys, D_QK * (1 if fp8 and p in ours else 2), T, h) for p in fns}
     dtypes = {p: shape.dtype if p in ours else "bf16" for p in fns}
     rows = ctx.rows(OP, str(shape), timings, flops=decode_flops(keys * ql, h), nbytes=nbytes, dtype=dtypes,
@@ -157,4 +232,33 @@ def run(shape: DecodeShape, ctx: BenchContext) -> list[dict]:
     for r in rows:
         if r["provider"] == "before":
             r["check"] = old_check  # the older openmla's output against this one's
+        elif r["provider"] in checks:
+            r["check"] = checks[r["provider"]]  # the variant's output against the default's
     return rows
+
+
+def _variant_fn(name, q, kv, block_table, seq_lens, qsl, h, ql, s_max, kv_dtype, own_kw, ref):
+    """``(callable, cosine against ref)`` of one variant field: its own plan (the planner's private keywords) and
+    buffers, called once here."""
+    cfg = parse_variant(name)
+    plan = openmla.plan_decode(seq_lens, qsl, h, max_query_len=ql, max_seq_len=s_max, kv_cache_dtype=kv_dtype,
+                               **cfg["plan"])  # fmt: skip
+    out, lse = torch.empty_like(ref), torch.empty(ref.shape[:2], dtype=torch.float32, device=ref.device)
+    kw = dict(own_kw)
+    if cfg.get("backend") or cfg.get("variant"):
+        kw["backend"] = cfg.get("backend", "gluon")
+    if cfg.get("variant"):
+        kw["_gluon_kernel"] = cfg["variant"]
+
+    def full():
+        openmla.mla_decode(q, kv, block_table, seq_lens, qsl, SCALE, plan=plan, out=out, lse=lse, **kw)
+
+    full()
+    if not cfg.get("reduce"):
+        return full, cosine(ref, out)
+
+    def reduce():  # the LSE merge alone, over the partials the full call left in the plan's buffers
+        _dec._mla_decode_reduce(qsl, plan, out, lse, D_V)
+
+    reduce()
+    return reduce, cosine(ref, out)

@@ -600,6 +600,7 @@ def mla_decode(
     d_v: int = 512,
     backend: str | None = None,
     validate: bool = True,
+    _gluon_kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Paged MLA decode and speculative verify (absorbed MQA form; V = kv_cache[..., :d_v]).
 
@@ -704,6 +705,10 @@ def mla_decode(
     if T and B:
         scale_log2 = sm_scale * q_s * kv_s * _LOG2E
         variant = _gluon_variant(kv_cache_dtype, H, plan.max_query_len, B, plan.num_sms)
+        if _gluon_kernel is not None:  # private, for the benchmark: "seesaw" / "pair" / "ws" instead of the pick
+            if _gluon_kernel not in ("seesaw", "pair", "ws"):
+                raise ValueError(f"_gluon_kernel must be 'seesaw', 'pair' or 'ws'; got {_gluon_kernel!r}")
+            variant = _gluon_kernel
         spans = None
         if _use_gluon(backend, q, kv_cache, plan, kv_cache_dtype):
             # the request-spanning schedule where the plan has one; the pair kernel merges cut requests itself

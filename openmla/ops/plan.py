@@ -5,7 +5,8 @@ KV split of one request. The planner picks a single split length for the whole b
 longest request cut into 1, 2, ... equal parts and keeps the length whose estimated time is lowest,
 counting whole waves of work items over the programs that run at once (``slots``) plus a fixed cost
 per item (q load, partial write, reduce). So a uniform batch gets the split count that fills the GPU
-in whole waves (128 x 8k requests at 16 heads: two splits each, 256 items for 264 slots), and one long
+in whole waves (128 x 8k requests at 16 heads on 132 SMs, one program an SM: one split each, 128 items for 132
+slots), and one long
 request among many short ones is cut finely enough not to leave SMs idle. Each request's splits are
 then made equal. It runs on the device in one launch (no host synchronisation once ``max_query_len``
 and ``max_seq_len`` are known), writes into fixed-size buffers (CUDA-graph capturable with ``out=``)
@@ -262,6 +263,10 @@ def plan_decode(
     out: DecodePlan | None = None,
     validate: bool = True,
     _spans: bool | None = None,
+    _min_split: int | None = None,
+    _max_split: int | None = None,
+    _item_cost: int | None = None,
+    _slots: int | None = None,
 ) -> DecodePlan:
     r"""Plan the split-KV decode of a (ragged) batch.
 
@@ -284,6 +289,11 @@ def plan_decode(
             ``max_query_len``: its buffers are rewritten in place (stable addresses for CUDA graphs).
         _spans (bool | None): tests only: True adds the request-spanning schedule for every 64-row tiling of a
             bf16 cache, False never; None (default) where ``mla_decode`` runs the pair kernel.
+        _min_split, _max_split, _item_cost, _slots (int | None): tuning only (``openmla bench``): the shortest and
+            longest split in tokens (``_max_split`` a multiple of ``tiling.block_n``, at most ``tiling.max_split``;
+            both equal: that split length), a work item's fixed cost in tokens, and the work items that run at once,
+            in place of ``_MIN_SPLIT`` / ``_MIN_SPLIT_64_ROWS``, ``tiling.max_split``, ``_ITEM_COST`` and the
+            tiling's slots. None (default): the planner's own.
 
     Returns:
         DecodePlan: the schedule (see its attributes).
@@ -318,8 +328,12 @@ def plan_decode(
     programs_per_split = triton_cdiv(num_heads, tiling.block_h) * triton_cdiv(max_query_len, tiling.q_per)
     slots = max(1, (tiling.programs_per_sm * num_sms) // programs_per_split)
     min_split = _MIN_SPLIT_64_ROWS if tiling.block_m == 64 else _MIN_SPLIT
-    # splits are at most tiling.max_split long, so a batch of long requests may need more than slots
-    capacity = B + max(slots, B * triton_cdiv(max_seq_len, tiling.max_split))
+    max_split, item_cost = tiling.max_split, _ITEM_COST
+    if (_min_split, _max_split, _item_cost, _slots) != (None,) * 4:  # tuning overrides (bench), checked here
+        slots, min_split, max_split, item_cost = _tuning(tiling, slots, min_split, _min_split, _max_split,
+                                                         _item_cost, _slots)  # fmt: skip
+    # splits are at most max_split long, so a batch of long requests may need more than slots
+    capacity = B + max(slots, B * triton_cdiv(max_seq_len, max_split))
 
     if out is not None:
         if (out.batch_size, out.num_heads, out.max_query_len, out.d_v, out.kv_cache_dtype) != (
@@ -361,7 +375,7 @@ def plan_decode(
         _plan_decode_fwd_kernel[(1,)](
             seq_lens, query_start_loc, plan.split_len, plan.num_splits, plan.work_indptr, plan.work_req,
             plan.work_split, plan.merge_req, plan.num_merge, B, capacity, slots, MIN_SPLIT=min_split,
-            BLOCK_N=tiling.block_n, MAX_SPLIT=tiling.max_split, ITEM_COST=_ITEM_COST, N_CAND=_MAX_CANDIDATES,
+            BLOCK_N=tiling.block_n, MAX_SPLIT=max_split, ITEM_COST=item_cost, N_CAND=_MAX_CANDIDATES,
             BLOCK_B=triton.next_power_of_2(B), BLOCK_I=16, num_warps=8,
         )  # fmt: skip
     else:
@@ -370,6 +384,25 @@ def plan_decode(
         plan.work_split.zero_()
         plan.num_merge.zero_()
     return plan
+
+
+def _tuning(tiling: DecodeTiling, slots: int, min_split: int, new_min: int | None, new_max: int | None,
+            new_cost: int | None, new_slots: int | None) -> tuple[int, int, int, int]:  # fmt: skip
+    """``(slots, min_split, max_split, item_cost)`` with ``plan_decode``'s private overrides applied (None: kept);
+    ValueError on a value the kernels cannot run (a split longer than the page numbers they preload)."""
+    for name, v, low in (("_min_split", new_min, 1), ("_max_split", new_max, 1), ("_item_cost", new_cost, 0),
+                         ("_slots", new_slots, 1)):  # fmt: skip
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+            raise ValueError(f"{name} must be an int >= {low}; got {v!r}")
+    max_split = tiling.max_split
+    if new_max is not None:
+        if new_max % tiling.block_n or new_max > tiling.max_split:
+            raise ValueError(
+                f"_max_split must be a multiple of {tiling.block_n} up to {tiling.max_split}; got {new_max}"
+            )
+        max_split = new_max
+    return (slots if new_slots is None else new_slots, min_split if new_min is None else new_min, max_split,
+            _ITEM_COST if new_cost is None else new_cost)  # fmt: skip
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -1,0 +1,70 @@
+"""``plan_decode``'s private tuning overrides (``_min_split``, ``_max_split``, ``_item_cost``, ``_slots``; used by
+``openmla bench``): honoured, validated, and the defaults unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import openmla
+from openmla.ops import plan as P
+from openmla.utils.testing import suite_device
+
+
+def _batch(lens, device):
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    return sl, torch.arange(len(lens) + 1, dtype=torch.int32, device=device)
+
+
+def _fields(plan):
+    return [getattr(plan, k).tolist() for k in ("split_len", "num_splits", "work_indptr", "work_req", "work_split")]
+
+
+def test_overrides_honoured():
+    dev = suite_device()
+    sl, qsl = _batch([4096, 1000, 37], dev)
+    base = openmla.plan_decode(sl, qsl, 16, num_sms=8)
+    n = base.tiling.block_n
+    # None everywhere is the default plan
+    same = openmla.plan_decode(sl, qsl, 16, num_sms=8, _min_split=None, _max_split=None, _item_cost=None, _slots=None)
+    assert _fields(same) == _fields(base) and same.capacity == base.capacity
+    # min = max: that split length for every request long enough; shorter ones keep one split
+    fixed = openmla.plan_decode(sl, qsl, 16, num_sms=8, _min_split=8 * n, _max_split=8 * n)
+    assert fixed.split_len.tolist()[:2] == [8 * n, 8 * n]
+    assert fixed.num_splits.tolist() == [-(-4096 // (8 * n)), -(-1000 // (8 * n)), 1]
+    assert fixed.capacity >= 3 * -(-4096 // (8 * n)) and int(fixed.work_indptr[-1]) == sum(fixed.num_splits.tolist())
+    # one slot and no item cost: splits as long as they can be (any more would only add waves)
+    one = openmla.plan_decode(sl, qsl, 16, num_sms=8, _slots=1, _item_cost=0)
+    assert one.num_splits.tolist() == [-(-L // base.tiling.max_split) for L in (4096, 1000, 37)]
+    # many slots, a short floor: the longest request is cut finer than with the default floor
+    fine = openmla.plan_decode(sl, qsl, 16, num_sms=8, _slots=64, _min_split=n)
+    wide = openmla.plan_decode(sl, qsl, 16, num_sms=8, _slots=64)
+    assert fine.num_splits[0] > wide.num_splits[0] >= 1
+
+
+def test_overrides_validated():
+    dev = suite_device()
+    sl, qsl = _batch([300, 20], dev)
+    t = openmla.plan_decode(sl, qsl, 4).tiling
+    for kw in (dict(_min_split=0), dict(_max_split=t.block_n + 1), dict(_max_split=t.max_split + t.block_n),
+               dict(_item_cost=-1), dict(_slots=0), dict(_slots=2.0), dict(_min_split=True)):  # fmt: skip
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            openmla.plan_decode(sl, qsl, 4, **kw)
+    plan = openmla.plan_decode(sl, qsl, 4, _item_cost=0, _max_split=t.block_n)
+    assert plan.split_len.tolist() == [t.block_n, t.block_n]
+
+
+def test_defaults_unchanged(monkeypatch):
+    """An override plans as the module constant it replaces would (so the defaults still come from those constants);
+    the cases differ from the default plan, so the overrides reach the kernel."""
+    dev = suite_device()
+    sl, qsl = _batch([600, 20, 2000, 50], dev)
+    base = openmla.plan_decode(sl, qsl, 16, num_sms=1)
+    for const, kw in (("_ITEM_COST", dict(_item_cost=4096)), ("_MIN_SPLIT", dict(_min_split=1024))):
+        with monkeypatch.context() as m:
+            m.setattr(P, const, next(iter(kw.values())))
+            moved = openmla.plan_decode(sl, qsl, 16, num_sms=1)
+        assert _fields(openmla.plan_decode(sl, qsl, 16, num_sms=1, **kw)) == _fields(moved)
+        if dev.type == "cpu":  # the interpreter's tiling (16-key tiles): both change this plan
+            assert _fields(moved) != _fields(base), const
+    assert _fields(openmla.plan_decode(sl, qsl, 16, num_sms=1)) == _fields(base)
