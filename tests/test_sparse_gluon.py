@@ -57,6 +57,13 @@ OPTS_VARIANTS = [
     (1, 576, 1, False, False, 64, False, False, 64, False, 3),
     (0, 576, 1, True, True, 64, False, False, 64, False, 2),  # lazy, bf16 rows
     (0, 576, 4, True, False, 1, False, False, 1, False, 2),
+    (1, 576, 1, True, True, 64, False, False, 64, False, 4),  # staged
+    (1, 576, 4, False, True, 1, False, False, 1, False, 4),
+    (1, 576, 1, False, False, 64, False, False, 64, False, 4),
+    (1, 576, 1, True, True, 64, False, False, 64, False, 5),  # staged + nanpack
+    (1, 576, 1, False, False, 1, False, False, 1, False, 5),
+    (1, 576, 1, True, False, 64, False, False, 64, False, 6),  # staged + lazy
+    (1, 576, 4, False, True, 1, False, False, 1, False, 7),  # all three
 ]
 
 _COMPILE_SCRIPT = r"""
@@ -75,7 +82,7 @@ for v in json.loads(sys.argv[1]):
     cons = dict(PAGE=page, E_PAGE=e_page, FMT=fmt, D_QK=d_qk, N_HB=2, NUM_SPLITS=splits, HAS_LEN=has_len,
                 HAS_EXTRA=extra, E_HAS_LEN=e_len, HAS_SINK=has_sink, HAS_ROPE=rope, ROPE=64 if rope else 2,
                 BLOCK_N=gs.BLOCK_N, STAGES=gs.STAGES, FP8_PASSES=gs.FP8_PASSES,
-                PRODUCER_REGS=gs.PRODUCER_REGS[(fmt, d_qk)], num_warps=gs.NUM_WARPS, OPTS=opts)
+                PRODUCER_REGS=gs.producer_regs(fmt, d_qk, opts), num_warps=gs.NUM_WARPS, OPTS=opts)
     kvt = "*bf16" if fmt == 0 else "*u8"
     views = {"": kvt, "_f32": {0: kvt, 1: "*fp32", 2: kvt}[fmt], "_b16": "*bf16" if fmt else kvt}
     ptr = {"q": "*bf16", "idx": "*i32", "lens": "*i32", "eidx": "*i32", "elens": "*i32", "sink": "*fp32",
@@ -102,7 +109,7 @@ for v in json.loads(sys.argv[1]):
     r = resource_report(k)
     r.update(variant=v, qk=ptx.count("wgmma.mma_async.sync.aligned.m64n32k16"),
              pv=ptx.count("wgmma.mma_async.sync.aligned.m64n256k16"), cp_async=ptx.count("cp.async.cg.shared.global"),
-             noinc=ptx.count("cp.async.mbarrier.arrive.noinc"))
+             cp_async4=ptx.count("cp.async.ca.shared.global"), noinc=ptx.count("cp.async.mbarrier.arrive.noinc"))
     report.append(r)
 print("REPORT" + json.dumps(report))
 """
@@ -113,7 +120,8 @@ def test_sparse_gluon_compiles_for_sm90():
     # offline sm90 compile (no GPU needed): no spill (but SPILL_BOUND), fits the shared memory, 12 warps (8 consumers
     # + the producer warpgroup) with registers moved by setmaxnreg; the scores are m64n32k16 (each warpgroup scores 32
     # of the 64 keys: 9 (V3.2) or 8 (V4) chunks x 4 k-steps), P V m64n256k16 (each warpgroup 256 of the 512 columns);
-    # bf16 rows by cp.async (9 or 8 [64, 64] copies, 4 a thread), fp8 rows by loads
+    # bf16 rows by cp.async (9 or 8 [64, 64] copies, 4 a thread), fp8 rows by loads; "staged" fp8 rows by cp.async
+    # only (e4m3 bytes 16 a thread, rope 4, 16 bytes each; the scales 2 of 4 bytes) on the staged producer's registers
     for r in run_report_script(_COMPILE_SCRIPT, COMPILE_VARIANTS + OPTS_VARIANTS):
         v = tuple(r["variant"])
         name = "FMT={} D_QK={} NUM_SPLITS={} HAS_LEN={} HAS_SINK={} PAGE={} HAS_EXTRA={} E_HAS_LEN={} E_PAGE={} " \
@@ -125,6 +133,9 @@ def test_sparse_gluon_compiles_for_sm90():
         assert r["qk"] == 4 * chunks and r["pv"] == 4 and r["wgmma"] == 4 * chunks + 4, f"{name}: wgmma {r}"
         if v[0] == 0:
             assert r["cp_async"] == 4 * chunks and r["noinc"] == 1, f"{name}: cp.async {r}"
+        elif len(v) > 10 and v[10] & gs.GLUON_OPTS["staged"]:
+            assert r["cp_async"] == 20 and r["cp_async4"] == 2 and r["noinc"] == 1, f"{name}: cp.async {r}"
+            assert str(gs.STAGED_PRODUCER_REGS) in r["setmaxnreg"], f"{name}: {r}"
         else:
             assert r["cp_async"] == 0, f"{name}: {r}"
 
@@ -134,9 +145,11 @@ def test_sparse_gluon_opts_validation():
     assert gs.gluon_opts_bits((), "auto", 576, False) == 0
     assert gs.gluon_opts_bits(("nanpack", "lazy"), "fp8_ds_mla", 576, False) == 3
     assert gs.gluon_opts_bits(("lazy",), "auto", 576, False) == 2
+    assert gs.gluon_opts_bits(("staged", "nanpack"), "fp8_ds_mla", 576, False) == 5
     for args in [(("prefetch",), "fp8_ds_mla", 576, False), ("lazy", "auto", 576, False),
                  (("lazy",), "auto", 512, False), (("lazy",), "auto", 576, True),
-                 (("nanpack",), "auto", 576, False)]:  # fmt: skip
+                 (("nanpack",), "auto", 576, False), (("staged",), "auto", 576, False),
+                 (("staged",), "fp8_v4", 512, False), (("staged",), "fp8_ds_mla", 576, True)]:  # fmt: skip
         with pytest.raises(ValueError, match="_gluon_opts"):
             gs.gluon_opts_bits(*args)
     q = torch.randn(1, 64, 576).bfloat16()
@@ -284,14 +297,15 @@ def _run(H, T, K, block_size, kv_cache_dtype, device, lens=True, **kw):
 
 CACHE_DTYPES = ["auto", "fp8_ds_mla"]
 _MAIN = list(itertools.product([64, 128], [64, 100, 2048], [1, 64], CACHE_DTYPES))
-# the private variants (_gluon_opts): each V3.2 GPU test below runs the default and each variant ("nanpack" only
-# with the fp8_ds_mla cache: _opts_kw skips it on bf16 rows)
-GLUON_OPTS = [(), ("nanpack",), ("lazy",), ("nanpack", "lazy")]
+# the private variants (_gluon_opts): each V3.2 GPU test below runs the default and each variant ("nanpack" and
+# "staged" only with the fp8_ds_mla cache: _opts_kw skips them on bf16 rows)
+GLUON_OPTS = [(), ("nanpack",), ("lazy",), ("nanpack", "lazy"), ("staged",), ("staged", "nanpack")]
+_FP8_ONLY = ("nanpack", "staged")
 
 
 def _opts_kw(opts, kv_cache_dtype):
-    if "nanpack" in opts and kv_cache_dtype != "fp8_ds_mla":
-        pytest.skip("nanpack changes the fp8_ds_mla producer only")
+    if any(o in opts for o in _FP8_ONLY) and kv_cache_dtype != "fp8_ds_mla":
+        pytest.skip("nanpack / staged change the fp8_ds_mla path only")
     return {"_gluon_opts": opts} if opts else {}
 
 
@@ -317,7 +331,7 @@ def test_sparse_gluon_rows(heads, rows, kv_cache_dtype, opts, device):
 def test_sparse_gluon_masked_heads(heads, opts, device):
     # head counts that are not a multiple of 64: the last head block's rows past H are masked
     for kv_cache_dtype in CACHE_DTYPES:
-        if "nanpack" in opts and kv_cache_dtype != "fp8_ds_mla":
+        if any(o in opts for o in _FP8_ONLY) and kv_cache_dtype != "fp8_ds_mla":
             continue
         _run(heads, 37, 100, 64, kv_cache_dtype, device, **({"_gluon_opts": opts} if opts else {}))
 
@@ -352,6 +366,34 @@ def test_sparse_gluon_nan_in_selected_fp8_rows(opts, device):
     flat[s2, 600:602] = 0xFF
     q = torch.randn(3, 64, 576, device=device).bfloat16()
     _check(q, cache, idx, "fp8_ds_mla", **_opts_kw(opts, "fp8_ds_mla"))
+
+
+@_gpu_test
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("heads", [64, 128, 40])
+def test_sparse_gluon_staged_matches_default(heads, splits, device):
+    # "staged" dequantises in the consumers into the same bf16 operands the default producer writes, and runs the
+    # same MMAs and softmax on them: out and lse equal the default's bit for bit (invalid entries, lengths 0,
+    # NaN in every unused slot and in a few selected rows' bytes, the planner's splits and forced ones)
+    T, K = 37, 2048
+    cache = _cache(device, 4 * K // 64, 64, "fp8_ds_mla")
+    idx, ln = _indices(T, K, cache.shape[0] * 64, device, seed=3)
+    _poison_unused(cache, "fp8_ds_mla", idx, ln)
+    flat = cache.view(-1, 656)
+    row0 = idx[0][(idx[0] >= 0) & (idx[0] < flat.shape[0])]  # row 0 counts all K entries
+    s0, s1, s2 = (int(v) for v in row0[4:7])
+    flat[s0, 9] = 0x7F
+    flat[s1, 516:520] = 0xFF
+    flat[s2, 640:642] = 0xFF
+    q = torch.randn(T, heads, 576, device=device).bfloat16()
+    kw = dict(kv_cache_dtype="fp8_ds_mla", topk_length=ln, _kernel="gluon")
+    if splits:
+        kw["_num_splits_override"] = splits
+    a, la = openmla.sparse_mla(q, cache, idx, SCALE, **kw)
+    for opts in (("staged",), ("staged", "nanpack")):
+        b, lb = openmla.sparse_mla(q, cache, idx, SCALE, _gluon_opts=opts, **kw)
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+        torch.testing.assert_close(lb, la, atol=0, rtol=0)
 
 
 @_gpu_test

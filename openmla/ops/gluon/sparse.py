@@ -36,6 +36,15 @@ V4's were added (sm90 offline SASS, the loops' instruction counts unchanged).
 
 Shared memory: V3.2 Q 73,728 + 2 stages x 73,728 + P 8,192; V4 Q 65,536 + 2 x 65,536 + P 8,192 (+ barriers /
 reduction scratch) < 232,448 B.
+
+Private variant "staged" (fp8_ds_mla, ``_gluon_opts``): the producer (56 registers) only issues ``cp.async`` of the
+raw rows (16-byte e4m3 and rope pieces, 4-byte scales; invalid rows zero-filled) into 2 fp8 stages, completion by
+noinc arrives, so up to two tiles' rows (2 x 64 x 656 B) are in flight; the consumers (224 registers) dequantise a
+landed stage into ONE bf16 latent tile (the producer path's ``_dequant``: the same bf16 values) and clear the rope
+slot's NaN, fence, release the stage ("empty"), then run the same MMAs; P goes to the tile's rope slot once both
+warpgroups' scores are done, and the slot returns to the producer after P V ("free"). Shared memory: Q 73,728 + the
+bf16 tile 65,536 + 2 rope slots 16,384 + 2 fp8 stages x 33,792 (e4m3 32,768 + scales 1,024) = 223,232 (+ barriers /
+scratch); a separate P (8,192) would not fit with the 1,024 B static reserve.
 """
 
 from __future__ import annotations
@@ -82,8 +91,13 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 #   instruction a value, not FSETP + FSEL on each fp32); the same bf16 values (the fp32 product rounded to bf16)
 # "lazy": the consumers' lazy row max of decode_seesaw (moves only past LAZY_T), the O rescale skipped per warp by a
 #   vote when none of its rows' factors changed
-GLUON_OPTS = {"nanpack": 1, "lazy": 2}
-_FP8_ONLY_OPTS = 1
+# "staged" (fp8_ds_mla): the producer only cp.asyncs the raw rows (e4m3 bytes, scales, bf16 rope) into a ring of fp8
+#   staging stages (many rows in flight); the consumers dequantise each stage into ONE bf16 latent tile (the same bf16
+#   values), release it, then run the MMAs; P lives in the tile's rope slot (see _smem_bytes)
+GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4}
+_FP8_ONLY_OPTS = 1 | 4
+_STAGED = 4
+STAGED_PRODUCER_REGS = 56  # the staged producer only computes addresses (consumers 224, as with bf16 rows)
 _V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8 exponent bytes after the block's rows
 
 
@@ -101,13 +115,23 @@ def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool) -> in
     if bits and (d_qk != D_QK or has_extra):
         raise ValueError(f"_gluon_opts {tuple(opts)} cover V3.2 calls (q [T, H, {D_QK}], one source) only")
     if bits & _FP8_ONLY_OPTS and kv_cache_dtype != "fp8_ds_mla":
-        raise ValueError(f"_gluon_opts 'nanpack' changes the fp8_ds_mla producer; the cache is "
+        raise ValueError(f"_gluon_opts 'nanpack' / 'staged' change the fp8_ds_mla path; the cache is "
                          f"{kv_cache_dtype!r}")  # fmt: skip
     return bits
 
 
-def _smem_bytes(d_qk: int = D_QK) -> int:
-    """Shared memory of one program: Q + the bf16 ring + P + barriers / reduction scratch (an upper bound)."""
+def producer_regs(fmt: int, d_qk: int, opts: int = 0) -> int:
+    """The producer's setmaxnreg count for (cache format, row width, OPTS bits)."""
+    return STAGED_PRODUCER_REGS if opts & _STAGED else PRODUCER_REGS[(fmt, d_qk)]
+
+
+def _smem_bytes(d_qk: int = D_QK, opts: int = 0) -> int:
+    """Shared memory of one program: Q + the bf16 ring + P + barriers / reduction scratch (an upper bound).
+    "staged": Q + one bf16 latent tile + STAGES bf16 rope slots (P aliases the tile's slot once its scores are done)
+    + STAGES fp8 stages (64 x 512 e4m3 + 64 x 4 fp32 scales)."""
+    if opts & _STAGED:
+        return (BLOCK_H * D_QK * 2 + BLOCK_N * D_V * 2 + STAGES * BLOCK_N * D_R * 2
+                + STAGES * BLOCK_N * (D_V + 16) + 2048)  # fmt: skip
     return BLOCK_H * d_qk * 2 + STAGES * BLOCK_N * d_qk * 2 + BLOCK_H * BLOCK_N * 2 + 2048
 
 
@@ -284,6 +308,68 @@ if GLUON_AVAILABLE:
             fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
             gl.thread_barrier()  # the producer warps' stores are all done
             mbarrier.arrive(ready.index(stage), count=1)
+
+    @gluon.jit
+    def _gather_staged(kv, kv_f32, kv_b16, p_idx, lat8, sc8, rope, ready, empty, free, lo, hi, n_tiles, stride_kv_b,
+                       stride_kv_p, num_slots, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr):  # fmt: skip
+        """Producer, fp8_ds_mla rows, "staged": cp.async only (nothing waits in registers): a tile's e4m3 bytes (16
+        bytes a thread, [64, 512]) and fp32 scales (4 bytes, [4, 64]) into the fp8 stage once the consumers have
+        dequantised it ("empty"), its bf16 rope into the rope slot once the slot's P V is done ("free"; raw, the
+        consumers clear NaN); invalid rows zero-filled; each thread's copies complete "ready" (noinc arrive)."""
+        NW: gl.constexpr = gl.num_warps()
+        B8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])  # e4m3 bytes, [16, 128] a repeat
+        R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])  # rope bf16, [16, 64]
+        SC: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])  # scales [group, row], [4, 32]
+        ROW8: gl.constexpr = gl.SliceLayout(1, B8)
+        ROW16: gl.constexpr = gl.SliceLayout(1, R16)
+        ROWSC: gl.constexpr = gl.SliceLayout(0, SC)
+        o_b = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, B8)), 0)
+        o_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, R16)), 0)
+        o_g = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, SC)), 1)
+        # the scale rows [STAGES * 4, 64] (a 1-D layout: the consumers read rows) seen as [STAGES, 4, 64]
+        sc8_3 = sc8._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        for j in range(n_tiles):
+            stage = j % STAGES
+            phase = ((j // STAGES) & 1) ^ 1  # fresh barriers pass parity 1 at once
+            n0 = lo + j * BLOCK_N
+            slot, ok = _tile_slots(p_idx, n0, hi, num_slots, BLOCK_N, ROW8)
+            p_b = gl.expand_dims(kv + _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE), 1) + o_b
+            m2 = gl.expand_dims(ok, 1)
+            slot_s, ok_s = _tile_slots(p_idx, n0, hi, num_slots, BLOCK_N, ROWSC)
+            row_s = _row_offsets(slot_s, stride_kv_b, stride_kv_p, PAGE)
+            p_s = gl.expand_dims(kv_f32 + row_s // 4 + 128, 0) + o_g  # the 4 fp32 scales at byte 512
+            m_s = gl.expand_dims(ok_s, 0) & (o_g < 4)
+            slot_r, ok_r = _tile_slots(p_idx, n0, hi, num_slots, BLOCK_N, ROW16)
+            row_r = _row_offsets(slot_r, stride_kv_b, stride_kv_p, PAGE)
+            p_r = gl.expand_dims(kv_b16 + row_r // 2 + 264, 1) + o_r  # 64 bf16 at byte 528
+            m_r = gl.expand_dims(ok_r, 1)
+            mbarrier.wait(empty.index(stage), phase)
+            dst = lat8.index(stage)
+            for c in gl.static_range(4):
+                async_copy.async_copy_global_to_shared(dst.slice(c * 128, 128, dim=1), p_b + c * 128, mask=m2)
+            async_copy.async_copy_global_to_shared(sc8_3.index(stage), p_s, mask=m_s)
+            mbarrier.wait(free.index(stage), phase)
+            async_copy.async_copy_global_to_shared(rope.index(stage), p_r, mask=m_r)
+            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+
+    @gluon.jit
+    def _widen_staged(src8, sc, stage, lat, rope_s, NANPACK: gl.constexpr):
+        """Consumers, "staged": the landed fp8 stage (e4m3 [64, 512]; scales: rows ``4 stage + g`` of ``sc``
+        [STAGES * 4, 64]) -> the bf16 latent tile (``_dequant``: the producer path's values, NaN -> 0; zero-filled
+        rows give 0), and the rope slot's NaN -> 0 in place. 16 bytes a thread a load, a warp [8, 64] (a row per
+        thread: one scale; two rows' 16-byte pieces a quarter warp: 8 distinct bank groups through the fp8 stage's
+        and the bf16 tile's swizzles)."""
+        NW: gl.constexpr = gl.num_warps()
+        L8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])  # [64, 64] a repeat
+        R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        for c in gl.static_range(8):  # [64, 64] pieces (16 values a thread live): a scale group is two of them
+            if c % 2 == 0:
+                b_s = sc.index(stage * 4 + c // 2).load(gl.SliceLayout(1, L8))
+            b_q = src8.slice(c * 64, 64, dim=1).load(L8)
+            lat.slice(c * 64, 64, dim=1).store(_dequant(b_q, b_s, NANPACK))
+        b_r = rope_s.load(R16)
+        rope_s.store(gl.where(b_r != b_r, 0.0, b_r))
 
     @gluon.jit
     def _v4_scale(p_e, ok):
@@ -463,15 +549,17 @@ if GLUON_AVAILABLE:
             return acc * gl.expand_dims(b_a, 1)
 
     @gluon.jit
-    def _consumer(q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse, o_part, lse_part,
-                  rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_l_t, stride_cs,
-                  num_pos, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles, num_slots, e_num_slots, D_QK: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_EXTRA: gl.constexpr,
-                  HAS_SINK: gl.constexpr, HAS_ROPE: gl.constexpr, ROPE: gl.constexpr, FENCE: gl.constexpr,
-                  OPTS: gl.constexpr):  # fmt: skip
+    def _consumer(q, q_smem, lat, rope, p_smem, ready, empty, lat8, sc8, free, p_idx, p_eidx, sink, out, lse, o_part,
+                  lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_l_t,
+                  stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles, num_slots, e_num_slots,
+                  D_QK: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                  HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr, HAS_ROPE: gl.constexpr, ROPE: gl.constexpr,
+                  FENCE: gl.constexpr, OPTS: gl.constexpr):  # fmt: skip
         """The two consumer warpgroups: Q to shared memory, the online softmax over the ring's tiles, the epilogue
-        (OPTS: the private variants' bits; "lazy" 2)."""
+        (OPTS: the private variants' bits; "lazy" 2, "staged" 4: ``lat`` is the one bf16 tile, ``lat8`` / ``sc8``
+        the fp8 stages, P in ``rope``'s slot, ``free`` its release)."""
         LAZY: gl.constexpr = (OPTS & 2) != 0
+        STAGED: gl.constexpr = (OPTS & 4) != 0
         BLOCK_M: gl.constexpr = 64
         NW: gl.constexpr = gl.num_warps()
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -508,22 +596,38 @@ if GLUON_AVAILABLE:
             ok = _tile_ok(p_idx, p_eidx, lo + j * BLOCK_N, hi, n1, num_slots, e_num_slots, BLOCK_N, COL_S,
                           HAS_EXTRA)  # fmt: skip
             mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-            if FENCE:  # cp.async wrote the stage (generic proxy): order it before the wgmma reads
-                fence_async_shared()
-            k_lat = lat.index(stage)
+            if STAGED:  # dequantise the landed fp8 stage into the one bf16 tile, then hand the stage back at once
+                k_lat = lat.index(0)
+                _widen_staged(lat8.index(stage), sc8, stage, k_lat, rope.index(stage),
+                              (OPTS & 1) != 0)  # fmt: skip
+                fence_async_shared()  # generic-proxy writes before the wgmma reads
+                gl.thread_barrier()  # the whole tile is written; both warpgroups are done reading the fp8 stage
+                mbarrier.arrive(empty.index(stage), count=1)
+            else:
+                if FENCE:  # cp.async wrote the stage (generic proxy): order it before the wgmma reads
+                    fence_async_shared()
+                k_lat = lat.index(stage)
             b_s = _qk(q_smem, k_lat, rope.index(stage), s_zero, D_QK > 512)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
+            if STAGED:  # P overwrites the rope slot: both warpgroups' scores must be done
+                gl.thread_barrier()
+                p_tile = rope.index(stage)
+            else:
+                p_tile = p_smem
             b_p, b_alpha, b_m, b_lv, b_lc = _softmax_step(b_s, ok, b_m, b_lv, b_lc, scale_log2, ROW_L,
                                                           D_QK > 512, LAZY)  # fmt: skip
-            p_smem.store(b_p.to(gl.bfloat16))
+            p_tile.store(b_p.to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()  # each warpgroup reads all of P
 
             acc = _rescale(acc, b_alpha, ROW_O, LAZY)
-            acc = warpgroup_mma(p_smem, k_lat, acc, is_async=True)
+            acc = warpgroup_mma(p_tile, k_lat, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             gl.thread_barrier()  # both warpgroups are done with this stage and with P
-            mbarrier.arrive(empty.index(stage), count=1)  # the producer may refill it
+            if STAGED:
+                mbarrier.arrive(free.index(stage), count=1)  # the producer may refill the rope slot (P's)
+            else:
+                mbarrier.arrive(empty.index(stage), count=1)  # the producer may refill it
 
         # epilogue: natural-log LSE of the scaled scores (sink-free), -inf and zeros for a row with no key
         if D_QK > 512:
@@ -641,35 +745,74 @@ if GLUON_AVAILABLE:
 
         SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.bfloat16)
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, 64, 64], SW)
-        lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], SW)
-        if D_QK > 512:
-            rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SW)
-        else:
-            rope = lat  # no rope columns (V4): never read
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK_N], P_SMEM)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        STAGED: gl.constexpr = (OPTS & 4) != 0
         PW: gl.constexpr = 4  # producer warps (one warpgroup)
-        for st in gl.static_range(STAGES):
-            # bf16: one noinc cp.async arrive per producer thread; fp8: one arrive after the partition barrier
-            mbarrier.init(ready.index(st), count=PW * 32 if FMT == 0 else 1)
-            mbarrier.init(empty.index(st), count=1)
-        fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
+        if STAGED:
+            # "staged": ONE bf16 latent tile, STAGES rope slots (P aliases one once its scores are done) and STAGES
+            # fp8 stages (raw e4m3 rows; odd rows swap their 64-byte halves, so the consumers' 16-byte loads of two
+            # rows' 64 bytes each hit distinct banks, as do the producer's cp.async of a row's 128 bytes)
+            gl.static_assert(FMT == 1 and D_QK == 576 and not HAS_EXTRA, "staged: V3.2 fp8_ds_mla, one source")
+            F8: gl.constexpr = gl.SwizzledSharedLayout(64, 1, 2, order=[1, 0])
+            F1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, 64, 64], SW)
+            lat = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, 512], SW)
+            rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SW)
+            lat8 = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], F8)
+            sc8 = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], F1)  # [stage, group] rows of scales
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for st in gl.static_range(STAGES):
+                mbarrier.init(ready.index(st), count=PW * 32)  # one noinc cp.async arrive per producer thread
+                mbarrier.init(empty.index(st), count=1)  # the fp8 stage dequantised
+                mbarrier.init(free.index(st), count=1)  # the rope slot (and P) done with
+            fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
 
-        gl.warp_specialize([
-            (_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse, o_part, lse_part,
-                         rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_l_t,
-                         stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles, num_slots, e_num_slots, D_QK,
-                         BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA, HAS_SINK, HAS_ROPE, ROPE, FMT == 0, OPTS)),
-            (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi,
-                         n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
-                         PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA, OPTS)),
-        ], [PW], [PRODUCER_REGS])  # fmt: skip
+            gl.warp_specialize([
+                (_consumer, (q, q_smem, lat, rope, rope, ready, empty, lat8, sc8, free, p_idx, p_eidx, sink, out, lse,
+                             o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t,
+                             stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles,
+                             num_slots, e_num_slots, D_QK, BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA, HAS_SINK, HAS_ROPE,
+                             ROPE, False, OPTS)),
+                (_gather_staged, (kv, kv_f32, kv_b16, p_idx, lat8, sc8, rope, ready, empty, free, lo, hi, n_tiles,
+                                  stride_kv_b, stride_kv_p, num_slots, PAGE, BLOCK_N, STAGES)),
+            ], [PW], [PRODUCER_REGS])  # fmt: skip
 
-        for st in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(st))
-            mbarrier.invalidate(empty.index(st))
+            for st in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(st))
+                mbarrier.invalidate(empty.index(st))
+                mbarrier.invalidate(free.index(st))
+        else:
+            q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, 64, 64], SW)
+            lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], SW)
+            if D_QK > 512:
+                rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SW)
+            else:
+                rope = lat  # no rope columns (V4): never read
+            p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK_N], P_SMEM)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for st in gl.static_range(STAGES):
+                # bf16: one noinc cp.async arrive per producer thread; fp8: one arrive after the partition barrier
+                mbarrier.init(ready.index(st), count=PW * 32 if FMT == 0 else 1)
+                mbarrier.init(empty.index(st), count=1)
+            fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
+
+            gl.warp_specialize([
+                (_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, lat, lat, empty, p_idx, p_eidx, sink, out,
+                             lse, o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t,
+                             stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles,
+                             num_slots, e_num_slots, D_QK, BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA, HAS_SINK, HAS_ROPE,
+                             ROPE, FMT == 0, OPTS)),
+                (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo,
+                             hi, n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots,
+                             e_num_slots, PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA,
+                             OPTS)),
+            ], [PW], [PRODUCER_REGS])  # fmt: skip
+
+            for st in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(st))
+                mbarrier.invalidate(empty.index(st))
 
 
 def gluon_sparse_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, kv_cache_dtype: str, d_v: int, *,
@@ -719,8 +862,9 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
 
     fmt = _FORMATS[kv_cache_dtype]
     T, H, d_qk = q.shape
-    if _smem_bytes(d_qk) > SMEM_LIMIT:  # pragma: no cover - a constant check
-        raise ValueError(f"the Gluon sparse kernel needs {_smem_bytes(d_qk)} B of shared memory (> {SMEM_LIMIT})")
+    if _smem_bytes(d_qk, opts) > SMEM_LIMIT:  # pragma: no cover - a constant check
+        raise ValueError(f"the Gluon sparse kernel needs {_smem_bytes(d_qk, opts)} B of shared memory "
+                         f"(> {SMEM_LIMIT})")  # fmt: skip
     n_hb = triton.cdiv(H, BLOCK_H)
     has_extra = extra_kv_cache is not None
     views, stride_b, stride_p = _cache_views(kv_cache, fmt)
@@ -742,5 +886,5 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
         NUM_SPLITS=num_splits, HAS_LEN=lens is not None, HAS_EXTRA=has_extra,
         E_HAS_LEN=has_extra and extra_topk_length is not None, HAS_SINK=sink is not None,
         HAS_ROPE=inv_rope is not None, ROPE=rope_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, FP8_PASSES=FP8_PASSES,
-        PRODUCER_REGS=PRODUCER_REGS[(fmt, d_qk)], num_warps=NUM_WARPS, **({"OPTS": opts} if opts else {}),
+        PRODUCER_REGS=producer_regs(fmt, d_qk, opts), num_warps=NUM_WARPS, **({"OPTS": opts} if opts else {}),
     )  # fmt: skip
