@@ -14,9 +14,9 @@ from openmla.device import INTERPRET
 from openmla.ops.gluon import sparse as gs
 from openmla.ops.gluon.decode import SMEM_LIMIT
 from openmla.reference import ds_mla_row_ref, sparse_mla_ref
-from openmla.reference.v4 import rope_cache_ref, v4_block_bytes, v4_encode_blocks_ref
+from openmla.reference.v4 import rope_cache_ref, v4_block_bytes
 from openmla.utils.sm90_report import run_report_script
-from openmla.utils.testing import TOLERANCES, assert_close
+from openmla.utils.testing import TOLERANCES, assert_close, random_v4_cache
 
 SCALE = 576**-0.5
 INF = float("inf")
@@ -431,21 +431,8 @@ def _used(idx, lens, num_slots):
 
 
 def _v4_cache(device, num_blocks, block_size, kv_cache_dtype, used, seed):
-    """A V4 cache whose slots ``used`` hold random rows (~N(0, 1), a few groups scaled to spread the UE8M0 exponents);
-    every other slot is NaN (bf16) or 0xFF bytes (fp8_v4: NaN e4m3, exponent 255, NaN rope): never to be read."""
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.randn(len(used), 512, generator=g)
-    rows[:, 64:128] *= 1e-3
-    rows[:, 256:320] *= 4.0
-    if kv_cache_dtype == "auto":
-        cache = torch.full((num_blocks * block_size, 512), float("nan"), dtype=torch.bfloat16)
-        cache[used] = rows.bfloat16()
-        return cache.view(num_blocks, block_size, 512).to(device)
-    host = openmla.allocate_v4_cache(num_blocks, block_size, fill=0xFF, device="cpu")
-    v4_encode_blocks_ref(v4_block_bytes(host), block_size, used, rows)
-    cache = openmla.allocate_v4_cache(num_blocks, block_size, fill=0xFF, device=device)
-    v4_block_bytes(cache).copy_(v4_block_bytes(host))
-    return cache
+    """openmla.utils.testing.random_v4_cache from a seed."""
+    return random_v4_cache(num_blocks, block_size, kv_cache_dtype, used, device, torch.Generator().manual_seed(seed))
 
 
 def _v4_run(H, T, kv_cache_dtype, device, *, K=128, K2=512, bs=256, e_bs=64, lens=True, elens=True, extra=True,

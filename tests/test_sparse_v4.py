@@ -16,9 +16,8 @@ from openmla.reference.v4 import (
     rope_rows_ref,
     swa_indices_ref,
     v4_block_bytes,
-    v4_encode_blocks_ref,
 )
-from openmla.utils.testing import TOLERANCES, assert_close, on_gpu, pick
+from openmla.utils.testing import TOLERANCES, assert_close, on_gpu, pick, random_v4_cache
 
 SCALE = 512**-0.5
 INF = float("inf")
@@ -31,23 +30,6 @@ _LSE_TOL = {"auto": (1e-3, 1e-3, 1e-6), "fp8_v4": (1e-2, 1e-3, 1e-6)}
 def _rope_table(num_pos=64):
     """V4's [cos | sin] table for 64 rope dims (fp32, transformers' angles)."""
     return rope_cache_ref(1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)), num_pos)
-
-
-def _cache(num_blocks, block_size, kv_cache_dtype, used, device, gen):
-    """A V4 cache whose slots ``used`` hold random rows (~N(0, 1), a few groups scaled to spread the UE8M0
-    exponents); every other byte is NaN (0xFF in fp8_v4, NaN in bf16): those slots must never be read."""
-    rows = torch.randn(len(used), 512, generator=gen)
-    rows[:, 64:128] *= 1e-3
-    rows[:, 256:320] *= 4.0
-    if kv_cache_dtype == "auto":
-        cache = torch.full((num_blocks * block_size, 512), float("nan"), dtype=torch.bfloat16)
-        cache[used] = rows.bfloat16()
-        return cache.view(num_blocks, block_size, 512).to(device)
-    host = openmla.allocate_v4_cache(num_blocks, block_size, fill=0xFF, device="cpu")
-    v4_encode_blocks_ref(v4_block_bytes(host), block_size, used, rows)
-    cache = openmla.allocate_v4_cache(num_blocks, block_size, fill=0xFF, device=device)
-    v4_block_bytes(cache).copy_(v4_block_bytes(host))
-    return cache
 
 
 def _block_table(seq_lens, block_size, gen, extra_blocks=2):
@@ -87,8 +69,8 @@ def _scenario(seq_lens, qlens, window, ratio, topk, swa_bs, cmp_bs, kv_cache_dty
         eidx, elens = hca_indices_ref(qsl, seq_lens, ebt, cmp_bs, ratio, topk, T, is_valid)
     used = torch.unique(idx[idx >= 0]).long()
     e_used = torch.unique(eidx[eidx >= 0]).long()
-    cache = _cache(nb, swa_bs, kv_cache_dtype, used, device, g)
-    ecache = _cache(enb, cmp_bs, kv_cache_dtype, e_used, device, g)
+    cache = random_v4_cache(nb, swa_bs, kv_cache_dtype, used, device, g)
+    ecache = random_v4_cache(enb, cmp_bs, kv_cache_dtype, e_used, device, g)
     positions = torch.cat([torch.arange(int(s) - q, int(s)) for s, q in zip(seq_lens.tolist(), qlens)])
     d = {"idx": idx, "lens": lens, "eidx": eidx, "elens": elens}
     d = {k: v.to(device) for k, v in d.items()}
@@ -201,7 +183,7 @@ def test_sparse_v4_random_configs(seed, device):
         lens = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32)
         counted = torch.arange(K)[None, :] < lens[:, None]
         used = torch.unique(idx[counted & (idx >= 0) & (idx < n)]).long()
-        return _cache(blocks, bs, kv_dtype, used, device, g), idx, lens
+        return random_v4_cache(blocks, bs, kv_dtype, used, device, g), idx, lens
 
     kv_dtype = ["fp8_v4", "auto"][r(0, 1)]
     T, H = r(1, pick(5, 40)), r(1, pick(24, 128))

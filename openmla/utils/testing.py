@@ -83,3 +83,24 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, atol: float, r
     cd = _cos_diff(r, o)
     if cd > cos_tol:
         raise AssertionError(f"{name}: cosine difference {cd:.3e} > {cos_tol}")
+
+
+def random_v4_cache(num_blocks: int, block_size: int, kv_cache_dtype: str, used, device, gen: torch.Generator):
+    """A V4 cache (tests) whose slots ``used`` hold random rows (~N(0, 1), two groups scaled by 1e-3 and 4 to spread
+    the UE8M0 exponents); every other slot is NaN (bf16 "auto") or 0xFF bytes (fp8_v4: NaN e4m3, exponent 255, NaN
+    rope), which a kernel must never read."""
+    from openmla.ops.cache_v4 import allocate_v4_cache
+    from openmla.reference.v4 import v4_block_bytes, v4_encode_blocks_ref
+
+    rows = torch.randn(len(used), 512, generator=gen)
+    rows[:, 64:128] *= 1e-3
+    rows[:, 256:320] *= 4.0
+    if kv_cache_dtype == "auto":
+        cache = torch.full((num_blocks * block_size, 512), float("nan"), dtype=torch.bfloat16)
+        cache[used] = rows.bfloat16()
+        return cache.view(num_blocks, block_size, 512).to(device)
+    host = allocate_v4_cache(num_blocks, block_size, fill=0xFF, device="cpu")
+    v4_encode_blocks_ref(v4_block_bytes(host), block_size, used, rows)
+    cache = allocate_v4_cache(num_blocks, block_size, fill=0xFF, device=device)
+    v4_block_bytes(cache).copy_(v4_block_bytes(host))
+    return cache
