@@ -19,6 +19,19 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return c if math.isfinite(c) else 0.0
 
 
+def add_variant(ctx: BenchContext, fns: dict, name: str, fn, ref: torch.Tensor, got: torch.Tensor, where) -> None:
+    """Run a variant ``fn`` (writing ``got``) once; keep it as provider ``fns[name]`` when it runs, with a note when
+    its output is off the default's ``ref`` (cosine < 0.9999) or when it is refused or fails (its row stays empty)."""
+    try:
+        fn()
+        c = cosine(ref, got)
+        if c < 0.9999:
+            ctx.note(f"# {name} vs the default at {where}: cosine {c:.6f}")
+        fns[name] = fn
+    except Exception as exc:
+        ctx.note(f"# {name} failed at {where}: {type(exc).__name__}: {exc}".splitlines()[0])
+
+
 class BenchContext:
     """The run as a family sees it.
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 import openmla
-from openmla.bench.context import BenchContext, cosine
+from openmla.bench.context import BenchContext, add_variant, cosine
 from openmla.utils.perf import decode_bytes, decode_flops
 
 OP = "sparse_mla"
@@ -214,14 +214,7 @@ def run(shape: SparseShape, ctx: BenchContext) -> list[dict]:
             openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype=kv_dtype, out=out_g, lse=lse_g,
                                _kernel=shape.kernel, **priv_g)  # fmt: skip
 
-        try:
-            other()
-            c = cosine(out, out_g)
-            if c < 0.9999:
-                ctx.note(f"# {name} vs the default at {shape}: cosine {c:.6f}")
-            fns[name] = other
-        except Exception as exc:  # refused or failed: its row stays empty
-            ctx.note(f"# {name} failed at {shape}: {type(exc).__name__}: {exc}".splitlines()[0])
+        add_variant(ctx, fns, name, other, out, out_g, shape)
     fm = ctx.peer("flash_mla")
     if fm is not None:
         try:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from openmla import allocate_v4_cache, concat_and_cache_v4, gather_cache_v4, sparse_mla
-from openmla.bench.context import BenchContext, cosine
+from openmla.bench.context import BenchContext, add_variant, cosine
 from openmla.bench.sparse import parse_tuning
 from openmla.utils.perf import decode_bytes
 
@@ -195,14 +195,7 @@ def _add_kernel(shape: V4AttnShape, ctx: BenchContext, fns: dict, call, out: tor
     def other():
         call(out_k, lse_k, _kernel=shape.kernel)
 
-    try:
-        other()
-        c = cosine(out, out_k)
-        if c < 0.9999:
-            ctx.note(f"# {shape.kernel} vs the default at {shape}: cosine {c:.6f}")
-        fns[shape.kernel] = other
-    except Exception as exc:  # refused or failed: its row stays empty
-        ctx.note(f"# {shape.kernel} failed at {shape}: {type(exc).__name__}: {exc}".splitlines()[0])
+    add_variant(ctx, fns, shape.kernel, other, out, out_k, shape)
 
 
 def _run_decode(shape: V4AttnShape, ctx: BenchContext) -> list[dict]:
