@@ -219,8 +219,14 @@ def test_decode_variant_specs():
                                                                     "_item_cost": 0}}  # fmt: skip
     assert decode.parse_variant("gluon+spans0") == {"plan": {"_spans": False}, "backend": "gluon"}
     assert decode.parse_variant("reduce+minsplit512") == {"plan": {"_min_split": 512}, "reduce": True}
+    assert decode.parse_variant("pair+spans1+spanscut") == {"plan": {"_spans": True, "_spans_mode": "cut"},
+                                                            "variant": "pair"}  # fmt: skip
+    assert decode.parse_variant("spanssnap") == {"plan": {"_spans_mode": "snap"}}
+    assert decode.parse_variant("spans1+cutcost0") == {"plan": {"_spans": True, "_span_cut": 0}}
+    assert decode.parse("h64 b128 s8192 q1 pair+spans1+spanscut").variants == ("pair+spans1+spanscut",)
     for bad in ("spans0+spans1", "gluon+triton", "pair+triton", "reduce+pair", "split1024+minsplit64", "openmla",
-                "split", "maxsplitx", "tile32x8x2", "pair+pair"):  # fmt: skip
+                "split", "maxsplitx", "tile32x8x2", "pair+pair", "spanscut+spanssnap", "spans0+spanscut",
+                "spans0+cutcost2", "spanssnap+cutcost2", "cutcost", "spanscut1"):  # fmt: skip
         with pytest.raises(ValueError):
             decode.parse_variant(bad)
         with pytest.raises(ValueError):
@@ -228,6 +234,7 @@ def test_decode_variant_specs():
     with pytest.raises(ValueError):
         decode.parse("h2 b1 s16 pair pair")  # one provider a name
     assert all(decode.parse(x).variants for x in decode.PRESETS["issue34"][:4])
+    assert "pair+spans1+spanscut" in decode.parse(decode.PRESETS["issue34"][3]).variants
 
 
 def test_decode_variant_run():

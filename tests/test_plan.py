@@ -1,5 +1,6 @@
-"""``plan_decode``'s private tuning overrides (``_min_split``, ``_max_split``, ``_item_cost``, ``_slots``; used by
-``openmla bench``): honoured, validated, and the defaults unchanged."""
+"""``plan_decode``'s private tuning overrides (``_min_split``, ``_max_split``, ``_item_cost``, ``_slots``, and the
+spanning schedule's ``_spans_mode`` / ``_span_cut``; used by ``openmla bench``): honoured, validated, and the defaults
+unchanged."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 import openmla
 from openmla.ops import plan as P
+from openmla.ops.plan_spans import SPAN_CUT, plan_spans_ref
 from openmla.utils.testing import suite_device
 
 
@@ -68,3 +70,50 @@ def test_defaults_unchanged(monkeypatch):
         if dev.type == "cpu":  # the interpreter's tiling (16-key tiles): both change this plan
             assert _fields(moved) != _fields(base), const
     assert _fields(openmla.plan_decode(sl, qsl, 16, num_sms=1)) == _fields(base)
+
+
+def _span_groups(spans):
+    """Per group, its items ``(request, kv_lo, kv_hi)`` (as ``plan_spans_ref`` gives them)."""
+    gi = spans.group_indptr.tolist()
+    req, lo, hi = (x.tolist() for x in (spans.work_req, spans.work_lo, spans.work_hi))
+    return [[(req[i], lo[i], hi[i]) for i in range(gi[g], gi[g + 1])] for g in range(spans.num_groups)]
+
+
+def test_spans_overrides_honoured():
+    """h64 q1 (64-row tiles, one reader) on 8 groups: 4 equal requests snap under "auto" (4 of 8 groups), "cut" and
+    a zero cut cost spread them over all 8; None is "auto" with ``SPAN_CUT``, and the split plan stays as it was."""
+    dev = suite_device()
+    lens = [1024] * 4
+    sl, qsl = _batch(lens, dev)
+    kw = dict(num_sms=8, _spans=True)
+    base = openmla.plan_decode(sl, qsl, 64, **kw)
+    assert base.spans is not None and base.spans.num_groups == 8
+    snap = plan_spans_ref(lens, [1] * 4, 8, "snap")
+    cut = plan_spans_ref(lens, [1] * 4, 8, "cut")
+    assert snap != cut and sum(map(bool, snap)) == 4 and sum(map(bool, cut)) == 8
+    assert _span_groups(base.spans) == snap == plan_spans_ref(lens, [1] * 4, 8, "auto", SPAN_CUT)
+    for extra, want in ((dict(_spans_mode=None, _span_cut=None), snap), (dict(_spans_mode="auto"), snap),
+                        (dict(_span_cut=SPAN_CUT), snap), (dict(_spans_mode="snap"), snap),
+                        (dict(_spans_mode="cut"), cut), (dict(_span_cut=0), cut),
+                        (dict(_spans_mode="auto", _span_cut=0), cut)):  # fmt: skip
+        plan = openmla.plan_decode(sl, qsl, 64, **kw, **extra)
+        assert _span_groups(plan.spans) == want, extra
+        assert _fields(plan) == _fields(base), extra  # the split plan does not depend on the spans mode
+    # out= rewrites the schedule in place with the new mode
+    again = openmla.plan_decode(sl, qsl, 64, **kw, _spans_mode="cut", out=base)
+    assert again.spans is base.spans and _span_groups(base.spans) == cut
+    # where the plan has no spanning schedule (no 64-row tiles) the mode changes nothing
+    small = openmla.plan_decode(sl, qsl, 16, num_sms=8, _spans_mode="cut")
+    assert small.spans is None and _fields(small) == _fields(openmla.plan_decode(sl, qsl, 16, num_sms=8))
+
+
+def test_spans_overrides_validated():
+    dev = suite_device()
+    sl, qsl = _batch([300, 20], dev)
+    for kw, match in ((dict(_spans_mode="cutt"), "_spans_mode"), (dict(_spans_mode=1), "_spans_mode"),
+                      (dict(_span_cut=-1), "_span_cut"), (dict(_span_cut=1.5), "_span_cut"),
+                      (dict(_span_cut=True), "_span_cut"), (dict(_spans=False, _spans_mode="cut"), "_spans=False"),
+                      (dict(_spans=False, _span_cut=2), "_spans=False"),
+                      (dict(_spans_mode="snap", _span_cut=2), "'auto' only")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            openmla.plan_decode(sl, qsl, 64, _spans=kw.pop("_spans", True), **kw)

@@ -15,10 +15,11 @@ Tuning (issue 34): any further field is a variant, timed as its own provider (na
 in the same rounds, on the same inputs, into its own buffers, its ``check`` the cosine against the default's output.
 A variant is settings joined by ``+``: ``triton`` / ``gluon`` (``mla_decode``'s backend), ``seesaw`` / ``pair`` (that
 Gluon kernel, forced), ``spans0`` / ``spans1`` (``plan_decode``'s ``_spans``: pair runs the spanning schedule where the
-plan has one), ``minsplit<N>``, ``maxsplit<N>``, ``split<N>`` (both), ``itemcost<N>``, ``slots<N>`` (the planner's
-constants for this variant's plan: ``plan_decode``'s ``_min_split`` etc.), ``reduce`` (the reduce kernel alone, on
-that variant's plan, after one full call: meaningful where the default path runs a reduce).
-Example: ``h128 b32 s4096 q1 pair pair+spans1 reduce``.
+plan has one), ``spanscut`` / ``spanssnap`` (``_spans_mode``: that schedule always cut / snapped), ``cutcost<N>``
+(``_span_cut``: "auto"'s cut cost in units for ``SPAN_CUT``), ``minsplit<N>``, ``maxsplit<N>``, ``split<N>`` (both),
+``itemcost<N>``, ``slots<N>`` (the planner's constants for this variant's plan: ``plan_decode``'s ``_min_split``
+etc.), ``reduce`` (the reduce kernel alone, on that variant's plan, after one full call: meaningful where the default
+path runs a reduce). Example: ``h128 b32 s4096 q1 pair pair+spans1 reduce``.
 """
 
 from __future__ import annotations
@@ -56,17 +57,22 @@ PRESETS = {
     "tiny": ["h2 b2 s70 q1", "h4 b3 s50~30 q2", "h2 b2 s40 q1 fp8"],  # CPU (interpreter)
     # issue 34's weak shapes with the alternatives the plan analysis points at, b132 probes (is a b128 s8k batch on
     # 128 of 132 SMs limited by the SMs or by HBM?) and the shapes that are ahead (pair at b1: the rule "pair for
-    # 2+ readers at any batch" must keep it); about 4-5 minutes on an H200 with FlashMLA
+    # 2+ readers at any batch" must keep it); about 4-5 minutes on an H200 with FlashMLA. The h64 b128 spanning
+    # schedule snaps (128 of 132 groups): spanscut fills the 4 idle SMs (at h128 b32 "auto" already cuts; h32 / h16
+    # plan 32- / 16-row tiles, which get no spanning schedule)
     "issue34": ["h128 b32 s4096 q1 pair pair+spans1 reduce", "h128 b8 s4096 q1 pair pair+spans1 reduce",
                 "h16 b128 s8192~4096 q1 maxsplit4096 maxsplit2048 maxsplit1024 gluon reduce",
-                "h64 b128 s8192 q1 pair pair+spans1", "h64 b132 s8192 q1", "h32 b128 s8192 q1 pair",
-                "h16 b128 s8192 q1 gluon", "h16 b132 s8192 q1", "h128 b128 s8192 q1", "h128 b128 s8192 q2",
-                "h128 b1 s32768 q1 pair pair+spans1", "h16 b1 s32768 q1"],
+                "h64 b128 s8192 q1 pair pair+spans1 pair+spans1+spanscut", "h64 b132 s8192 q1",
+                "h32 b128 s8192 q1 pair", "h16 b128 s8192 q1 gluon", "h16 b132 s8192 q1", "h128 b128 s8192 q1",
+                "h128 b128 s8192 q2", "h128 b1 s32768 q1 pair pair+spans1", "h16 b1 s32768 q1"],
 }  # fmt: skip
 
 # variant settings: (pattern, what it sets); plan settings become plan_decode's private keywords
 _PLAN_INTS = {"minsplit": ("_min_split",), "maxsplit": ("_max_split",), "split": ("_min_split", "_max_split"),
-              "itemcost": ("_item_cost",), "slots": ("_slots",)}  # fmt: skip
+              "itemcost": ("_item_cost",), "slots": ("_slots",), "cutcost": ("_span_cut",)}  # fmt: skip
+# the spanning schedule's switches: field -> (plan_decode keyword, value)
+_PLAN_FLAGS = {"spans0": ("_spans", False), "spans1": ("_spans", True), "spanscut": ("_spans_mode", "cut"),
+               "spanssnap": ("_spans_mode", "snap")}  # fmt: skip
 _RESERVED = ("openmla", "flashmla", "before")  # provider names taken
 
 
@@ -109,8 +115,8 @@ def parse_variant(tok: str) -> dict:
             key, val = "backend", part
         elif part in ("seesaw", "pair"):
             key, val = "variant", part
-        elif part in ("spans0", "spans1"):
-            key, val = "_spans", part == "spans1"
+        elif part in _PLAN_FLAGS:
+            key, val = _PLAN_FLAGS[part]
         elif part == "reduce":
             key, val = "reduce", True
         elif name in _PLAN_INTS and num:
@@ -121,10 +127,15 @@ def parse_variant(tok: str) -> dict:
             raise ValueError(part)  # set twice
         if key in _PLAN_INTS:
             got["plan"].update(dict.fromkeys(_PLAN_INTS[key], val))
-        elif key == "_spans":
-            got["plan"]["_spans"] = val
+        elif key.startswith("_"):
+            got["plan"][key] = val
         else:
             got[key] = val
+    sp = got["plan"]
+    if (sp.get("_spans") is False and ("_spans_mode" in sp or "_span_cut" in sp)) or (
+        "_span_cut" in sp and "_spans_mode" in sp
+    ):
+        raise ValueError(tok)  # a mode or cut cost without the schedule; a cut cost where the mode is forced
     gluon_on_triton = "variant" in got and got.get("backend") == "triton"
     if gluon_on_triton or (got.get("reduce") and ("backend" in got or "variant" in got)):
         raise ValueError(tok)  # a Gluon kernel on the Triton backend; the reduce alone times no split kernel
@@ -154,8 +165,8 @@ def parse(spec: str) -> DecodeShape:
     except (ValueError, TypeError, IndexError):
         raise ValueError(f"bad decode shape {spec!r}: want 'h<heads> b<batch> s<keys>|s<mean>~<std>|s<lo>..<hi> "
                          "[q<qlen>] [bf16|fp8] [variant ...]', a variant being settings joined by '+': triton, "
-                         "gluon, seesaw, pair, spans0, spans1, minsplit<N>, maxsplit<N>, split<N>, itemcost<N>, "
-                         "slots<N>, reduce") from None  # fmt: skip
+                         "gluon, seesaw, pair, spans0, spans1, spanscut, spanssnap, cutcost<N>, minsplit<N>, "
+                         "maxsplit<N>, split<N>, itemcost<N>, slots<N>, reduce") from None  # fmt: skip
     if min(shape.h, shape.b, shape.s, shape.q) < 1 or shape.q > 16 or (shape.lo and not 1 <= shape.lo <= shape.s):
         raise ValueError(f"bad decode shape {spec!r}: sizes must be >= 1, qlen <= 16, lo <= hi")
     return shape

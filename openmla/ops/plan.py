@@ -24,6 +24,7 @@ import triton.language as tl
 
 from openmla.device import INTERPRET
 from openmla.ops._validate import capturing, check_index, check_positive_ints
+from openmla.ops.plan_spans import _MODES as _SPAN_MODES
 from openmla.ops.plan_spans import DecodeSpans, plan_spans
 
 __all__ = ["DecodePlan", "plan_decode"]
@@ -267,6 +268,8 @@ def plan_decode(
     _max_split: int | None = None,
     _item_cost: int | None = None,
     _slots: int | None = None,
+    _spans_mode: str | None = None,
+    _span_cut: int | None = None,
 ) -> DecodePlan:
     r"""Plan the split-KV decode of a (ragged) batch.
 
@@ -294,6 +297,10 @@ def plan_decode(
             both equal: that split length), a work item's fixed cost in tokens, and the work items that run at once,
             in place of ``_MIN_SPLIT`` / ``_MIN_SPLIT_64_ROWS``, ``tiling.max_split``, ``_ITEM_COST`` and the
             tiling's slots. None (default): the planner's own.
+        _spans_mode (str | None), _span_cut (int | None): tuning only (``openmla bench``): the spanning schedule's
+            mode ("auto", "cut" or "snap") and, for "auto", a cut's cost in units in place of ``SPAN_CUT``
+            (:func:`openmla.ops.plan_spans.plan_spans`), where the plan has that schedule. None (default): "auto",
+            ``SPAN_CUT``.
 
     Returns:
         DecodePlan: the schedule (see its attributes).
@@ -332,6 +339,7 @@ def plan_decode(
     if (_min_split, _max_split, _item_cost, _slots) != (None,) * 4:  # tuning overrides (bench), checked here
         slots, min_split, max_split, item_cost = _tuning(tiling, slots, min_split, _min_split, _max_split,
                                                          _item_cost, _slots)  # fmt: skip
+    _check_spans_tuning(_spans, _spans_mode, _span_cut)
     # splits are at most max_split long, so a batch of long requests may need more than slots
     capacity = B + max(slots, B * triton_cdiv(max_seq_len, max_split))
 
@@ -368,7 +376,8 @@ def plan_decode(
     if _spans_wanted(tiling, kv_cache_dtype, programs_per_split, B, num_sms, dev, _spans):
         groups = num_sms // programs_per_split
         reuse = out.spans if out is not None and out.spans is not None and out.spans.num_groups == groups else None
-        spans = plan_spans(seq_lens, query_start_loc, groups, programs_per_split, capacity, out=reuse)
+        spans = plan_spans(seq_lens, query_start_loc, groups, programs_per_split, capacity, out=reuse,
+                           mode=_spans_mode or "auto", cut_cost=_span_cut)  # fmt: skip
     if spans is not plan.spans:
         plan = dataclasses.replace(plan, spans=spans)
     if B:
@@ -403,6 +412,19 @@ def _tuning(tiling: DecodeTiling, slots: int, min_split: int, new_min: int | Non
         max_split = new_max
     return (slots if new_slots is None else new_slots, min_split if new_min is None else new_min, max_split,
             _ITEM_COST if new_cost is None else new_cost)  # fmt: skip
+
+
+def _check_spans_tuning(force: bool | None, mode: str | None, cut: int | None) -> None:
+    """ValueError on spanning-schedule overrides that are invalid or would change nothing (the schedule switched
+    off; a cut cost where the mode is forced: only "auto" weighs it)."""
+    if mode is not None and (not isinstance(mode, str) or mode not in _SPAN_MODES):
+        raise ValueError(f"_spans_mode must be one of {tuple(_SPAN_MODES)}; got {mode!r}")
+    if cut is not None and (not isinstance(cut, int) or isinstance(cut, bool) or cut < 0):
+        raise ValueError(f"_span_cut must be an int >= 0; got {cut!r}")
+    if force is False and (mode, cut) != (None, None):
+        raise ValueError("_spans_mode / _span_cut need the spanning schedule; got _spans=False")
+    if cut is not None and mode not in (None, "auto"):
+        raise ValueError(f"_span_cut applies to _spans_mode 'auto' only; got {mode!r}")
 
 
 def triton_cdiv(a: int, b: int) -> int:
