@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: environment, `openmla bench`, then the GPU test set. Logs and bench output go to $OUT (or ./out).
-# usage: bash benchmarks/gpu_run.sh [bench|tests|tests1|tests2|tests3|all|ab|ab-copy] [pytest args...]
-#   tests [pytest args] (default: the whole suite); tests1/2/3: the GPU suite in three parts of ~430 tests (one
-#   device call each; ~1.3 tests/s with -n 14 on the H200). Every tests mode: -v, -n $TEST_WORKERS (14), per-test
+# usage: bash benchmarks/gpu_run.sh [bench|tests|tests1|tests2|tests3|tests4|all|ab|ab-copy] [pytest args...]
+#   tests [pytest args] (default: the whole suite); tests1/2/3/4: the GPU suite in four parts (one device call
+#   each; ~1.3 tests/s with -n 14 on the H200; part 4: the sparse kernels, ~450 tests, many Gluon compiles). Every tests mode: -v, -n $TEST_WORKERS (14), per-test
 #   limit $TEST_EACH (300 s, where pytest-timeout is installed), --durations=40, $OUT/tests_gpu.log (all output),
 #   $OUT/fail.log (each failure's traceback as it happens) and $OUT/fail.log.progress (each test's start, outcome
 #   and time), so a run killed mid-way still tells; $TEST_TIMEOUT (540 s; 280 in all) ends pytest with SIGINT,
@@ -31,11 +31,13 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 p1="decode_gluon merge metadata plan_spans hardening_metadata indices cli bench v4_cache v4_indices"
 p2="decode prefill prefill_gluon hardening_ops cache chunked_prefill rope_ops mla_layer engine"
-# shellcheck disable=SC2046,SC2086  # word lists; tests3: every file not in part 1 or 2 (new test files land there)
+p4="sparse_gluon sparse_mla"
+# shellcheck disable=SC2046,SC2086  # word lists; tests3: every file not in parts 1, 2 or 4 (new test files land there)
 case $what in
   tests1) set -- $(printf 'tests/test_%s.py ' $p1) "$@" ;;
   tests2) set -- $(printf 'tests/test_%s.py ' $p2) "$@" ;;
-  tests3) set -- tests $(printf -- '--ignore=tests/test_%s.py ' $p1 $p2) "$@" ;;
+  tests3) set -- tests $(printf -- '--ignore=tests/test_%s.py ' $p1 $p2 $p4) "$@" ;;
+  tests4) set -- $(printf 'tests/test_%s.py ' $p4) "$@" ;;
 esac
 if [[ $what == tests* ]] || [ "$what" = all ]; then
   each=(); python3 -c "import pytest_timeout" 2>/dev/null && each=(--timeout "${TEST_EACH:-300}")
