@@ -859,13 +859,6 @@ def sparse_mla(
         lse_part = torch.empty(splits, T, H, dtype=torch.float32, device=dev)
     else:
         o_part, lse_part = lse, lse  # unused
-    # _fp16_dequant (tuning variant, fp8 caches): products in fp16, rows dequantised in fp16 (q rounded to fp16:
-    # |q| must stay below 65504)
-    f16_dequant = bool(_fp16_dequant) and fmt == 1
-    compute = compute_dtype(torch.float16 if f16_dequant else q.dtype)
-    views, stride_b, stride_p = _cache_views(kv_cache, fmt)
-    ekv = extra_kv_cache if has_extra else kv_cache
-    eviews, e_stride_b, e_stride_p = _cache_views(ekv, fmt)
     if use_gluon:
         gluon_sparse.sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype, idx, topk_length, attn_sink, out, lse, o_part,
                                           lse_part, float(sm_scale) * _LOG2E, splits,
@@ -874,6 +867,13 @@ def sparse_mla(
                                           extra_topk_length=extra_topk_length if has_extra else None,
                                           inv_rope=rope_args if has_rope else None, opts=gluon_bits)  # fmt: skip
     else:
+        # _fp16_dequant (tuning variant, fp8 caches): products in fp16, rows dequantised in fp16 (q rounded to fp16:
+        # |q| must stay below 65504)
+        f16_dequant = bool(_fp16_dequant) and fmt == 1
+        compute = compute_dtype(torch.float16 if f16_dequant else q.dtype)
+        views, stride_b, stride_p = _cache_views(kv_cache, fmt)
+        ekv = extra_kv_cache if has_extra else kv_cache
+        eviews, e_stride_b, e_stride_p = _cache_views(ekv, fmt)
         _sparse_mla_fwd_kernel[(T * head_blocks, splits)](
             q, *views, idx, indptr, lens, *eviews, eidx, eindptr, elens,
             attn_sink if attn_sink is not None else lse, out, lse, o_part, lse_part, *rope_args,
