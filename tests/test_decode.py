@@ -319,14 +319,16 @@ def test_reduce_wide_steps(device, monkeypatch):
 def test_gluon_variant():
     from openmla.ops.decode import _gluon_variant
 
-    # (kv dtype, heads, max query len, batch, SMs): the pair kernel once 2+ programs of 64 rows read each KV tile
-    # and the batch fills a wave of them
+    # (kv dtype, heads, max query len, batch, SMs): the pair kernel from 64 heads once the batch's programs fill
+    # 40% of the SMs (plan.pair_wanted)
     assert _gluon_variant("auto", 128, 1, 128, 132) == "pair"
     assert _gluon_variant("auto", 128, 2, 128, 132) == "pair"
     assert _gluon_variant("auto", 128, 1, 1, 132) == "seesaw"  # batch 1: short splits, seesaw measured faster
-    assert _gluon_variant("auto", 128, 1, 65, 132) == "seesaw"  # under one wave of programs
-    assert _gluon_variant("auto", 64, 1, 128, 132) == "seesaw"  # one reader per tile
+    assert _gluon_variant("auto", 128, 1, 8, 132) == "seesaw"  # 16 programs
+    assert _gluon_variant("auto", 128, 1, 32, 132) == "pair"  # 64 programs
+    assert _gluon_variant("auto", 64, 1, 128, 132) == "pair"
+    assert _gluon_variant("auto", 64, 1, 32, 132) == "seesaw"
     assert _gluon_variant("auto", 64, 2, 128, 132) == "pair"
-    assert _gluon_variant("auto", 16, 4, 128, 132) == "seesaw"
+    assert _gluon_variant("auto", 16, 4, 128, 132) == "seesaw"  # 16-head blocks
     assert _gluon_variant("auto", 32, 1, 128, 132) == "seesaw"
     assert _gluon_variant("fp8", 128, 2, 128, 132) == "ws"

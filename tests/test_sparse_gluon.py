@@ -158,6 +158,13 @@ def test_sparse_gluon_opts_validation():
     # _gluon_opts names -> OPTS bits; unknown names, V4 / two-source calls, the fp8 variants on a bf16 cache and
     # onestore with staged are refused
     assert gs.gluon_opts_bits((), "auto", 576, False) == 0
+    # the defaults (sparse_mla without _gluon_opts): V3.2 one-source calls only, each a valid variant set
+    assert gs.default_opts("fp8_ds_mla", 576, False) == ("staged", "nanpack")
+    assert gs.default_opts("auto", 576, False) == ("lazy",)
+    assert gs.default_opts("fp8_v4", 512, False) == gs.default_opts("auto", 512, False) == ()
+    assert gs.default_opts("auto", 576, True) == ()
+    for fmt, opts in gs.DEFAULT_OPTS.items():
+        gs.gluon_opts_bits(opts, fmt, 576, False)
     assert gs.gluon_opts_bits(("nanpack", "lazy"), "fp8_ds_mla", 576, False) == 3
     assert gs.gluon_opts_bits(("lazy",), "auto", 576, False) == 2
     assert gs.gluon_opts_bits(("staged", "nanpack"), "fp8_ds_mla", 576, False) == 5
@@ -317,26 +324,33 @@ CACHE_DTYPES = ["auto", "fp8_ds_mla"]
 _MAIN = list(itertools.product([64, 128], [64, 100, 2048], [1, 64], CACHE_DTYPES))
 # the private variants (_gluon_opts): each V3.2 GPU test below runs the default and each variant ("nanpack",
 # "staged" and "onestore" only with the fp8_ds_mla cache: _opts_kw skips them on bf16 rows)
-GLUON_OPTS = [(), ("nanpack",), ("lazy",), ("nanpack", "lazy"), ("staged",), ("staged", "nanpack"), ("onestore",),
-              ("onestore", "nanpack")]  # fmt: skip
+# (None: the defaults of gs.DEFAULT_OPTS; (): the plain code; the others cover every bit, bit-identical ones in
+# test_sparse_gluon_staged_matches_default)
+GLUON_OPTS = [None, (), ("nanpack", "lazy"), ("staged", "nanpack", "lazy"), ("onestore", "nanpack")]
 _FP8_ONLY = ("nanpack", "staged", "onestore")
 
 
+def _opts_id(opts):
+    return "default" if opts is None else "+".join(opts) or "plain"
+
+
 def _opts_kw(opts, kv_cache_dtype):
+    if opts is None:
+        return {}
     if any(o in opts for o in _FP8_ONLY) and kv_cache_dtype != "fp8_ds_mla":
         pytest.skip("nanpack / staged / onestore change the fp8_ds_mla path only")
-    return {"_gluon_opts": opts} if opts else {}
+    return {"_gluon_opts": opts}
 
 
 @_gpu_test
-@pytest.mark.parametrize("opts", GLUON_OPTS, ids=lambda v: "+".join(v) or "default")
+@pytest.mark.parametrize("opts", GLUON_OPTS, ids=_opts_id)
 @pytest.mark.parametrize("heads,topk,block_size,kv_cache_dtype", _MAIN, ids=lambda v: str(v))
 def test_sparse_gluon(heads, topk, block_size, kv_cache_dtype, opts, device):
     _run(heads, 37, topk, block_size, kv_cache_dtype, device, **_opts_kw(opts, kv_cache_dtype))
 
 
 @_gpu_test
-@pytest.mark.parametrize("opts", GLUON_OPTS, ids=lambda v: "+".join(v) or "default")
+@pytest.mark.parametrize("opts", GLUON_OPTS, ids=_opts_id)
 @pytest.mark.parametrize("kv_cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("heads,rows", [(64, 1), (128, 1), (64, 300), (128, 300)])
 def test_sparse_gluon_rows(heads, rows, kv_cache_dtype, opts, device):
@@ -345,18 +359,18 @@ def test_sparse_gluon_rows(heads, rows, kv_cache_dtype, opts, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("opts", GLUON_OPTS, ids=lambda v: "+".join(v) or "default")
+@pytest.mark.parametrize("opts", GLUON_OPTS, ids=_opts_id)
 @pytest.mark.parametrize("heads", [40, 96])
 def test_sparse_gluon_masked_heads(heads, opts, device):
     # head counts that are not a multiple of 64: the last head block's rows past H are masked
     for kv_cache_dtype in CACHE_DTYPES:
-        if any(o in opts for o in _FP8_ONLY) and kv_cache_dtype != "fp8_ds_mla":
+        if opts is not None and any(o in opts for o in _FP8_ONLY) and kv_cache_dtype != "fp8_ds_mla":
             continue
-        _run(heads, 37, 100, 64, kv_cache_dtype, device, **({"_gluon_opts": opts} if opts else {}))
+        _run(heads, 37, 100, 64, kv_cache_dtype, device, **({} if opts is None else {"_gluon_opts": opts}))
 
 
 @_gpu_test
-@pytest.mark.parametrize("opts", GLUON_OPTS, ids=lambda v: "+".join(v) or "default")
+@pytest.mark.parametrize("opts", GLUON_OPTS, ids=_opts_id)
 @pytest.mark.parametrize("kv_cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_sparse_gluon_splits_and_sinks(splits, kv_cache_dtype, opts, device):
@@ -371,7 +385,7 @@ def test_sparse_gluon_splits_and_sinks(splits, kv_cache_dtype, opts, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("opts", GLUON_OPTS, ids=lambda v: "+".join(v) or "default")
+@pytest.mark.parametrize("opts", GLUON_OPTS, ids=_opts_id)
 def test_sparse_gluon_nan_in_selected_fp8_rows(opts, device):
     # fp8_ds_mla: a NaN e4m3 byte, a NaN scale (its whole group of 128) and a NaN rope value in selected rows count
     # as 0
@@ -409,9 +423,9 @@ def test_sparse_gluon_staged_matches_default(heads, splits, device):
     kw = dict(kv_cache_dtype="fp8_ds_mla", topk_length=ln, _kernel="gluon")
     if splits:
         kw["_num_splits_override"] = splits
-    a, la = openmla.sparse_mla(q, cache, idx, SCALE, **kw)
-    for opts in (("staged",), ("staged", "nanpack"), ("onestore",), ("onestore", "nanpack")):
-        b, lb = openmla.sparse_mla(q, cache, idx, SCALE, _gluon_opts=opts, **kw)
+    a, la = openmla.sparse_mla(q, cache, idx, SCALE, _gluon_opts=(), **kw)
+    for opts in (None, ("staged",), ("staged", "nanpack"), ("onestore",), ("onestore", "nanpack")):
+        b, lb = openmla.sparse_mla(q, cache, idx, SCALE, **({} if opts is None else {"_gluon_opts": opts}), **kw)
         torch.testing.assert_close(b, a, atol=0, rtol=0)
         torch.testing.assert_close(lb, la, atol=0, rtol=0)
 

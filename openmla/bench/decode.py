@@ -65,6 +65,12 @@ PRESETS = {
                 "h64 b128 s8192 q1 pair pair+spans1 pair+spans1+spanscut", "h64 b132 s8192 q1",
                 "h32 b128 s8192 q1 pair", "h16 b128 s8192 q1 gluon", "h16 b132 s8192 q1", "h128 b128 s8192 q1",
                 "h128 b128 s8192 q2", "h128 b1 s32768 q1 pair pair+spans1", "h16 b1 s32768 q1"],
+    # the dispatch rules against the choices they replaced: the Gluon kernel from 16 rows (bf16; "triton" the
+    # portable kernel) and the pair kernel from 40% of the SMs' programs ("seesaw" the other Gluon kernel)
+    "dispatch": ["h16 b1 s32768 q1 triton", "h16 b8 s4096 q1 triton", "h16 b32 s4096 q1 triton",
+                 "h16 b128 s8192 q2 triton", "h16 b128 s8192~4096 q1 triton", "h64 b64 s4096 q1 seesaw",
+                 "h128 b24 s4096 q1 seesaw pair+spans1", "h128 b16 s4096 q1 seesaw pair+spans1",
+                 "h64 b32 s8192 q1 pair+spans1"],
 }  # fmt: skip
 
 # variant settings: (pattern, what it sets); plan settings become plan_decode's private keywords

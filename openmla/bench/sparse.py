@@ -64,6 +64,11 @@ PRESETS = {
               for v in ("nanpack", "lazy", "nanpack+lazy", "staged", "staged+nanpack", "onestore",
                         "onestore+nanpack")]
              + ["decode h128 b128 q1 k2048 bf16 g:lazy", "prefill h128 t4096 k2048 g:lazy"],
+    # the defaults (gluon_sparse.DEFAULT_OPTS) beside the plain code and the next candidate
+    "defaults": [f"decode {p} q1 k2048 g:{v}" for p in ("h128 b128", "h64 b64", "h16 b128", "h128 b1")
+                 for v in ("staged+nanpack+lazy",)]
+                + ["decode h64 b64 q1 k2048 g:plain", "decode h128 b128 q1 k2048 bf16 g:plain",
+                   "prefill h128 t4096 k2048 g:plain"],
 }  # fmt: skip
 
 
@@ -119,7 +124,7 @@ def parse(spec: str) -> SparseShape:
     bad = ValueError(
         f"bad sparse shape {spec!r}: want 'decode h<heads> b<batch> [q<qlen>] k<topk> [fp8|bf16]' or "
         "'prefill h<heads> t<queries> k<topk> [s<kv rows>]', optional tile<N>x<warps>x<stages>, split<n>, f16dq, "
-        "gluon|triton|g:<variant>[+<variant>]"
+        "gluon|triton|g:<variant>[+<variant>]|g:plain"
     )
     if not toks or toks[0] not in ("decode", "prefill"):
         raise bad
@@ -207,8 +212,8 @@ def run(shape: SparseShape, ctx: BenchContext) -> list[dict]:
     if shape.kernel:  # that kernel on the same inputs, into its own buffers; checked against the default's output
         out_g, lse_g = torch.empty_like(out), torch.empty_like(lse)
         priv_g = {"_num_splits_override": shape.split} if shape.split else {}
-        if shape.gopts:
-            priv_g["_gluon_opts"] = shape.gopts
+        if shape.gopts:  # "plain": the kernel without variants
+            priv_g["_gluon_opts"] = () if shape.gopts == ("plain",) else shape.gopts
         name = f"g:{'+'.join(shape.gopts)}" if shape.gopts else shape.kernel
 
         def other():

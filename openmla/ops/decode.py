@@ -34,13 +34,14 @@ from openmla.ops.gluon.decode import (
     gluon_decode_supported,
     mla_decode_split_gluon,
 )
-from openmla.ops.plan import DecodePlan, plan_decode
+from openmla.ops.plan import DecodePlan, pair_wanted, plan_decode
 
 __all__ = ["mla_decode"]
 
 _LOG2E = 1.4426950408889634
-# "auto" runs the Gluon kernel for tiles of at least this many rows (heads x qlen); measured on the H200
-_GLUON_AUTO_MIN_ROWS = 32
+# "auto" runs the Gluon kernel for tiles of at least this many rows (heads x qlen) of a bf16 cache; measured on the
+# H200 (h16 b128 s8k: 288 us vs the portable kernel's 298, ragged s8k~4k 332 vs 353)
+_GLUON_AUTO_MIN_ROWS = 16
 # reduce programs per SM (4 warps each; they loop over the merge tasks)
 _REDUCE_PROGRAMS_PER_SM = 8
 # partial elements (splits x columns) a reduce program loads per step of its split loop; the o loads of a
@@ -541,21 +542,20 @@ def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtyp
                 f"kv_cache {describe(kv_cache)}, kv_cache_dtype {kv_cache_dtype!r}"
             )
         return True
-    # bf16: from 32 rows (16-row tiles are faster on the portable kernel); fp8: always (the portable kernel
-    # widens e4m3 in registers and spills; the Gluon kernel widens in shared memory: 1.9x faster at h128,
-    # 1.05x at h16)
+    # bf16: from _GLUON_AUTO_MIN_ROWS rows; fp8: always (the portable kernel widens e4m3 in registers and spills;
+    # the Gluon kernel widens in shared memory: 1.9x faster at h128, 1.05x at h16)
     return ok and (plan.tiling.block_m >= _GLUON_AUTO_MIN_ROWS or kv_cache_dtype == "fp8")
 
 
 def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int, batch_size: int, num_sms: int) -> str:
-    """The Gluon kernel: ``ws`` for fp8 caches (the seesaw kernels take bf16 caches only); ``pair`` where 2+
-    programs of 64 rows read each KV tile (h128, or h64 with 2+ query tokens: half the tiles or more come from
-    L2) and the batch alone fills a wave of them; ``seesaw`` otherwise (it hides HBM latency better)."""
+    """The Gluon kernel: ``ws`` for fp8 caches (the seesaw kernels take bf16 caches only); ``pair`` (on the plan's
+    request-spanning schedule) where :func:`openmla.ops.plan.pair_wanted` says the batch fills the SMs with
+    64-head programs; ``seesaw`` otherwise (it hides HBM latency better)."""
     if kv_cache_dtype == "fp8":
         return "ws"
     block_h, q_per = gluon_decode_config(num_heads, max_query_len)
     readers = triton.cdiv(num_heads, block_h) * triton.cdiv(max_query_len, q_per)
-    return "pair" if readers >= 2 and batch_size * readers >= num_sms else "seesaw"
+    return "pair" if pair_wanted(num_heads, readers, batch_size, num_sms) else "seesaw"
 
 
 def _check_batch(T: int, block_table, seq_lens, query_start_loc, page: int, num_blocks: int) -> None:

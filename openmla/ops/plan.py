@@ -235,14 +235,26 @@ def _gluon_tier(device: torch.device) -> bool:
     return GLUON_AVAILABLE and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def _spans_wanted(tiling: DecodeTiling, kv_cache_dtype: str, readers: int, batch: int, num_sms: int,
+# the pair kernel needs a batch whose programs fill this fraction of the SMs (H200, bf16: h128 b32 s4k pair + spans
+# 85 us vs seesaw 98, b8 51 vs 38; h64 b128 s8k 307 vs 323; between 16 and 64 programs unmeasured)
+_PAIR_MIN_FILL = 0.4
+
+
+def pair_wanted(num_heads: int, readers: int, batch: int, num_sms: int) -> bool:
+    """Whether the sm90 decode runs the pair kernel (with the request-spanning schedule) on a bf16 cache: 64+
+    heads (64-row blocks of heads alone), ``readers`` programs per KV tile, the batch's programs filling at least
+    ``_PAIR_MIN_FILL`` of the SMs."""
+    return num_heads >= 64 and batch * readers >= _PAIR_MIN_FILL * num_sms
+
+
+def _spans_wanted(tiling: DecodeTiling, kv_cache_dtype: str, num_heads: int, readers: int, batch: int, num_sms: int,
                   device: torch.device, force: bool | None = None) -> bool:  # fmt: skip
     """Whether ``plan_decode`` adds the request-spanning schedule: where ``mla_decode`` runs the pair kernel
-    (sm90, 64-row tiles of a bf16 cache read by 2+ programs each, a batch that fills the SMs with them).
+    (sm90, 64-row tiles of a bf16 cache, :func:`pair_wanted`).
     ``force`` (tests): True adds it for every 64-row tiling of a bf16 cache, False never."""
     if force is False or tiling.block_m != 64 or kv_cache_dtype != "auto" or readers > num_sms:
         return False
-    return force is True or (_gluon_tier(device) and readers >= 2 and batch * readers >= num_sms)
+    return force is True or (_gluon_tier(device) and pair_wanted(num_heads, readers, batch, num_sms))
 
 
 def _default_num_sms(device: torch.device) -> int:
@@ -373,7 +385,7 @@ def plan_decode(
             num_merge=torch.zeros(1, dtype=torch.int32, device=dev),
         )  # fmt: skip
     spans = None
-    if _spans_wanted(tiling, kv_cache_dtype, programs_per_split, B, num_sms, dev, _spans):
+    if _spans_wanted(tiling, kv_cache_dtype, num_heads, programs_per_split, B, num_sms, dev, _spans):
         groups = num_sms // programs_per_split
         reuse = out.spans if out is not None and out.spans is not None and out.spans.num_groups == groups else None
         spans = plan_spans(seq_lens, query_start_loc, groups, programs_per_split, capacity, out=reuse,

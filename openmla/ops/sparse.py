@@ -696,7 +696,7 @@ def sparse_mla(
     _tiling_override: tuple[int, ...] | None = None,
     _fp16_dequant: bool = False,
     _kernel: str = "auto",
-    _gluon_opts: tuple[str, ...] = (),
+    _gluon_opts: tuple[str, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Sparse MLA attention over per-token top-k slot lists (DeepSeek V3.2 DSA, MQA form; V4's base).
 
@@ -814,13 +814,11 @@ def sparse_mla(
         check_tensor("lse", lse, dtypes=(torch.float32,), shape=(T, H), device=dev)
     # _kernel (private, for tests and benchmarks): "gluon" the sm90 Gluon kernel of openmla/ops/gluon/sparse.py (64-head
     # blocks; ValueError where it does not apply), "triton" the portable kernel below; "auto" takes the Gluon kernel
-    # where it applies and was measured (H200, V3.2 h16-h128: 1.15-1.8x the Triton kernel, benchmarks/RESULTS.md)
+    # wherever it applies (H200: V3.2 h16-h128 1.15-1.8x the Triton kernel, V4 1.4-2.2x; benchmarks/RESULTS.md)
     if _kernel not in ("auto", "triton", "gluon"):
         raise ValueError(f"_kernel must be 'auto', 'triton' or 'gluon'; got {_kernel!r}")
     use_gluon, why = False, None
-    auto_gluon = q.is_cuda and not INTERPRET
-    auto_gluon = auto_gluon and D == 576 and not has_extra and not has_rope  # V4 cases: unmeasured, explicit only
-    if _kernel == "gluon" or (_kernel == "auto" and auto_gluon):
+    if _kernel == "gluon" or (_kernel == "auto" and q.is_cuda and not INTERPRET):
         from openmla.ops.gluon import sparse as gluon_sparse
 
         why = gluon_sparse.gluon_sparse_unsupported(q, kv_cache, kv_cache_dtype, d_v, ragged=ragged or e_ragged,
@@ -831,12 +829,14 @@ def sparse_mla(
         use_gluon = why is None
     if _kernel == "gluon" and why is not None:
         raise ValueError(f"sparse_mla(_kernel='gluon') cannot run this call: {why}")
-    # _gluon_opts (private, benchmarks / tests): the Gluon kernel's variants (gluon_opts_bits), _kernel="gluon" only
+    # _gluon_opts (private, benchmarks / tests): the Gluon kernel's variants (gluon_opts_bits; () the plain code),
+    # _kernel="gluon" only; None: the measured defaults (gluon_sparse.DEFAULT_OPTS)
     gluon_bits = 0
-    if _gluon_opts:
-        if _kernel != "gluon":
-            raise ValueError(f"_gluon_opts needs _kernel='gluon'; got _kernel={_kernel!r}")
-        gluon_bits = gluon_sparse.gluon_opts_bits(_gluon_opts, kv_cache_dtype, D, has_extra)
+    if _gluon_opts is not None and _kernel != "gluon":
+        raise ValueError(f"_gluon_opts needs _kernel='gluon'; got _kernel={_kernel!r}")
+    if use_gluon:
+        opts = gluon_sparse.default_opts(kv_cache_dtype, D, has_extra) if _gluon_opts is None else _gluon_opts
+        gluon_bits = gluon_sparse.gluon_opts_bits(opts, kv_cache_dtype, D, has_extra)
     if T == 0:
         return out, (lse if return_lse else None)
 

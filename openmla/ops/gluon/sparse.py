@@ -85,7 +85,8 @@ NUM_WARPS = 8  # the two consumer warpgroups (the default partition)
 PRODUCER_REGS = {(0, 576): 56, (1, 576): 88, (0, 512): 40, (2, 512): 72}
 FP8_PASSES = 2  # row blocks of a tile the fp8 producers load and dequantise in turn (registers)
 _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
-# private variants (``sparse_mla(_gluon_opts=...)``, bits of the kernel's OPTS constexpr; 0 = the default code),
+# variants (``sparse_mla(_gluon_opts=...)``, private; bits of the kernel's OPTS constexpr; 0 = the plain code; the
+# defaults are DEFAULT_OPTS below),
 # V3.2 one-source calls only:
 # "nanpack" (fp8_ds_mla): the producer's NaN -> 0 on the packed bf16 pairs (set.num.u32.bf16x2 + and: one
 #   instruction a value, not FSETP + FSEL on each fp32); the same bf16 values (the fp32 product rounded to bf16)
@@ -104,8 +105,21 @@ STAGED_PRODUCER_REGS = 56  # the staged producer only computes addresses (consum
 _V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8 exponent bytes after the block's rows
 
 
+# the variants a call runs by default (V3.2, one source), by cache format: measured on the H200 (benchmarks/RESULTS.md,
+# "gopts"): fp8_ds_mla staged + nanpack 1.10-1.13x the plain code at h16-h128 b64-b128 (2% slower at h128 b1),
+# bf16 rows lazy 1.02-1.04x; V4 calls run the plain code (the variants do not cover them)
+DEFAULT_OPTS = {"fp8_ds_mla": ("staged", "nanpack"), "auto": ("lazy",)}
+
+
+def default_opts(kv_cache_dtype: str, d_qk: int, has_extra: bool) -> tuple[str, ...]:
+    """The variants of DEFAULT_OPTS that a call takes when ``sparse_mla`` is given no ``_gluon_opts``."""
+    if d_qk != D_QK or has_extra:
+        return ()
+    return DEFAULT_OPTS.get(kv_cache_dtype, ())
+
+
 def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool) -> int:
-    """The kernel's OPTS bits for ``sparse_mla(_gluon_opts=...)`` (names of GLUON_OPTS; () = 0, the default code).
+    """The kernel's OPTS bits for ``sparse_mla(_gluon_opts=...)`` (names of GLUON_OPTS; () = 0, the plain code).
     ValueError for an unknown name, or a call the variants do not cover (they are V3.2, one source; "nanpack"
     / "onestore" the fp8_ds_mla producer, "onestore" not with "staged")."""
     if isinstance(opts, str) or not isinstance(opts, (tuple, list, frozenset, set)):
