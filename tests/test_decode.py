@@ -316,15 +316,26 @@ def test_reduce_wide_steps(device, monkeypatch):
     assert block_hb > 1 and block_s == max(2, 2048 // (block_hb * block_d)), (block_hb, block_d, block_s)
 
 
+def test_gluon_auto_rule():
+    from openmla.ops.decode import _gluon_auto
+
+    # (kv dtype, rows a tile, batch): bf16 from 32 rows, 16-row tiles from batch 64; fp8 always
+    assert _gluon_auto("auto", 64, 1) and _gluon_auto("auto", 32, 1)
+    assert _gluon_auto("auto", 16, 64) and _gluon_auto("auto", 16, 128)
+    assert not _gluon_auto("auto", 16, 32) and not _gluon_auto("auto", 16, 1)
+    assert _gluon_auto("fp8", 16, 1)
+
+
 def test_gluon_variant():
     from openmla.ops.decode import _gluon_variant
 
     # (kv dtype, heads, max query len, batch, SMs): the pair kernel from 64 heads once the batch's programs fill
-    # 40% of the SMs (plan.pair_wanted)
+    # 30% of the SMs (plan.pair_wanted)
     assert _gluon_variant("auto", 128, 1, 128, 132) == "pair"
     assert _gluon_variant("auto", 128, 2, 128, 132) == "pair"
     assert _gluon_variant("auto", 128, 1, 1, 132) == "seesaw"  # batch 1: short splits, seesaw measured faster
-    assert _gluon_variant("auto", 128, 1, 8, 132) == "seesaw"  # 16 programs
+    assert _gluon_variant("auto", 128, 1, 16, 132) == "seesaw"  # 32 programs
+    assert _gluon_variant("auto", 128, 1, 24, 132) == "pair"  # 48 programs
     assert _gluon_variant("auto", 128, 1, 32, 132) == "pair"  # 64 programs
     assert _gluon_variant("auto", 64, 1, 128, 132) == "pair"
     assert _gluon_variant("auto", 64, 1, 32, 132) == "seesaw"

@@ -176,6 +176,28 @@ def test_out_buffer_and_strided_inputs(device):
     assert_close("lse", ref_lse, lse, *TOLERANCES[torch.bfloat16])
 
 
+@pytest.mark.parametrize("autotune", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["fixed", "autotuned"])
+def test_misaligned_value_rows(autotune, monkeypatch, device):
+    """V rows 16- but not 32-byte aligned (the value half of a kv projection at qk_nope 24, v_head_dim 16 or 32):
+    on the H200 (triton 3.6) every tile config faulted with an illegal address on them, so the launcher reads
+    them from an aligned copy (_v_rows_aligned)."""
+    monkeypatch.setattr(prefill_ops, "AUTOTUNE", autotune)
+    lq, lk = pick(cpu=([5, 11], [5, 11]), gpu=([16, 37, 300], [16, 37, 300]))
+    for d_v in (16, 32):
+        q, k, _, cu_q, cu_k, _ = _inputs(lq, lk, 8, 8, 88, d_v, torch.bfloat16, device)
+        kv = torch.randn(sum(lk), 8, 24 + d_v, device=device).to(torch.bfloat16)
+        v = kv[..., 24:]  # base 48 bytes in, rows (24 + d_v) * 2 bytes apart
+        assert v.data_ptr() % 32 and prefill_ops._v_rows_aligned(v) is not v
+        a = prefill_ops._v_rows_aligned(v)
+        assert a.data_ptr() % 32 == 0 and all(st * 2 % 32 == 0 for st in a.stride()[:2]) and torch.equal(a, v)
+        out, lse = flash_attn_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), 0.1, causal=True)
+        ref_out, ref_lse = flash_attn_varlen_ref(q.cpu(), k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), 0.1, causal=True)
+        assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+        assert_close("lse", ref_lse, lse, *TOLERANCES[torch.bfloat16])
+    aligned = torch.randn(4, 2, 32, device=device).to(torch.bfloat16)
+    assert prefill_ops._v_rows_aligned(aligned) is aligned
+
+
 def test_no_lse(device):
     q, k, v, cu_q, cu_k, _ = _inputs([5, 3], [5, 6], 2, 2, 64, 64, torch.float16, device)
     out, lse = flash_attn_varlen(q, k, v, cu_q, cu_k, 5, 6, 0.125, return_lse=False)

@@ -64,14 +64,7 @@ OPTS_VARIANTS = [
     (1, 576, 1, False, False, 1, False, False, 1, False, 5),
     (1, 576, 1, True, False, 64, False, False, 64, False, 6),  # staged + lazy
     (1, 576, 4, False, True, 1, False, False, 1, False, 7),  # staged + nanpack + lazy
-    (1, 576, 1, True, True, 64, False, False, 64, False, 8),  # onestore
-    (1, 576, 4, False, True, 1, False, False, 1, False, 8),
-    (1, 576, 1, True, True, 64, False, False, 64, False, 9),  # onestore + nanpack
-    (1, 576, 4, False, True, 1, False, False, 1, False, 9),
-    (1, 576, 1, False, False, 64, False, False, 64, False, 11),  # onestore + nanpack + lazy
 ]
-# "onestore": 6 fewer producer partition barriers (PTX) than the same variant without it (9 -> 3 a tile)
-_ONESTORE_BARRIERS_SAVED = 6
 
 _COMPILE_SCRIPT = r"""
 import json, sys
@@ -128,11 +121,8 @@ def test_sparse_gluon_compiles_for_sm90():
     # + the producer warpgroup) with registers moved by setmaxnreg; the scores are m64n32k16 (each warpgroup scores 32
     # of the 64 keys: 9 (V3.2) or 8 (V4) chunks x 4 k-steps), P V m64n256k16 (each warpgroup 256 of the 512 columns);
     # bf16 rows by cp.async (9 or 8 [64, 64] copies, 4 a thread), fp8 rows by loads; "staged" fp8 rows by cp.async
-    # only (e4m3 bytes 16 a thread, rope 4, 16 bytes each; the scales 2 of 4 bytes) on the staged producer's registers;
-    # "onestore": one latent store a pass (fewer partition barriers than the variant without it)
+    # only (e4m3 bytes 16 a thread, rope 4, 16 bytes each; the scales 2 of 4 bytes) on the staged producer's registers
     reports = run_report_script(_COMPILE_SCRIPT, COMPILE_VARIANTS + OPTS_VARIANTS)
-    barriers = {(tuple(r["variant"][:10]), r["variant"][10] if len(r["variant"]) > 10 else 0): r["partition_barriers"]
-                for r in reports}  # fmt: skip
     for r in reports:
         v = tuple(r["variant"])
         name = "FMT={} D_QK={} NUM_SPLITS={} HAS_LEN={} HAS_SINK={} PAGE={} HAS_EXTRA={} E_HAS_LEN={} E_PAGE={} " \
@@ -149,17 +139,14 @@ def test_sparse_gluon_compiles_for_sm90():
             assert str(gs.STAGED_PRODUCER_REGS) in r["setmaxnreg"], f"{name}: {r}"
         else:
             assert r["cp_async"] == 0, f"{name}: {r}"
-        if len(v) > 10 and v[10] & gs.GLUON_OPTS["onestore"]:
-            base = barriers[(v[:10], v[10] & ~gs.GLUON_OPTS["onestore"])]
-            assert r["partition_barriers"] == base - _ONESTORE_BARRIERS_SAVED, f"{name}: barriers {r} (base {base})"
 
 
 def test_sparse_gluon_opts_validation():
-    # _gluon_opts names -> OPTS bits; unknown names, V4 / two-source calls, the fp8 variants on a bf16 cache and
-    # onestore with staged are refused
+    # _gluon_opts names -> OPTS bits; unknown names ("onestore": tried and dropped), V4 / two-source calls and the
+    # fp8 variants on a bf16 cache are refused
     assert gs.gluon_opts_bits((), "auto", 576, False) == 0
     # the defaults (sparse_mla without _gluon_opts): V3.2 one-source calls only, each a valid variant set
-    assert gs.default_opts("fp8_ds_mla", 576, False) == ("staged", "nanpack")
+    assert gs.default_opts("fp8_ds_mla", 576, False) == ("staged", "nanpack", "lazy")
     assert gs.default_opts("auto", 576, False) == ("lazy",)
     assert gs.default_opts("fp8_v4", 512, False) == gs.default_opts("auto", 512, False) == ()
     assert gs.default_opts("auto", 576, True) == ()
@@ -168,13 +155,11 @@ def test_sparse_gluon_opts_validation():
     assert gs.gluon_opts_bits(("nanpack", "lazy"), "fp8_ds_mla", 576, False) == 3
     assert gs.gluon_opts_bits(("lazy",), "auto", 576, False) == 2
     assert gs.gluon_opts_bits(("staged", "nanpack"), "fp8_ds_mla", 576, False) == 5
-    assert gs.gluon_opts_bits(("onestore", "nanpack", "lazy"), "fp8_ds_mla", 576, False) == 11
     for args in [(("prefetch",), "fp8_ds_mla", 576, False), ("lazy", "auto", 576, False),
                  (("lazy",), "auto", 512, False), (("lazy",), "auto", 576, True),
                  (("nanpack",), "auto", 576, False), (("staged",), "auto", 576, False),
                  (("staged",), "fp8_v4", 512, False), (("staged",), "fp8_ds_mla", 576, True),
-                 (("onestore",), "auto", 576, False), (("onestore",), "fp8_ds_mla", 576, True),
-                 (("onestore", "staged"), "fp8_ds_mla", 576, False)]:  # fmt: skip
+                 (("onestore",), "fp8_ds_mla", 576, False)]:  # fmt: skip
         with pytest.raises(ValueError, match="_gluon_opts"):
             gs.gluon_opts_bits(*args)
     q = torch.randn(1, 64, 576).bfloat16()
@@ -323,11 +308,11 @@ def _run(H, T, K, block_size, kv_cache_dtype, device, lens=True, **kw):
 CACHE_DTYPES = ["auto", "fp8_ds_mla"]
 _MAIN = list(itertools.product([64, 128], [64, 100, 2048], [1, 64], CACHE_DTYPES))
 # the private variants (_gluon_opts): each V3.2 GPU test below runs the default and each variant ("nanpack",
-# "staged" and "onestore" only with the fp8_ds_mla cache: _opts_kw skips them on bf16 rows)
+# "staged" only with the fp8_ds_mla cache: _opts_kw skips them on bf16 rows)
 # (None: the defaults of gs.DEFAULT_OPTS; (): the plain code; the others cover every bit, bit-identical ones in
 # test_sparse_gluon_staged_matches_default)
-GLUON_OPTS = [None, (), ("nanpack", "lazy"), ("staged", "nanpack", "lazy"), ("onestore", "nanpack")]
-_FP8_ONLY = ("nanpack", "staged", "onestore")
+GLUON_OPTS = [None, (), ("nanpack", "lazy"), ("staged", "nanpack", "lazy"), ("staged",)]
+_FP8_ONLY = ("nanpack", "staged")
 
 
 def _opts_id(opts):
@@ -338,7 +323,7 @@ def _opts_kw(opts, kv_cache_dtype):
     if opts is None:
         return {}
     if any(o in opts for o in _FP8_ONLY) and kv_cache_dtype != "fp8_ds_mla":
-        pytest.skip("nanpack / staged / onestore change the fp8_ds_mla path only")
+        pytest.skip("nanpack / staged change the fp8_ds_mla path only")
     return {"_gluon_opts": opts}
 
 
@@ -405,9 +390,9 @@ def test_sparse_gluon_nan_in_selected_fp8_rows(opts, device):
 @pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("heads", [64, 128, 40])
 def test_sparse_gluon_staged_matches_default(heads, splits, device):
-    # "staged" dequantises in the consumers into the same bf16 operands the default producer writes ("onestore":
-    # the producer's same values, one store a pass), and runs the same MMAs and softmax on them: out and lse equal
-    # the default's bit for bit (invalid entries, lengths 0,
+    # "staged" dequantises in the consumers into the same bf16 operands the plain producer writes, and runs the same
+    # MMAs and softmax on them ("nanpack": the same bf16 values): out and lse equal the plain code's bit for bit
+    # (invalid entries, lengths 0,
     # NaN in every unused slot and in a few selected rows' bytes, the planner's splits and forced ones)
     T, K = 37, 2048
     cache = _cache(device, 4 * K // 64, 64, "fp8_ds_mla")
@@ -424,8 +409,8 @@ def test_sparse_gluon_staged_matches_default(heads, splits, device):
     if splits:
         kw["_num_splits_override"] = splits
     a, la = openmla.sparse_mla(q, cache, idx, SCALE, _gluon_opts=(), **kw)
-    for opts in (None, ("staged",), ("staged", "nanpack"), ("onestore",), ("onestore", "nanpack")):
-        b, lb = openmla.sparse_mla(q, cache, idx, SCALE, **({} if opts is None else {"_gluon_opts": opts}), **kw)
+    for opts in (("staged",), ("staged", "nanpack")):
+        b, lb = openmla.sparse_mla(q, cache, idx, SCALE, _gluon_opts=opts, **kw)
         torch.testing.assert_close(b, a, atol=0, rtol=0)
         torch.testing.assert_close(lb, la, atol=0, rtol=0)
 

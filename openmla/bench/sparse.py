@@ -7,7 +7,7 @@ k<topk> [s<kv rows>]`` (a bf16 cache of s rows, default 32768); an optional ``ti
 ``gluon`` / ``triton`` also time that kernel (``_kernel=``: the sm90 Gluon kernel of openmla/ops/gluon/sparse.py, or
 the portable Triton one) on the same inputs in the same rounds, as provider ``gluon`` / ``triton`` beside
 ``openmla`` (``sparse_mla``'s default pick; ``split<n>`` applies to both); ``g:<variant>[+<variant>...]`` times the
-Gluon kernel with those private variants (``_gluon_opts``: ``nanpack``, ``lazy``, ``staged``, ``onestore``) as provider
+Gluon kernel with those private variants (``_gluon_opts``: ``nanpack``, ``lazy``, ``staged``) as provider
 ``g:<variants>`` beside the default. Example: ``decode h128 b128 q2 k2048``, ``decode h64 b64 q1 k2048 triton``,
 ``decode h128 b128 q1 k2048 g:staged+nanpack``.
 
@@ -58,17 +58,11 @@ PRESETS = {
                                                                       (32, 128, 1), (1, 128, 1))]
                + ["decode h128 b128 q1 k2048 bf16 triton", "prefill h128 t4096 k2048 triton",
                   "prefill h64 t4096 k2048 triton"],
-    # the Gluon kernel's private variants beside the default (fp8 points: every variant, "staged" and "onestore"
-    # alone and with "nanpack"; bf16: "lazy")
+    # the Gluon kernel's default (gluon_sparse.DEFAULT_OPTS) beside its plain code and the variant subsets (fp8
+    # points; bf16 and prefill: the plain code)
     "gopts": [f"decode {p} q1 k2048 g:{v}" for p in ("h128 b128", "h64 b64", "h16 b128", "h128 b1")
-              for v in ("nanpack", "lazy", "nanpack+lazy", "staged", "staged+nanpack", "onestore",
-                        "onestore+nanpack")]
-             + ["decode h128 b128 q1 k2048 bf16 g:lazy", "prefill h128 t4096 k2048 g:lazy"],
-    # the defaults (gluon_sparse.DEFAULT_OPTS) beside the plain code and the next candidate
-    "defaults": [f"decode {p} q1 k2048 g:{v}" for p in ("h128 b128", "h64 b64", "h16 b128", "h128 b1")
-                 for v in ("staged+nanpack+lazy",)]
-                + ["decode h64 b64 q1 k2048 g:plain", "decode h128 b128 q1 k2048 bf16 g:plain",
-                   "prefill h128 t4096 k2048 g:plain"],
+              for v in ("plain", "nanpack+lazy", "staged", "staged+nanpack")]
+             + ["decode h128 b128 q1 k2048 bf16 g:plain", "prefill h128 t4096 k2048 g:plain"],
 }  # fmt: skip
 
 

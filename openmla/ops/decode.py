@@ -39,9 +39,11 @@ from openmla.ops.plan import DecodePlan, pair_wanted, plan_decode
 __all__ = ["mla_decode"]
 
 _LOG2E = 1.4426950408889634
-# "auto" runs the Gluon kernel for tiles of at least this many rows (heads x qlen) of a bf16 cache; measured on the
-# H200 (h16 b128 s8k: 288 us vs the portable kernel's 298, ragged s8k~4k 332 vs 353)
-_GLUON_AUTO_MIN_ROWS = 16
+# "auto" runs the Gluon kernel on a bf16 cache for tiles of at least this many rows (heads x qlen), and for 16-row
+# tiles from this batch size; measured on the H200 against the portable kernel: h16 b128 s8k 288 us vs 298, ragged
+# s8k~4k 342 vs 353; b32 s4k 57.2 vs 55.2, b8 21.3 vs 20.9, b1 s32k 23.0 vs 21.9
+_GLUON_AUTO_MIN_ROWS = 32
+_GLUON_16ROW_MIN_BATCH = 64
 # reduce programs per SM (4 warps each; they loop over the merge tasks)
 _REDUCE_PROGRAMS_PER_SM = 8
 # partial elements (splits x columns) a reduce program loads per step of its split loop; the o loads of a
@@ -542,9 +544,16 @@ def _use_gluon(backend: str | None, q, kv_cache, plan: DecodePlan, kv_cache_dtyp
                 f"kv_cache {describe(kv_cache)}, kv_cache_dtype {kv_cache_dtype!r}"
             )
         return True
-    # bf16: from _GLUON_AUTO_MIN_ROWS rows; fp8: always (the portable kernel widens e4m3 in registers and spills;
-    # the Gluon kernel widens in shared memory: 1.9x faster at h128, 1.05x at h16)
-    return ok and (plan.tiling.block_m >= _GLUON_AUTO_MIN_ROWS or kv_cache_dtype == "fp8")
+    return ok and _gluon_auto(kv_cache_dtype, plan.tiling.block_m, plan.batch_size)
+
+
+def _gluon_auto(kv_cache_dtype: str, rows: int, batch_size: int) -> bool:
+    """Whether "auto" takes the Gluon kernel where it applies: bf16 from _GLUON_AUTO_MIN_ROWS rows a tile, 16-row
+    tiles from _GLUON_16ROW_MIN_BATCH requests; fp8 always (the portable kernel widens e4m3 in registers and spills;
+    the Gluon kernel widens in shared memory: 1.9x faster at h128, 1.05x at h16)."""
+    if kv_cache_dtype == "fp8" or rows >= _GLUON_AUTO_MIN_ROWS:
+        return True
+    return rows == 16 and batch_size >= _GLUON_16ROW_MIN_BATCH
 
 
 def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int, batch_size: int, num_sms: int) -> str:

@@ -235,9 +235,10 @@ def _gluon_tier(device: torch.device) -> bool:
     return GLUON_AVAILABLE and torch.cuda.get_device_capability(device)[0] == 9
 
 
-# the pair kernel needs a batch whose programs fill this fraction of the SMs (H200, bf16: h128 b32 s4k pair + spans
-# 85 us vs seesaw 98, b8 51 vs 38; h64 b128 s8k 307 vs 323; between 16 and 64 programs unmeasured)
-_PAIR_MIN_FILL = 0.4
+# the pair kernel needs a batch whose programs fill this fraction of the SMs (H200, bf16, pair + spans vs seesaw:
+# h128 s4k b24 (48 programs) 72 us vs 88, b32 85 vs 98, b16 (32) 60 vs 50, b8 51 vs 38; h64 b64 s4k 107 vs 117,
+# h64 b32 s8k 109 vs 99, h64 b128 s8k 307 vs 323)
+_PAIR_MIN_FILL = 0.3
 
 
 def pair_wanted(num_heads: int, readers: int, batch: int, num_sms: int) -> bool:

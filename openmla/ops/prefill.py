@@ -313,6 +313,19 @@ def _split_head_dim(d: int, min_block: int) -> tuple[int, int, int, int]:
     return d1, d1, d2, max(min_block, triton.next_power_of_2(d2)) if d2 else min_block
 
 
+def _v_rows_aligned(v: torch.Tensor) -> torch.Tensor:
+    """``v`` itself where its base and row strides are multiples of 32 bytes, else a copy whose rows are: on the
+    H200 (triton 3.6) the kernel faults (illegal address) on V rows that are 16- but not 32-byte aligned, such as
+    the value half of a kv projection at qk_nope 24 (tests/test_prefill.py::test_misaligned_value_rows)."""
+    es = v.element_size()
+    if v.data_ptr() % 32 == 0 and all(s * es % 32 == 0 for s in v.stride()[:2]):
+        return v
+    width = -(-v.shape[2] * es // 32) * 32 // es
+    buf = torch.empty(v.shape[0], v.shape[1], width, dtype=v.dtype, device=v.device)
+    buf[..., : v.shape[2]] = v
+    return buf[..., : v.shape[2]]
+
+
 def _qk_pv_dtypes(dtype: torch.dtype, device: torch.device):
     """Operand dtypes of the two dots (see the module docstring)."""
     if dtype != torch.float8_e4m3fn:
@@ -340,6 +353,7 @@ def _flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, max_se
     QK_DTYPE, PV_DTYPE = _qk_pv_dtypes(q.dtype, q.device)
     D1, BLOCK_D1, D2, BLOCK_D2 = _split_head_dim(d_qk, 32 if QK_DTYPE == tl.float8e4nv else 16)
     BLOCK_DV = max(16, triton.next_power_of_2(d_v))
+    v = _v_rows_aligned(v)
     store_lse = lse is not None
     lse_arg = lse if store_lse else o
     has_descale = descales is not None

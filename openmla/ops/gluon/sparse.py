@@ -95,20 +95,17 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 # "staged" (fp8_ds_mla): the producer only cp.asyncs the raw rows (e4m3 bytes, scales, bf16 rope) into a ring of fp8
 #   staging stages (many rows in flight); the consumers dequantise each stage into ONE bf16 latent tile (the same bf16
 #   values), release it, then run the MMAs; P lives in the tile's rope slot (see _smem_bytes)
-# "onestore" (fp8_ds_mla, not with "staged"): the producer joins a pass's four dequantised groups into one [32, 512]
-#   store (the same values): the compiler puts a partition barrier between any two stores to one buffer, so a tile
-#   has 3 instead of 9 (sm90 offline SASS)
-GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4, "onestore": 8}
-_FP8_ONLY_OPTS = 1 | 4 | 8
+GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4}
+_FP8_ONLY_OPTS = 1 | 4
 _STAGED = 4
 STAGED_PRODUCER_REGS = 56  # the staged producer only computes addresses (consumers 224, as with bf16 rows)
 _V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8 exponent bytes after the block's rows
 
 
 # the variants a call runs by default (V3.2, one source), by cache format: measured on the H200 (benchmarks/RESULTS.md,
-# "gopts"): fp8_ds_mla staged + nanpack 1.10-1.13x the plain code at h16-h128 b64-b128 (2% slower at h128 b1),
-# bf16 rows lazy 1.02-1.04x; V4 calls run the plain code (the variants do not cover them)
-DEFAULT_OPTS = {"fp8_ds_mla": ("staged", "nanpack"), "auto": ("lazy",)}
+# preset "gopts", stop 39): fp8_ds_mla staged + nanpack + lazy 1.12-1.14x the plain code at h16-h128
+# b64-b128 (h128 b1 even), bf16 rows lazy 1.01-1.03x; V4 calls run the plain code (the variants do not cover them)
+DEFAULT_OPTS = {"fp8_ds_mla": ("staged", "nanpack", "lazy"), "auto": ("lazy",)}
 
 
 def default_opts(kv_cache_dtype: str, d_qk: int, has_extra: bool) -> tuple[str, ...]:
@@ -120,8 +117,8 @@ def default_opts(kv_cache_dtype: str, d_qk: int, has_extra: bool) -> tuple[str, 
 
 def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool) -> int:
     """The kernel's OPTS bits for ``sparse_mla(_gluon_opts=...)`` (names of GLUON_OPTS; () = 0, the plain code).
-    ValueError for an unknown name, or a call the variants do not cover (they are V3.2, one source; "nanpack"
-    / "onestore" the fp8_ds_mla producer, "onestore" not with "staged")."""
+    ValueError for an unknown name, or a call the variants do not cover (they are V3.2, one source; "nanpack" and
+    "staged" the fp8_ds_mla path)."""
     if isinstance(opts, str) or not isinstance(opts, (tuple, list, frozenset, set)):
         raise ValueError(f"_gluon_opts must be a tuple of names from {tuple(GLUON_OPTS)}; got {opts!r}")
     bits = 0
@@ -132,10 +129,8 @@ def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool) -> in
     if bits and (d_qk != D_QK or has_extra):
         raise ValueError(f"_gluon_opts {tuple(opts)} cover V3.2 calls (q [T, H, {D_QK}], one source) only")
     if bits & _FP8_ONLY_OPTS and kv_cache_dtype != "fp8_ds_mla":
-        raise ValueError(f"_gluon_opts 'nanpack' / 'staged' / 'onestore' change the fp8_ds_mla path; the cache is "
+        raise ValueError(f"_gluon_opts 'nanpack' / 'staged' change the fp8_ds_mla path; the cache is "
                          f"{kv_cache_dtype!r}")  # fmt: skip
-    if bits & _STAGED and bits & GLUON_OPTS["onestore"]:
-        raise ValueError("_gluon_opts 'onestore' changes the fp8 producer's stores, which 'staged' does not run")
     return bits
 
 
@@ -263,12 +258,10 @@ if GLUON_AVAILABLE:
     def _gather_fp8(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1,
                     n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
                     PAGE: gl.constexpr, E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    PASSES: gl.constexpr, HAS_EXTRA: gl.constexpr, NANPACK: gl.constexpr = False,
-                    ONESTORE: gl.constexpr = False):  # fmt: skip
+                    PASSES: gl.constexpr, HAS_EXTRA: gl.constexpr, NANPACK: gl.constexpr = False):  # fmt: skip
         """Producer, fp8_ds_mla rows (656 bytes: 512 e4m3, 4 fp32 scales, 64 bf16): a tile in PASSES row blocks,
         each loaded (16 bytes a thread) then dequantised into the bf16 stage; then fence, partition barrier and one
-        arrive on the stage's ready barrier. HAS_EXTRA: each row's three views from its own source. ONESTORE: a
-        pass's latent as one store (see GLUON_OPTS)."""
+        arrive on the stage's ready barrier. HAS_EXTRA: each row's three views from its own source."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = BLOCK_N // PASSES
         B8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])  # e4m3 bytes, [16, 128] a pass
@@ -321,21 +314,11 @@ if GLUON_AVAILABLE:
                 if h == 0:
                     mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
                 part = dst.slice(h * R, R, dim=0)
-                if ONESTORE:
-                    # the rope first (its registers free before the joined groups are live: no spill at 88), then
-                    # the four groups joined into one [R, 512] tensor (register moves only) and stored at once: the
-                    # compiler puts a partition barrier between any two stores to one buffer, disjoint or not
-                    rope.index(stage).slice(h * R, R, dim=0).store(gl.where(b_r != b_r, 0.0, b_r))
-                    b_01 = gl.join(_dequant(q0, s0, NANPACK), _dequant(q1, s1, NANPACK))
-                    b_23 = gl.join(_dequant(q2, s2, NANPACK), _dequant(q3, s3, NANPACK))
-                    b_g = gl.permute(gl.join(b_01, b_23), (0, 3, 2, 1))  # [R, 2, 2, 128]: group 2 i + k
-                    part.store(gl.reshape(b_g, [R, 512]))
-                else:
-                    part.slice(0, 128, dim=1).store(_dequant(q0, s0, NANPACK))
-                    part.slice(128, 128, dim=1).store(_dequant(q1, s1, NANPACK))
-                    part.slice(256, 128, dim=1).store(_dequant(q2, s2, NANPACK))
-                    part.slice(384, 128, dim=1).store(_dequant(q3, s3, NANPACK))
-                    rope.index(stage).slice(h * R, R, dim=0).store(gl.where(b_r != b_r, 0.0, b_r))
+                part.slice(0, 128, dim=1).store(_dequant(q0, s0, NANPACK))
+                part.slice(128, 128, dim=1).store(_dequant(q1, s1, NANPACK))
+                part.slice(256, 128, dim=1).store(_dequant(q2, s2, NANPACK))
+                part.slice(384, 128, dim=1).store(_dequant(q3, s3, NANPACK))
+                rope.index(stage).slice(h * R, R, dim=0).store(gl.where(b_r != b_r, 0.0, b_r))
             fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
             gl.thread_barrier()  # the producer warps' stores are all done
             mbarrier.arrive(ready.index(stage), count=1)
@@ -491,7 +474,7 @@ if GLUON_AVAILABLE:
         elif FMT == 1:
             _gather_fp8(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1,
                         n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE,
-                        E_PAGE, BLOCK_N, STAGES, PASSES, HAS_EXTRA, (OPTS & 1) != 0, (OPTS & 8) != 0)  # fmt: skip
+                        E_PAGE, BLOCK_N, STAGES, PASSES, HAS_EXTRA, (OPTS & 1) != 0)  # fmt: skip
         else:
             _gather_v4(kv, kv_b16, ekv, ekv_b16, p_idx, p_eidx, lat, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
                        stride_ekv_b, num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N, STAGES, PASSES,
