@@ -50,6 +50,8 @@ SPILL_BOUND = {2: 8}
 # the private variants (sparse_mla(_gluon_opts=...), OPTS bits of gs.GLUON_OPTS) on V3.2 specialisations: the same
 # bounds (no spill), the 11th field is OPTS
 OPTS_VARIANTS = [
+    (2, 512, 1, True, True, 256, True, True, 64, True, 2),  # lazy, V4 decode / paged prefill (fp8_v4, bf16)
+    (0, 512, 1, True, True, 256, True, True, 64, True, 2),
     (1, 576, 1, True, True, 64, False, False, 64, False, 1),  # nanpack
     (1, 576, 4, False, True, 1, False, False, 1, False, 1),
     (1, 576, 1, True, True, 64, False, False, 64, False, 2),  # lazy
@@ -155,8 +157,9 @@ def test_sparse_gluon_opts_validation():
     assert gs.gluon_opts_bits(("nanpack", "lazy"), "fp8_ds_mla", 576, False) == 3
     assert gs.gluon_opts_bits(("lazy",), "auto", 576, False) == 2
     assert gs.gluon_opts_bits(("staged", "nanpack"), "fp8_ds_mla", 576, False) == 5
+    assert gs.gluon_opts_bits(("lazy",), "fp8_v4", 512, True) == gs.gluon_opts_bits(("lazy",), "auto", 576, True) == 2
     for args in [(("prefetch",), "fp8_ds_mla", 576, False), ("lazy", "auto", 576, False),
-                 (("lazy",), "auto", 512, False), (("lazy",), "auto", 576, True),
+                 (("nanpack",), "fp8_v4", 512, False), (("nanpack", "lazy"), "fp8_ds_mla", 576, True),
                  (("nanpack",), "auto", 576, False), (("staged",), "auto", 576, False),
                  (("staged",), "fp8_v4", 512, False), (("staged",), "fp8_ds_mla", 576, True),
                  (("onestore",), "fp8_ds_mla", 576, False)]:  # fmt: skip
@@ -496,6 +499,16 @@ def test_sparse_gluon_v4(heads, rows, kv_cache_dtype, device):
     # V4 decode / prefill rows: SWA-like main source (blocks of 256) + compressed-like extra source (blocks of 64),
     # both with lengths (shorter, 0) and invalid entries, the fused inverse RoPE; the planner's splits at 1 row
     _v4_run(heads, rows, kv_cache_dtype, device)
+
+
+@_gpu_test
+@pytest.mark.parametrize("kv_cache_dtype", V4_DTYPES)
+@pytest.mark.parametrize("heads,rows,splits", [(64, 1, None), (128, 37, None), (96, 300, None), (128, 37, 3)])
+def test_sparse_gluon_v4_lazy(heads, rows, splits, kv_cache_dtype, device):
+    # the private "lazy" variant on V4 calls (two sources, lengths, the inverse RoPE, sinks, splits)
+    sink = torch.linspace(-2, 2, heads, device=device)
+    kw = {"_num_splits_override": splits} if splits else {}
+    _v4_run(heads, rows, kv_cache_dtype, device, sink=sink, seed=rows, _gluon_opts=("lazy",), **kw)
 
 
 @_gpu_test

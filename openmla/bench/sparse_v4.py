@@ -18,9 +18,10 @@ which route prefill should take); the peer runs FlashMLA's sparse prefill on the
 a note names a point whose two routes disagree.
 
 ``gluon`` / ``triton`` (any point) also time that kernel (``sparse_mla(_kernel=...)``: the sm90 Gluon kernel of
-openmla/ops/gluon/sparse.py, which ``sparse_mla``'s default does not take for V4 yet, or the portable Triton one) on
-the same inputs in the same rounds, as provider ``gluon`` / ``triton`` beside ``openmla`` (the default's pick;
-``split<n>`` applies to both), checked against the default's output (a note below cosine 0.9999).
+openmla/ops/gluon/sparse.py, the default's pick on sm90, or the portable Triton one) on the same inputs in the same
+rounds, as provider ``gluon`` / ``triton`` beside ``openmla`` (the default's pick; ``split<n>`` applies to both),
+checked against the default's output (a note below cosine 0.9999); ``g:lazy`` likewise times the Gluon kernel with
+that private variant (``_gluon_opts``).
 
 TFLOPS = 2 * h * (attended keys) * (512 + 512) (FlashMLA's count for MODEL1); bytes = unique rows read x bytes a row
 + q + out. Decode's peer is ``flash_mla_with_kvcache`` with ``indices`` / ``extra_k_cache`` /
@@ -60,13 +61,11 @@ PRESETS = {
     "quick": ["v4decode h64 b128 q2 w128 k512", "v4decode h128 b128 q2 w128 k1024", "v4decode h16 b128 q2 w128 k512",
               "v4prefill h128 t4096 k1024", "v4prefill h64 t4096 k512 w128 paged",
               "v4prefill h64 t4096 k512 w128 paged gather"],
-    # the Gluon kernel beside the default (the Triton kernel for V4) at the quick points and a few more
-    "kernels": [f"{p} gluon" for p in ("v4decode h64 b128 q2 w128 k512", "v4decode h128 b128 q2 w128 k1024",
-                                        "v4decode h64 b128 q2 w128 k512 eb2 elen",
-                                        "v4decode h64 b128 q2 w128 k512 bf16", "v4decode h64 b128 q2 w128 k512 norope",
-                                        "v4decode h64 b1 q2 w128 k512", "v4prefill h128 t4096 k1024",
-                                        "v4prefill h64 t4096 k512", "v4prefill h64 t4096 k512 w128 paged",
-                                        "v4prefill h64 t4096 k512 w128 paged gather")],
+    # the Triton kernel and the Gluon kernel's private "lazy" variant beside the default (the Gluon kernel on sm90)
+    "kernels": [f"{p} {k}" for p in ("v4decode h64 b128 q2 w128 k512", "v4decode h128 b128 q2 w128 k1024",
+                                      "v4decode h16 b128 q2 w128 k512", "v4decode h64 b128 q2 w128 k512 bf16",
+                                      "v4prefill h128 t4096 k1024", "v4prefill h64 t4096 k512 w128 paged gather")
+                for k in ("triton", "g:lazy")],
     "tiny": ["v4decode h2 b2 q2 w8 k8 wb16 eb4", "v4decode h3 b1 q1 w4 k6 eb2 elen bf16",
              "v4prefill h2 t6 k8 s32", "v4prefill h2 t6 k8 w4 paged gather"],  # CPU (interpreter)
     # tuning: tiles (32x8x2 spills 8-16 bytes at 64 heads offline, the others none; 16-key tiles at 16 heads take
@@ -99,6 +98,7 @@ class V4AttnShape:
     tile: tuple = ()
     split: int = 0
     kernel: str = ""  # "gluon" / "triton": also time that kernel (provider of the same name)
+    gopts: tuple = ()  # "g:lazy": the Gluon kernel with those private variants (provider "g:<variants>")
     spec: str = ""
 
     def __str__(self) -> str:
@@ -128,6 +128,8 @@ def parse(spec: str) -> V4AttnShape:
                 f[flags[tok][0]] = flags[tok][1]
             elif tok in ("gluon", "triton"):
                 f["kernel"] = tok
+            elif tok.startswith("g:") and len(tok) > 2:
+                f["kernel"], f["gopts"] = "gluon", tuple(tok[2:].split("+"))
             elif parse_tuning(tok, f):
                 pass
             elif tok[:2] in ("wb", "eb"):
@@ -191,11 +193,12 @@ def _add_kernel(shape: V4AttnShape, ctx: BenchContext, fns: dict, call, out: tor
     if not shape.kernel:
         return
     out_k, lse_k = torch.empty_like(out), torch.empty_like(lse)
+    kw = {"_gluon_opts": shape.gopts} if shape.gopts else {}
 
     def other():
-        call(out_k, lse_k, _kernel=shape.kernel)
+        call(out_k, lse_k, _kernel=shape.kernel, **kw)
 
-    add_variant(ctx, fns, shape.kernel, other, out, out_k, shape)
+    add_variant(ctx, fns, f"g:{'+'.join(shape.gopts)}" if shape.gopts else shape.kernel, other, out, out_k, shape)
 
 
 def _run_decode(shape: V4AttnShape, ctx: BenchContext) -> list[dict]:

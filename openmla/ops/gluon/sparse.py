@@ -86,8 +86,8 @@ PRODUCER_REGS = {(0, 576): 56, (1, 576): 88, (0, 512): 40, (2, 512): 72}
 FP8_PASSES = 2  # row blocks of a tile the fp8 producers load and dequantise in turn (registers)
 _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 # variants (``sparse_mla(_gluon_opts=...)``, private; bits of the kernel's OPTS constexpr; 0 = the plain code; the
-# defaults are DEFAULT_OPTS below),
-# V3.2 one-source calls only:
+# defaults are DEFAULT_OPTS below); "lazy" takes any call (V4 too: no spill beyond the plain code's, sm90 offline),
+# the others V3.2 one-source calls only:
 # "nanpack" (fp8_ds_mla): the producer's NaN -> 0 on the packed bf16 pairs (set.num.u32.bf16x2 + and: one
 #   instruction a value, not FSETP + FSEL on each fp32); the same bf16 values (the fp32 product rounded to bf16)
 # "lazy": the consumers' lazy row max of decode_seesaw (moves only past LAZY_T), the O rescale skipped per warp by a
@@ -117,8 +117,8 @@ def default_opts(kv_cache_dtype: str, d_qk: int, has_extra: bool) -> tuple[str, 
 
 def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool) -> int:
     """The kernel's OPTS bits for ``sparse_mla(_gluon_opts=...)`` (names of GLUON_OPTS; () = 0, the plain code).
-    ValueError for an unknown name, or a call the variants do not cover (they are V3.2, one source; "nanpack" and
-    "staged" the fp8_ds_mla path)."""
+    ValueError for an unknown name, or a call the variants do not cover ("nanpack" and "staged": the fp8_ds_mla
+    path of V3.2 one-source calls; "lazy": any call)."""
     if isinstance(opts, str) or not isinstance(opts, (tuple, list, frozenset, set)):
         raise ValueError(f"_gluon_opts must be a tuple of names from {tuple(GLUON_OPTS)}; got {opts!r}")
     bits = 0
@@ -126,8 +126,8 @@ def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool) -> in
         if name not in GLUON_OPTS:
             raise ValueError(f"_gluon_opts: unknown variant {name!r} (one of {tuple(GLUON_OPTS)})")
         bits |= GLUON_OPTS[name]
-    if bits and (d_qk != D_QK or has_extra):
-        raise ValueError(f"_gluon_opts {tuple(opts)} cover V3.2 calls (q [T, H, {D_QK}], one source) only")
+    if bits & _FP8_ONLY_OPTS and (d_qk != D_QK or has_extra):
+        raise ValueError(f"_gluon_opts 'nanpack' / 'staged' cover V3.2 calls (q [T, H, {D_QK}], one source) only")
     if bits & _FP8_ONLY_OPTS and kv_cache_dtype != "fp8_ds_mla":
         raise ValueError(f"_gluon_opts 'nanpack' / 'staged' change the fp8_ds_mla path; the cache is "
                          f"{kv_cache_dtype!r}")  # fmt: skip
