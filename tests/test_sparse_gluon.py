@@ -47,11 +47,17 @@ COMPILE_VARIANTS = [
 # the row-max scratch address; sm90 offline, triton 3.6; V4 decode / paged prefill with the inverse RoPE: none), so
 # it is bounded by format, not zero
 SPILL_BOUND = {2: 8}
+# "staged" fp8_v4: the consumers dequantise (224 registers) and spill up to 16 bytes (one LDL a tile)
+STAGED_SPILL_BOUND = {1: 0, 2: 16}
 # the private variants (sparse_mla(_gluon_opts=...), OPTS bits of gs.GLUON_OPTS) on V3.2 specialisations: the same
 # bounds (no spill), the 11th field is OPTS
 OPTS_VARIANTS = [
     (2, 512, 1, True, True, 256, True, True, 64, True, 2),  # lazy, V4 decode / paged prefill (fp8_v4, bf16)
     (0, 512, 1, True, True, 256, True, True, 64, True, 2),
+    (2, 512, 1, True, True, 256, True, True, 64, True, 4),  # staged fp8_v4: two sources, the inverse RoPE
+    (2, 512, 1, True, True, 256, True, True, 64, True, 7),  # staged + nanpack + lazy
+    (2, 512, 4, True, True, 64, False, False, 64, False, 4),  # one source, splits
+    (2, 512, 1, False, False, 64, False, False, 64, False, 5),
     (1, 576, 1, True, True, 64, False, False, 64, False, 1),  # nanpack
     (1, 576, 4, False, True, 1, False, False, 1, False, 1),
     (1, 576, 1, True, True, 64, False, False, 64, False, 2),  # lazy
@@ -86,7 +92,8 @@ for v in json.loads(sys.argv[1]):
                 BLOCK_N=gs.BLOCK_N, STAGES=gs.STAGES, FP8_PASSES=gs.FP8_PASSES,
                 PRODUCER_REGS=gs.producer_regs(fmt, d_qk, opts), num_warps=gs.NUM_WARPS, OPTS=opts)
     kvt = "*bf16" if fmt == 0 else "*u8"
-    views = {"": kvt, "_f32": {0: kvt, 1: "*fp32", 2: kvt}[fmt], "_b16": "*bf16" if fmt else kvt}
+    f32 = {0: kvt, 1: "*fp32", 2: "*fp32" if opts & 4 else kvt}[fmt]  # staged fp8_v4: the exponent words
+    views = {"": kvt, "_f32": f32, "_b16": "*bf16" if fmt else kvt}
     ptr = {"q": "*bf16", "idx": "*i32", "lens": "*i32", "eidx": "*i32", "elens": "*i32", "sink": "*fp32",
            "out": "*bf16", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32", "rope_pos": "*i32",
            "cos_sin": "*fp32"}
@@ -123,22 +130,25 @@ def test_sparse_gluon_compiles_for_sm90():
     # + the producer warpgroup) with registers moved by setmaxnreg; the scores are m64n32k16 (each warpgroup scores 32
     # of the 64 keys: 9 (V3.2) or 8 (V4) chunks x 4 k-steps), P V m64n256k16 (each warpgroup 256 of the 512 columns);
     # bf16 rows by cp.async (9 or 8 [64, 64] copies, 4 a thread), fp8 rows by loads; "staged" fp8 rows by cp.async
-    # only (e4m3 bytes 16 a thread, rope 4, 16 bytes each; the scales 2 of 4 bytes) on the staged producer's registers
+    # only (e4m3 bytes 16 a thread, rope 4, 16 bytes each; the scales 2 of 4 bytes, V4's exponents 1) on the staged
+    # producer's registers
     reports = run_report_script(_COMPILE_SCRIPT, COMPILE_VARIANTS + OPTS_VARIANTS)
     for r in reports:
         v = tuple(r["variant"])
         name = "FMT={} D_QK={} NUM_SPLITS={} HAS_LEN={} HAS_SINK={} PAGE={} HAS_EXTRA={} E_HAS_LEN={} E_PAGE={} " \
                "HAS_ROPE={}".format(*v[:10]) + (f" OPTS={v[10]}" if len(v) > 10 else "")  # fmt: skip
         chunks = v[1] // 64
-        assert r["regs"] <= 255 and r["stack"] <= SPILL_BOUND.get(v[0], 0) and r["local"] == 0, f"{name}: spills {r}"
+        staged = len(v) > 10 and v[10] & gs.GLUON_OPTS["staged"]
+        bound = STAGED_SPILL_BOUND[v[0]] if staged else SPILL_BOUND.get(v[0], 0)
+        assert r["regs"] <= 255 and r["stack"] <= bound and r["local"] == 0, f"{name}: spills {r}"
         assert r["shared"] + r["static_shared"] <= SMEM_LIMIT, f"{name}: shared memory {r}"
         assert r["num_warps"] == 12 and r["setmaxnreg"], f"{name}: {r}"
         assert r["qk"] == 4 * chunks and r["pv"] == 4 and r["wgmma"] == 4 * chunks + 4, f"{name}: wgmma {r}"
         if v[0] == 0:
             assert r["cp_async"] == 4 * chunks and r["noinc"] == 1, f"{name}: cp.async {r}"
-        elif len(v) > 10 and v[10] & gs.GLUON_OPTS["staged"]:
-            assert r["cp_async"] == 20 and r["cp_async4"] == 2 and r["noinc"] == 1, f"{name}: cp.async {r}"
-            assert str(gs.STAGED_PRODUCER_REGS) in r["setmaxnreg"], f"{name}: {r}"
+        elif staged:  # V3.2: 16 + 4 16-byte copies, 2 of the scales; V4: 16 + 4, 1 exponent word
+            assert r["cp_async"] == 20 and r["cp_async4"] == 3 - v[0] and r["noinc"] == 1, f"{name}: cp.async {r}"
+            assert str(gs.STAGED_PRODUCER_REGS[v[0]]) in r["setmaxnreg"], f"{name}: {r}"
         else:
             assert r["cp_async"] == 0, f"{name}: {r}"
 
@@ -158,10 +168,13 @@ def test_sparse_gluon_opts_validation():
     assert gs.gluon_opts_bits(("lazy",), "auto", 576, False) == 2
     assert gs.gluon_opts_bits(("staged", "nanpack"), "fp8_ds_mla", 576, False) == 5
     assert gs.gluon_opts_bits(("lazy",), "fp8_v4", 512, True) == gs.gluon_opts_bits(("lazy",), "auto", 576, True) == 2
+    assert gs.gluon_opts_bits(("staged", "nanpack", "lazy"), "fp8_v4", 512, True) == 7
+    assert gs.gluon_opts_bits(("staged",), "fp8_v4", 512, False) == 4
     for args in [(("prefetch",), "fp8_ds_mla", 576, False), ("lazy", "auto", 576, False),
                  (("nanpack",), "fp8_v4", 512, False), (("nanpack", "lazy"), "fp8_ds_mla", 576, True),
+                 (("staged",), "auto", 512, True),
                  (("nanpack",), "auto", 576, False), (("staged",), "auto", 576, False),
-                 (("staged",), "fp8_v4", 512, False), (("staged",), "fp8_ds_mla", 576, True),
+                 (("staged",), "fp8_ds_mla", 576, True),
                  (("onestore",), "fp8_ds_mla", 576, False)]:  # fmt: skip
         with pytest.raises(ValueError, match="_gluon_opts"):
             gs.gluon_opts_bits(*args)
@@ -512,6 +525,39 @@ def test_sparse_gluon_v4_lazy(heads, rows, splits, kv_cache_dtype, device):
 
 
 @_gpu_test
+@pytest.mark.parametrize("opts", [("staged",), ("staged", "nanpack"), ("staged", "nanpack", "lazy")],
+                         ids=lambda v: "+".join(v))  # fmt: skip
+@pytest.mark.parametrize("heads,rows,splits,extra", [(64, 37, None, True), (128, 1, None, True), (96, 300, None, True),
+                                                     (128, 37, 3, True), (64, 37, None, False)])  # fmt: skip
+def test_sparse_gluon_v4_staged(opts, heads, rows, splits, extra, device):
+    # "staged" fp8_v4 (the consumers dequantise raw rows cp.async'd by the producer) against the reference, and bit
+    # for bit against the plain code where the softmax is the same (no "lazy"): NaN in selected rows' bytes,
+    # exponents and rope, invalid entries, lengths 0, sinks, splits, the inverse RoPE, one or two sources
+    kw = dict(K=128, K2=512, bs=64, e_bs=64, extra=extra, sink=torch.linspace(-2, 2, heads, device=device),
+              seed=rows + heads)  # fmt: skip
+    if splits:
+        kw["_num_splits_override"] = splits
+    b, lb, _, _ = _v4_run(heads, rows, "fp8_v4", device, _gluon_opts=opts, **kw)
+    if "lazy" not in opts:
+        a, la, _, _ = _v4_run(heads, rows, "fp8_v4", device, _gluon_opts=(), **kw)
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+        torch.testing.assert_close(lb, la, atol=0, rtol=0)
+
+
+def test_sparse_gluon_v4_staged_needs_aligned_blocks():
+    # fp8_v4 blocks of an odd size are 8- but not 16-byte aligned: "staged" (16-byte cp.async) refuses them
+    if not (gs.GLUON_AVAILABLE and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        pytest.skip("needs an sm90 (Hopper) GPU")
+    dev = "cuda"
+    cache = _v4_cache(dev, 8, 3, "fp8_v4", torch.arange(24), 0)
+    q = torch.randn(2, 64, 512, device=dev).bfloat16()
+    idx = torch.zeros(2, 4, dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        openmla.sparse_mla(q, cache, idx, V4_SCALE, kv_cache_dtype="fp8_v4", _kernel="gluon",
+                           _gluon_opts=("staged",))  # fmt: skip
+
+
+@_gpu_test
 @pytest.mark.parametrize("kv_cache_dtype", V4_DTYPES)
 @pytest.mark.parametrize("bs,e_bs,K,K2", [(64, 2, 100, 64), (1, 256, 64, 300), (256, 1, 128, 1024)])
 def test_sparse_gluon_v4_block_sizes(bs, e_bs, K, K2, kv_cache_dtype, device):
@@ -566,9 +612,11 @@ def test_sparse_gluon_v4_one_source_and_lengths(kv_cache_dtype, device, kernel="
 
 
 @_gpu_test
-def test_sparse_gluon_v4_nan_in_selected_rows(device, kernel="gluon"):
+@pytest.mark.parametrize("opts", [None, ("staged", "nanpack")], ids=["default", "staged+nanpack"])
+def test_sparse_gluon_v4_nan_in_selected_rows(opts, device, kernel="gluon"):
     # fp8_v4: a NaN e4m3 byte, an exponent byte 255 (its whole group of 64) and a NaN rope value in selected rows of
-    # both sources count as 0 (exponent byte 0, 2^-127, too)
+    # both sources count as 0 (exponent byte 0, 2^-127, too); "staged": the same rules in the consumers'
+    # dequantisation
     T, K, bs = 3, 24, 16
     g = torch.Generator().manual_seed(5)
     idx = torch.randint(0, 64, (T, K), generator=g, dtype=torch.int32)
@@ -584,7 +632,8 @@ def test_sparse_gluon_v4_nan_in_selected_rows(device, kernel="gluon"):
         blk[s3 // page, page * 576 + (s3 % page) * 8 + 4] = 0  # 2^-127
     q = torch.randn(T, 64, 512, generator=g).bfloat16().to(device)
     kw = dict(kv_cache_dtype="fp8_v4", extra_kv_cache=ecache, extra_indices=eidx.to(device))
-    out, lse = openmla.sparse_mla(q, cache, idx.to(device), V4_SCALE, _kernel=kernel, **kw)
+    out, lse = openmla.sparse_mla(q, cache, idx.to(device), V4_SCALE, _kernel=kernel,
+                                  **({} if opts is None else {"_gluon_opts": opts}), **kw)  # fmt: skip
     ref_out, ref_lse = sparse_mla_ref(q, cache, idx.to(device), V4_SCALE, **kw)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])

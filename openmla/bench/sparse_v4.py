@@ -61,11 +61,15 @@ PRESETS = {
     "quick": ["v4decode h64 b128 q2 w128 k512", "v4decode h128 b128 q2 w128 k1024", "v4decode h16 b128 q2 w128 k512",
               "v4prefill h128 t4096 k1024", "v4prefill h64 t4096 k512 w128 paged",
               "v4prefill h64 t4096 k512 w128 paged gather"],
-    # the Triton kernel and the Gluon kernel's private "lazy" variant beside the default (the Gluon kernel on sm90)
+    # the Triton kernel and the Gluon kernel's private variants beside the default (the Gluon kernel on sm90):
+    # "lazy" everywhere, "staged" (+ "nanpack", + "lazy") on the fp8_v4 points
     "kernels": [f"{p} {k}" for p in ("v4decode h64 b128 q2 w128 k512", "v4decode h128 b128 q2 w128 k1024",
-                                      "v4decode h16 b128 q2 w128 k512", "v4decode h64 b128 q2 w128 k512 bf16",
-                                      "v4prefill h128 t4096 k1024", "v4prefill h64 t4096 k512 w128 paged gather")
-                for k in ("triton", "g:lazy")],
+                                      "v4decode h16 b128 q2 w128 k512", "v4decode h64 b1 q2 w128 k512",
+                                      "v4prefill h64 t4096 k512 w128 paged")
+                for k in ("triton", "g:lazy", "g:staged", "g:staged+nanpack", "g:staged+nanpack+lazy")]
+               + [f"{p} {k}" for p in ("v4decode h64 b128 q2 w128 k512 bf16", "v4prefill h128 t4096 k1024",
+                                        "v4prefill h64 t4096 k512 w128 paged gather")
+                  for k in ("triton", "g:lazy")],
     "tiny": ["v4decode h2 b2 q2 w8 k8 wb16 eb4", "v4decode h3 b1 q1 w4 k6 eb2 elen bf16",
              "v4prefill h2 t6 k8 s32", "v4prefill h2 t6 k8 w4 paged gather"],  # CPU (interpreter)
     # tuning: tiles (32x8x2 spills 8-16 bytes at 64 heads offline, the others none; 16-key tiles at 16 heads take

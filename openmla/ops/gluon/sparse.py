@@ -92,13 +92,16 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 #   instruction a value, not FSETP + FSEL on each fp32); the same bf16 values (the fp32 product rounded to bf16)
 # "lazy": the consumers' lazy row max of decode_seesaw (moves only past LAZY_T), the O rescale skipped per warp by a
 #   vote when none of its rows' factors changed
-# "staged" (fp8_ds_mla): the producer only cp.asyncs the raw rows (e4m3 bytes, scales, bf16 rope) into a ring of fp8
-#   staging stages (many rows in flight); the consumers dequantise each stage into ONE bf16 latent tile (the same bf16
-#   values), release it, then run the MMAs; P lives in the tile's rope slot (see _smem_bytes)
+# "staged" (fp8_ds_mla, fp8_v4): the producer only cp.asyncs the raw rows (e4m3 bytes, scales or exponent bytes,
+#   bf16 rope) into a ring of fp8 staging stages (many rows in flight); the consumers dequantise each stage into ONE
+#   bf16 tile (the same bf16 values), release it, then run the MMAs; V3.2's P lives in the tile's rope slot (see
+#   _smem_bytes); fp8_v4 needs 16-byte aligned blocks (an even block size)
 GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4}
 _FP8_ONLY_OPTS = 1 | 4
 _STAGED = 4
-STAGED_PRODUCER_REGS = 56  # the staged producer only computes addresses (consumers 224, as with bf16 rows)
+# the staged producers only compute addresses, by format (fp8_ds_mla 56: consumers 224, as with bf16 rows; fp8_v4
+# 48: consumers 232, which V4's widening needs (sm90 offline: 8-16 bytes spilled at 224))
+STAGED_PRODUCER_REGS = {1: 56, 2: 48}
 _V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8 exponent bytes after the block's rows
 
 
@@ -117,8 +120,8 @@ def default_opts(kv_cache_dtype: str, d_qk: int, has_extra: bool) -> tuple[str, 
 
 def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool) -> int:
     """The kernel's OPTS bits for ``sparse_mla(_gluon_opts=...)`` (names of GLUON_OPTS; () = 0, the plain code).
-    ValueError for an unknown name, or a call the variants do not cover ("nanpack" and "staged": the fp8_ds_mla
-    path of V3.2 one-source calls; "lazy": any call)."""
+    ValueError for an unknown name, or a call the variants do not cover ("staged": fp8_ds_mla calls of one source
+    and fp8_v4 calls; "nanpack": the same, fp8_v4 with "staged" only; "lazy": any call)."""
     if isinstance(opts, str) or not isinstance(opts, (tuple, list, frozenset, set)):
         raise ValueError(f"_gluon_opts must be a tuple of names from {tuple(GLUON_OPTS)}; got {opts!r}")
     bits = 0
@@ -126,23 +129,29 @@ def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool) -> in
         if name not in GLUON_OPTS:
             raise ValueError(f"_gluon_opts: unknown variant {name!r} (one of {tuple(GLUON_OPTS)})")
         bits |= GLUON_OPTS[name]
-    if bits & _FP8_ONLY_OPTS and (d_qk != D_QK or has_extra):
-        raise ValueError(f"_gluon_opts 'nanpack' / 'staged' cover V3.2 calls (q [T, H, {D_QK}], one source) only")
-    if bits & _FP8_ONLY_OPTS and kv_cache_dtype != "fp8_ds_mla":
-        raise ValueError(f"_gluon_opts 'nanpack' / 'staged' change the fp8_ds_mla path; the cache is "
-                         f"{kv_cache_dtype!r}")  # fmt: skip
+    if bits & _FP8_ONLY_OPTS and kv_cache_dtype not in ("fp8_ds_mla", "fp8_v4"):
+        raise ValueError(f"_gluon_opts 'nanpack' / 'staged' change the fp8 paths; the cache is {kv_cache_dtype!r}")
+    if bits & _FP8_ONLY_OPTS and kv_cache_dtype == "fp8_ds_mla" and (d_qk != D_QK or has_extra):
+        raise ValueError("_gluon_opts 'nanpack' / 'staged' cover fp8_ds_mla calls of one source only")
+    if bits & 1 and kv_cache_dtype == "fp8_v4" and not bits & _STAGED:
+        raise ValueError("_gluon_opts 'nanpack' changes fp8_v4 rows only with 'staged' (its dequantisation)")
     return bits
 
 
 def producer_regs(fmt: int, d_qk: int, opts: int = 0) -> int:
     """The producer's setmaxnreg count for (cache format, row width, OPTS bits)."""
-    return STAGED_PRODUCER_REGS if opts & _STAGED else PRODUCER_REGS[(fmt, d_qk)]
+    if opts & _STAGED:
+        return STAGED_PRODUCER_REGS[fmt]
+    return PRODUCER_REGS[(fmt, d_qk)]
 
 
 def _smem_bytes(d_qk: int = D_QK, opts: int = 0) -> int:
     """Shared memory of one program: Q + the bf16 ring + P + barriers / reduction scratch (an upper bound).
     "staged": Q + one bf16 latent tile + STAGES bf16 rope slots (P aliases the tile's slot once its scores are done)
-    + STAGES fp8 stages (64 x 512 e4m3 + 64 x 4 fp32 scales)."""
+    + STAGES fp8 stages (64 x 512 e4m3 + 64 x 4 fp32 scales); V4 likewise with P apart and 8 exponent bytes a row."""
+    if opts & _STAGED and d_qk == D_V:  # V4: Q + one bf16 tile + P + fp8 stages + raw rope slots + exponent words
+        return (BLOCK_H * D_V * 2 + BLOCK_N * D_V * 2 + BLOCK_H * BLOCK_N * 2
+                + STAGES * BLOCK_N * (D_V + D_R * 2 + 8) + 2048)  # fmt: skip
     if opts & _STAGED:
         return (BLOCK_H * D_QK * 2 + BLOCK_N * D_V * 2 + STAGES * BLOCK_N * D_R * 2
                 + STAGES * BLOCK_N * (D_V + 16) + 2048)  # fmt: skip
@@ -386,12 +395,97 @@ if GLUON_AVAILABLE:
         rope_s.store(gl.where(b_r != b_r, 0.0, b_r))
 
     @gluon.jit
-    def _v4_scale(p_e, ok):
-        """UE8M0 exponent bytes -> fp32 scales 2^(byte - 127) [N] (byte 255: NaN, byte 0: 2^-127), as the Triton
-        kernel's ``_v4_scale``; an invalid row reads byte 127 (scale 1, its bytes are 0)."""
-        b_e = gl.load(p_e, mask=ok, other=127).to(gl.int32)
+    def _e8m0_scale(b_e):
+        """UE8M0 exponent bytes (int32 [N], 0..255) -> fp32 scales 2^(byte - 127) (byte 255: NaN, byte 0: 2^-127),
+        as the Triton kernel's ``_v4_scale``."""
         b_s = (b_e << 23).to(gl.float32, bitcast=True)
         return gl.where(b_e == 255, float("nan"), gl.where(b_e == 0, 5.877471754111438e-39, b_s))
+
+    @gluon.jit
+    def _v4_scale(p_e, ok):
+        """The exponent bytes at ``p_e`` -> fp32 scales (``_e8m0_scale``); an invalid row reads byte 127 (scale 1,
+        its bytes are 0)."""
+        return _e8m0_scale(gl.load(p_e, mask=ok, other=127).to(gl.int32))
+
+    @gluon.jit
+    def _v4_rows(kv, ekv, p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b, stride_ekv_b,
+                 PAGE: gl.constexpr, E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
+                 HAS_EXTRA: gl.constexpr):  # fmt: skip
+        """fp8_v4 rows of entries ``[n0, n0 + BLOCK_N)`` (``layout``: a 1-D slice layout): (byte offsets of the data
+        rows, of the exponent bytes, whether each row is the main source's, whether it is valid); invalid rows are
+        slot 0 of the main source (read masked)."""
+        if HAS_EXTRA:
+            slot, ok, e_slot, e_ok = _tile_slots2(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, BLOCK_N, layout)
+            row, ex = _v4_offsets(slot, stride_kv_b, PAGE)
+            e_row, e_ex = _v4_offsets(e_slot, stride_ekv_b, E_PAGE)
+            main = ok | ~e_ok
+            return gl.where(main, row, e_row), gl.where(main, ex, e_ex), main, ok | e_ok
+        else:
+            slot, ok = _tile_slots(p_idx, n0, hi, num_slots, BLOCK_N, layout)
+            row, ex = _v4_offsets(slot, stride_kv_b, PAGE)
+            return row, ex, ok | ~ok, ok
+
+    @gluon.jit
+    def _gather_staged_v4(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat8, ex8, rope8, ready, empty,
+                          lo, hi, n1, n_tiles, stride_kv_b, stride_ekv_b, num_slots, e_num_slots, PAGE: gl.constexpr,
+                          E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          HAS_EXTRA: gl.constexpr):  # fmt: skip
+        """Producer, fp8_v4 rows, "staged": cp.async only, as ``_gather_staged``: a tile's e4m3 bytes (16 bytes a
+        thread; one [64, 512] copy whose columns past 448 are zero-filled: one copy, so one partition barrier, not
+        seven) into the fp8 stage, its exponent bytes as two 4-byte words a row (rows of ``ex8`` [STAGES * 2, 64]:
+        word-major, so a consumer reads one word of every row) and its bf16 rope into the stage's rope slot (raw: the
+        consumers clear NaN), once the consumers have dequantised the stage ("empty"); invalid rows zero-filled;
+        each thread's copies complete "ready" (noinc arrive). Rows of either source."""
+        NW: gl.constexpr = gl.num_warps()
+        B8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])  # e4m3 bytes, [16, 128] a repeat
+        R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])  # rope bf16, [16, 64]
+        EXL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [2, NW // 2], [1, 0])  # exponent words [word, row]
+        ROW8: gl.constexpr = gl.SliceLayout(1, B8)
+        ROW16: gl.constexpr = gl.SliceLayout(1, R16)
+        ROWEX: gl.constexpr = gl.SliceLayout(0, EXL)
+        o_b = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, B8)), 0)
+        o_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, R16)), 0)
+        o_w = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, EXL)), 1)
+        ex8_3 = ex8._reinterpret(gl.float32, [STAGES, 2, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        for j in range(n_tiles):
+            stage = j % STAGES
+            phase = ((j // STAGES) & 1) ^ 1  # fresh barriers pass parity 1 at once
+            n0 = lo + j * BLOCK_N
+            row, _, main, ok = _v4_rows(kv, ekv, p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b,
+                                        stride_ekv_b, PAGE, E_PAGE, BLOCK_N, ROW8, HAS_EXTRA)  # fmt: skip
+            p_b = gl.expand_dims(gl.where(main, kv + row, ekv + row), 1) + o_b
+            m2 = gl.expand_dims(ok, 1) & (o_b < 448)
+            _, ex, main_e, ok_e = _v4_rows(kv, ekv, p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b,
+                                           stride_ekv_b, PAGE, E_PAGE, BLOCK_N, ROWEX, HAS_EXTRA)  # fmt: skip
+            p_e = gl.expand_dims(gl.where(main_e, kv_f32 + ex // 4, ekv_f32 + ex // 4), 0) + o_w
+            m_e = gl.expand_dims(ok_e, 0) & (o_w < 2)
+            row_r, _, main_r, ok_r = _v4_rows(kv, ekv, p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots,
+                                              stride_kv_b, stride_ekv_b, PAGE, E_PAGE, BLOCK_N, ROW16,
+                                              HAS_EXTRA)  # fmt: skip
+            p_r = gl.expand_dims(gl.where(main_r, kv_b16 + row_r // 2, ekv_b16 + row_r // 2) + 224, 1) + o_r
+            m_r = gl.expand_dims(ok_r, 1)
+            mbarrier.wait(empty.index(stage), phase)
+            async_copy.async_copy_global_to_shared(lat8.index(stage), p_b, mask=m2)
+            async_copy.async_copy_global_to_shared(ex8_3.index(stage), p_e, mask=m_e)
+            async_copy.async_copy_global_to_shared(rope8.index(stage), p_r, mask=m_r)
+            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+
+    @gluon.jit
+    def _widen_staged_v4(src8, ex, stage, lat, rope_s, NANPACK: gl.constexpr):
+        """Consumers, fp8_v4 "staged": the landed fp8 stage (e4m3 [64, 448] of [64, 512]; exponent words: rows
+        ``2 stage + w`` of ``ex``) -> the bf16 tile's 448 latent columns (``_dequant``: the producer path's values,
+        NaN -> 0; zero-filled rows give 0), then the rope slot's values (NaN -> 0) into columns 448..511."""
+        NW: gl.constexpr = gl.num_warps()
+        L8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])  # [64, 64] a repeat
+        R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        for c in gl.static_range(7):  # [64, 64] pieces, one exponent byte a row each
+            if c % 4 == 0:
+                w = ex.index(stage * 2 + c // 4).load(gl.SliceLayout(1, L8)).to(gl.int32, bitcast=True)
+            b_s = _e8m0_scale((w >> (8 * (c % 4))) & 255)
+            b_q = src8.slice(c * 64, 64, dim=1).load(L8)
+            lat.slice(c * 64, 64, dim=1).store(_dequant(b_q, b_s, NANPACK))
+        b_r = rope_s.load(R16)
+        lat.slice(448, 64, dim=1).store(gl.where(b_r != b_r, 0.0, b_r))
 
     @gluon.jit
     def _gather_v4(kv, kv_b16, ekv, ekv_b16, p_idx, p_eidx, lat, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
@@ -571,9 +665,11 @@ if GLUON_AVAILABLE:
                   FENCE: gl.constexpr, OPTS: gl.constexpr):  # fmt: skip
         """The two consumer warpgroups: Q to shared memory, the online softmax over the ring's tiles, the epilogue
         (OPTS: the private variants' bits; "lazy" 2, "staged" 4: ``lat`` is the one bf16 tile, ``lat8`` / ``sc8``
-        the fp8 stages, P in ``rope``'s slot, ``free`` its release)."""
+        the fp8 stages (V4: ``sc8`` the exponent words, ``rope`` the stages' raw rope); V3.2: P in ``rope``'s slot,
+        ``free`` its release)."""
         LAZY: gl.constexpr = (OPTS & 2) != 0
         STAGED: gl.constexpr = (OPTS & 4) != 0
+        P_IN_ROPE: gl.constexpr = STAGED and D_QK > 512
         BLOCK_M: gl.constexpr = 64
         NW: gl.constexpr = gl.num_warps()
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -612,8 +708,12 @@ if GLUON_AVAILABLE:
             mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
             if STAGED:  # dequantise the landed fp8 stage into the one bf16 tile, then hand the stage back at once
                 k_lat = lat.index(0)
-                _widen_staged(lat8.index(stage), sc8, stage, k_lat, rope.index(stage),
-                              (OPTS & 1) != 0)  # fmt: skip
+                if D_QK > 512:
+                    _widen_staged(lat8.index(stage), sc8, stage, k_lat, rope.index(stage),
+                                  (OPTS & 1) != 0)  # fmt: skip
+                else:
+                    _widen_staged_v4(lat8.index(stage), sc8, stage, k_lat, rope.index(stage),
+                                     (OPTS & 1) != 0)  # fmt: skip
                 fence_async_shared()  # generic-proxy writes before the wgmma reads
                 gl.thread_barrier()  # the whole tile is written; both warpgroups are done reading the fp8 stage
                 mbarrier.arrive(empty.index(stage), count=1)
@@ -623,7 +723,7 @@ if GLUON_AVAILABLE:
                 k_lat = lat.index(stage)
             b_s = _qk(q_smem, k_lat, rope.index(stage), s_zero, D_QK > 512)
             b_s = warpgroup_mma_wait(0, deps=(b_s,))
-            if STAGED:  # P overwrites the rope slot: both warpgroups' scores must be done
+            if P_IN_ROPE:  # P overwrites the rope slot: both warpgroups' scores must be done
                 gl.thread_barrier()
                 p_tile = rope.index(stage)
             else:
@@ -638,9 +738,9 @@ if GLUON_AVAILABLE:
             acc = warpgroup_mma(p_tile, k_lat, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             gl.thread_barrier()  # both warpgroups are done with this stage and with P
-            if STAGED:
+            if P_IN_ROPE:
                 mbarrier.arrive(free.index(stage), count=1)  # the producer may refill the rope slot (P's)
-            else:
+            elif not STAGED:
                 mbarrier.arrive(empty.index(stage), count=1)  # the producer may refill it
 
         # epilogue: natural-log LSE of the scaled scores (sink-free), -inf and zeros for a row with no key
@@ -761,7 +861,40 @@ if GLUON_AVAILABLE:
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.bfloat16)
         STAGED: gl.constexpr = (OPTS & 4) != 0
         PW: gl.constexpr = 4  # producer warps (one warpgroup)
-        if STAGED:
+        if STAGED and FMT == 2:
+            # "staged", V4: ONE bf16 tile (448 latent + 64 rope columns), P apart, STAGES fp8 stages (raw e4m3 rows
+            # in [64, 512] bytes, the V3.2 swizzle), STAGES raw rope slots and the exponent words
+            F8V: gl.constexpr = gl.SwizzledSharedLayout(64, 1, 2, order=[1, 0])
+            q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, 64, 64], SW)
+            lat = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, 512], SW)
+            p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK_N], P_SMEM)
+            lat8 = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], F8V)
+            rope8 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64],
+                                              gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))  # fmt: skip
+            ex8 = gl.allocate_shared_memory(gl.float32, [STAGES * 2, BLOCK_N],
+                                            gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # fmt: skip
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for st in gl.static_range(STAGES):
+                mbarrier.init(ready.index(st), count=PW * 32)  # one noinc cp.async arrive per producer thread
+                mbarrier.init(empty.index(st), count=1)  # the fp8 stage dequantised
+            fence_async_shared()
+
+            gl.warp_specialize([
+                (_consumer, (q, q_smem, lat, rope8, p_smem, ready, empty, lat8, ex8, empty, p_idx, p_eidx, sink, out,
+                             lse, o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t,
+                             stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles,
+                             num_slots, e_num_slots, D_QK, BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA, HAS_SINK, HAS_ROPE,
+                             ROPE, False, OPTS)),
+                (_gather_staged_v4, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat8, ex8, rope8,
+                                     ready, empty, lo, hi, n1, n_tiles, stride_kv_b, stride_ekv_b, num_slots,
+                                     e_num_slots, PAGE, E_PAGE, BLOCK_N, STAGES, HAS_EXTRA)),
+            ], [PW], [PRODUCER_REGS])  # fmt: skip
+
+            for st in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(st))
+                mbarrier.invalidate(empty.index(st))
+        elif STAGED:
             # "staged": ONE bf16 latent tile, STAGES rope slots (P aliases one once its scores are done) and STAGES
             # fp8 stages (raw e4m3 rows; odd rows swap their 64-byte halves, so the consumers' 16-byte loads of two
             # rows' 64 bytes each hit distinct banks, as do the producer's cp.async of a row's 128 bytes)
@@ -884,6 +1017,11 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
     views, stride_b, stride_p = _cache_views(kv_cache, fmt)
     ekv = extra_kv_cache if has_extra else kv_cache
     eviews, e_stride_b, e_stride_p = _cache_views(ekv, fmt)
+    if fmt == 2 and opts & _STAGED:  # cp.async of 16-byte row pieces and 4-byte exponent words
+        if stride_b % 16 or e_stride_b % 16:
+            raise ValueError(f"_gluon_opts 'staged' needs fp8_v4 blocks 16-byte aligned (an even block size); got "
+                             f"{kv_cache.shape[1]} and {ekv.shape[1]} tokens a block")  # fmt: skip
+        views[1], eviews[1] = kv_cache.view(torch.float32), ekv.view(torch.float32)
     eidx = extra_indices if has_extra else idx
     if inv_rope is not None:
         cos_sin = inv_rope[1]
