@@ -71,6 +71,12 @@ PRESETS = {
                  "h16 b128 s8192 q2 triton", "h16 b128 s8192~4096 q1 triton", "h64 b64 s4096 q1 seesaw",
                  "h128 b24 s4096 q1 seesaw pair+spans1", "h128 b16 s4096 q1 seesaw pair+spans1",
                  "h64 b32 s8192 q1 pair+spans1"],
+    # small and middle batches (issue 34's remaining gaps): fewer, longer splits (less fp32 partial traffic: at h128
+    # b8 s4k the 64 items write and the reduce reads 16.8 MB) against the planner's pick
+    "splits": ["h128 b8 s4096 q1 minsplit1024 minsplit2048 split4096 reduce",
+               "h128 b16 s4096 q1 minsplit1024 minsplit2048 reduce", "h64 b8 s4096 q1 minsplit1024 minsplit2048",
+               "h64 b32 s4096 q1 minsplit1024 minsplit2048", "h16 b32 s4096 q1 minsplit1024 minsplit2048 gluon",
+               "h16 b8 s4096 q1 minsplit1024 gluon", "h128 b1 s32768 q1 maxsplit2048 maxsplit8192"],
 }  # fmt: skip
 
 # variant settings: (pattern, what it sets); plan settings become plan_decode's private keywords
