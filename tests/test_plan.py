@@ -44,6 +44,22 @@ def test_overrides_honoured():
     assert fine.num_splits[0] > wide.num_splits[0] >= 1
 
 
+@pytest.mark.parametrize("heads", [16, 64])
+def test_max_splits_bounds_every_request(heads):
+    # plan.max_splits (the reduce's step over splits) is never below a request's split count: random batches, short
+    # and long requests, a max_seq_len above the longest, the tuning overrides
+    dev = suite_device()
+    g = torch.Generator().manual_seed(heads)
+    for trial in range(12):
+        B = int(torch.randint(1, 9, (1,), generator=g))
+        lens = torch.randint(0, 3000 if trial % 2 else 200, (B,), generator=g).tolist()
+        sl, qsl = _batch(lens, dev)
+        for kw in ({}, {"max_seq_len": max(lens) + 500, "max_query_len": 1}, {"_slots": 64, "_min_split": 16},
+                   {"_min_split": 4096, "_max_split": 128}):  # fmt: skip
+            plan = openmla.plan_decode(sl, qsl, heads, num_sms=8, **kw)
+            assert 1 <= int(plan.num_splits.max()) <= plan.max_splits, (lens, kw, plan.max_splits)
+
+
 def test_overrides_validated():
     dev = suite_device()
     sl, qsl = _batch([300, 20], dev)

@@ -393,7 +393,10 @@ def _merge_one_head(o_part, lse_part, out, lse, row, w0, n_split, i_t, i_h, i_d,
         b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         b_alpha = tl.exp(b_m - b_m_use)
         b_w = tl.exp(b_l - b_m_use)
-        b_o = tl.load(o_part + part[:, None] * D_V + o_d[None, :], mask=(m_s & (b_w > 0))[:, None], other=0.0)
+        # the partials load with the LSEs (its mask does not wait for them); a split without keys (weight 0) may
+        # hold anything, so it is zeroed after the load
+        b_o = tl.load(o_part + part[:, None] * D_V + o_d[None, :], mask=m_s[:, None], other=0.0)
+        b_o = tl.where((b_w > 0)[:, None], b_o, 0.0)
         b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_o, axis=0)
         b_den = b_den * b_alpha + tl.sum(b_w, axis=0)
         b_m = b_m_new
@@ -426,7 +429,7 @@ def _merge_head_block(o_part, lse_part, out, lse, row, w0, n_split, i_t, i_hb, i
         b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         b_alpha = tl.exp(b_m - b_m_use)
         b_w = tl.exp(b_l - b_m_use[None, :])
-        b_o = tl.load(o_part + part * D_V + o_d[None, :], mask=m_p & (b_w > 0), other=0.0)
+        b_o = tl.where(b_w > 0, tl.load(o_part + part * D_V + o_d[None, :], mask=m_p, other=0.0), 0.0)  # (as above)
         b_acc = b_acc * b_alpha + tl.sum(b_w * b_o, axis=0)
         b_den = b_den * b_alpha + tl.sum(b_w, axis=0)
         b_m = b_m_new
@@ -451,9 +454,11 @@ def _reduce_tiling(plan: DecodePlan, H: int, d_v: int) -> tuple[int, int, int, i
     block_hb = min(grow // widen, triton.next_power_of_2(H))
     hbd = block_hb * block_d
     tile = _REDUCE_TILE_ONE_HEAD if block_hb == 1 else _REDUCE_TILE
-    # no wider than a request's share of the plan's work items (masked split rows still cost registers and
-    # issue slots)
+    # no wider than a request's share of the plan's work items nor its most splits (masked split rows still cost
+    # registers and issue slots)
     share = triton.next_power_of_2(triton.cdiv(plan.capacity, max(1, plan.batch_size)))
+    if plan.max_splits:
+        share = min(share, triton.next_power_of_2(plan.max_splits))
     block_s = max(2, min(_REDUCE_MAX_BLOCK_S, tile // hbd, share))
     tasks = plan.batch_size * plan.max_query_len * triton.cdiv(H, block_hb) * (d_v // block_d)
     return max(1, min(tasks, programs)), block_hb, block_d, block_s

@@ -193,6 +193,8 @@ class DecodePlan:
         spans (DecodeSpans | None): the request-spanning schedule of the same batch for the Hopper pair kernel
             (:mod:`openmla.ops.plan_spans`; it shares ``o_part`` / ``lse_part``), where ``mla_decode`` runs that
             kernel (64-row tiles read by 2+ programs each, a batch that fills the SMs with them); else None.
+        max_splits (int): an upper bound of any request's splits, from ``max_seq_len`` and the shortest split (the
+            reduce's step over the splits; 0: unknown).
     """
 
     batch_size: int
@@ -213,6 +215,7 @@ class DecodePlan:
     num_merge: torch.Tensor
     spans: DecodeSpans | None = None
     kv_cache_dtype: str = "auto"
+    max_splits: int = 0
 
     def check(self, batch_size: int, num_heads: int, d_v: int, kv_cache_dtype: str | None = None) -> None:
         """Raise when a call does not match the configuration this plan was built for (``kv_cache_dtype``
@@ -391,8 +394,11 @@ def plan_decode(
         reuse = out.spans if out is not None and out.spans is not None and out.spans.num_groups == groups else None
         spans = plan_spans(seq_lens, query_start_loc, groups, programs_per_split, capacity, out=reuse,
                            mode=_spans_mode or "auto", cut_cost=_span_cut)  # fmt: skip
-    if spans is not plan.spans:
-        plan = dataclasses.replace(plan, spans=spans)
+    # a request's splits: the batch's split length is at least min(min_split, max_split, the longest request) and a
+    # whole tile, so no request has more than this many
+    max_splits = max(1, triton_cdiv(max_seq_len, max(tiling.block_n, min(min_split, max_split))))
+    if spans is not plan.spans or max_splits != plan.max_splits:
+        plan = dataclasses.replace(plan, spans=spans, max_splits=max_splits)
     if B:
         _plan_decode_fwd_kernel[(1,)](
             seq_lens, query_start_loc, plan.split_len, plan.num_splits, plan.work_indptr, plan.work_req,
