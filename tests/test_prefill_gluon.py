@@ -24,6 +24,9 @@ COMPILE_VARIANTS = [
     (128, 2, True, True, 8, False),
     (64, 3, True, True, 1, True),
     (64, 4, False, False, 16, True),
+    (128, 2, True, True, 1, True, True),  # fp8 q / k (7th field: FP8)
+    (128, 3, True, True, 1, True, True),
+    (128, 2, False, True, 8, False, True),
 ]
 
 _COMPILE_SCRIPT = r"""
@@ -38,17 +41,27 @@ NVMMA = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2,
          "fp4_padded=False, cga_layout=[])")
 fn = g._flash_attn_varlen_gluon_kernel
 report = []
-for block_n, stages, causal, pingpong, group, scale_pos in json.loads(sys.argv[1]):
+for v in json.loads(sys.argv[1]):
+    block_n, stages, causal, pingpong, group, scale_pos = v[:6]
+    fp8 = len(v) > 6 and v[6]
     cons = dict(GROUP=group, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, SCALE_POS=scale_pos, PINGPONG=pingpong,
-                HEAD_BLOCK=1, STORE_LSE=True, PRODUCER_REGS=g.PRODUCER_REGS, CONSUMER_REGS=g.CONSUMER_REGS, num_warps=4)
-    blocks = {"q_desc": [64, 64], "k1_desc": [block_n, 128], "k2_desc": [block_n, 64], "v_desc": [block_n, 128]}
-    ptr = {"o": "*bf16", "lse": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
+                HEAD_BLOCK=1, STORE_LSE=True, PRODUCER_REGS=g.PRODUCER_REGS, CONSUMER_REGS=g.CONSUMER_REGS, num_warps=4,
+                FP8=fp8)
+    blocks = {"q_desc": [64, 128] if fp8 else [64, 64], "q2_desc": [64, 64], "k1_desc": [block_n, 128],
+              "k2_desc": [block_n, 64], "v_desc": [block_n, 128]}
+    ptr = {"o": "*bf16", "lse": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "q_ds": "*fp32",
+           "k_ds": "*fp32", "v_ds": "*fp32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in cons:
             sig[name] = "constexpr"
         elif name in blocks:
-            sig[name] = f"tensordesc<bf16{blocks[name]},{NVMMA}>"
+            if fp8 and name != "v_desc":
+                lay = (f"NVMMASharedLayout(swizzle_byte_width={min(128, blocks[name][1])}, element_bitwidth=8, "
+                       "rank=2, transposed=False, fp4_padded=False, cga_layout=[])")
+                sig[name] = f"tensordesc<fp8e4nv{blocks[name]},{lay}>"
+            else:
+                sig[name] = f"tensordesc<bf16{blocks[name]},{NVMMA}>"
         elif name in ptr:
             sig[name] = ptr[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -58,7 +71,7 @@ for block_n, stages, causal, pingpong, group, scale_pos in json.loads(sys.argv[1
             sig[name] = "i32"
     k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4))
-    report.append(dict(variant=[block_n, stages, causal, pingpong, group, scale_pos], **resource_report(k)))
+    report.append(dict(variant=v, **resource_report(k)))
 print("REPORT" + json.dumps(report))
 """
 
@@ -72,7 +85,8 @@ def test_gluon_prefill_compiles_for_sm90():
     # offline sm90 compile (no GPU needed): wgmma + TMA in the PTX, no spill, fits the shared memory,
     # 4 + 4 consumer warps + the producer's warpgroup, registers moved by setmaxnreg
     for r in _compile_report(COMPILE_VARIANTS):
-        name = "BLOCK_N={} STAGES={} CAUSAL={} PINGPONG={} GROUP={} SCALE_POS={}".format(*r["variant"])
+        name = "BLOCK_N={} STAGES={} CAUSAL={} PINGPONG={} GROUP={} SCALE_POS={}".format(*r["variant"][:6])
+        name += " FP8" if len(r["variant"]) > 6 else ""
         assert r["wgmma"] > 0 and r["tma"] > 0, f"{name}: {r}"
         assert r["regs"] <= 255 and r["stack"] == 0 and r["local"] == 0, f"{name}: spills or too many registers {r}"
         assert r["shared"] + r["static_shared"] <= pg.SMEM_LIMIT, f"{name}: shared memory {r}"
@@ -90,6 +104,9 @@ def test_gluon_prefill_unsupported_on_cpu():
         pg.flash_attn_varlen_gluon(q, k, v, cu, cu, 4, 4, SCALE)
     assert pg._smem_bytes(128, 2) <= pg.SMEM_LIMIT and pg._smem_bytes(64, 4) <= pg.SMEM_LIMIT
     assert pg._smem_bytes(128, 3) > pg.SMEM_LIMIT
+    assert pg._smem_bytes(128, 3, fp8=True) <= pg.SMEM_LIMIT < pg._smem_bytes(128, 4, fp8=True)
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    assert not pg.gluon_prefill_supported(q8, k8, v8, fp8=True) and not pg.gluon_prefill_supported(q8, k8, v8)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -296,3 +313,43 @@ def test_gluon_prefill_long_matches_triton(device):
     assert not torch.isnan(out).any()
     assert_close("out vs triton", t_out, out, *TOLERANCES[torch.bfloat16])
     assert_close("lse vs triton", t_lse, lse, 1e-3, 1e-3, 1e-6)
+
+
+def _fp8_problem(device, heads, qlens, klens, h_kv=None):
+    """e4m3 q / k / v scaled into range, their descales, and the cu_seqlens."""
+    q, k, v, cu_q, cu_k = _problem(device, heads, qlens, klens, h_kv=h_kv)
+    ds = [torch.tensor([s], device=device) for s in (0.02, 0.05, 0.01)]
+    q8, k8, v8 = ((x.float() / d).clamp(-448, 448).to(torch.float8_e4m3fn) for x, d in zip((q, k, v), ds))
+    return q8, k8, v8, ds, cu_q, cu_k
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gluon_prefill_fp8(causal, stages, device):
+    # fp8 q / k / v (the private _fp8_gluon path): scores on fp8 tensor cores, V widened to bf16, descales; a
+    # ragged batch with an empty request, a request without keys and Lk != Lq, GQA, against the fp32 reference
+    # on the same fp8 values and against the portable kernel's fp8 path
+    qlens, klens = [300, 0, 1, 129, 40], [700, 17, 0, 129, 20]
+    q8, k8, v8, ds, cu_q, cu_k = _fp8_problem(device, 16, qlens, klens, h_kv=4)
+    kw = dict(causal=causal, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
+    out, lse = pg.flash_attn_varlen_gluon(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal,
+                                          stages=stages, descales=tuple(ds))  # fmt: skip
+    torch.cuda.synchronize()
+    ref_out, ref_lse = flash_attn_varlen_ref(q8, k8, v8, cu_q, cu_k, SCALE, **kw)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+    t_out, t_lse = openmla.flash_attn_varlen(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE,
+                                             backend="triton", **kw)  # fmt: skip
+    assert_close("out vs triton", t_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse vs triton", t_lse, lse, 1e-3, 1e-3, 1e-6)
+    # through flash_attn_varlen: _fp8_gluon routes fp8 to this kernel; without descales they default to 1
+    g_out, g_lse = openmla.flash_attn_varlen(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE, _fp8_gluon=True,
+                                             **kw)  # fmt: skip
+    if stages == pg.STAGES_DEFAULT:
+        torch.testing.assert_close(g_out, out, atol=0, rtol=0)
+    o1, _ = openmla.flash_attn_varlen(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal,
+                                      _fp8_gluon=True)  # fmt: skip
+    r1, _ = flash_attn_varlen_ref(q8, k8, v8, cu_q, cu_k, SCALE, causal=causal)
+    assert_close("out, unit descales", r1, o1, *TOLERANCES[torch.bfloat16])

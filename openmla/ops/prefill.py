@@ -417,6 +417,7 @@ def flash_attn_varlen(
     out: torch.Tensor | None = None,
     backend: str | None = None,
     validate: bool = True,
+    _fp8_gluon: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Flash attention over a ragged batch; q/k and v head dims may differ (MLA prefill: 192 / 128).
 
@@ -513,21 +514,27 @@ def flash_attn_varlen(
         if B and int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) > max_seqlen_q:
             raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is below the longest query length")
 
-    if _use_gluon(backend, q, k, v, descales, out):
+    # _fp8_gluon (private, tests and the benchmark until it is measured): fp8 inputs on the Gluon kernel too
+    if _use_gluon(backend, q, k, v, descales, out, _fp8_gluon):
+        if is_fp8 and descales is None:
+            descales = (torch.ones(1, dtype=torch.float32, device=dev),) * 3
         o, lse = flash_attn_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         float(sm_scale), causal=causal, out=out)  # fmt: skip
+                                         float(sm_scale), causal=causal, out=out,
+                                         descales=descales if is_fp8 else None)  # fmt: skip
         return o, (lse if return_lse else None)
     return _flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, max_seqlen_q, sm_scale, causal,
                                   return_lse, out)  # fmt: skip
 
 
-def _use_gluon(backend, q, k, v, descales, out) -> bool:
+def _use_gluon(backend, q, k, v, descales, out, fp8_gluon: bool = False) -> bool:
     """Whether ``flash_attn_varlen`` runs the Hopper Gluon kernel (see its ``backend`` argument): on the H200 at
-    H128 2 x 8k causal 605 TFLOPS (the Triton kernel 418, cuDNN 570)."""
+    H128 2 x 8k causal 605 TFLOPS (the Triton kernel 418, cuDNN 570). fp8 inputs only with ``fp8_gluon``."""
     backend = kernel_backend(backend, "OPENMLA_PREFILL_BACKEND")
     if backend == "triton":
         return False
-    ok = descales is None and (out is None or out.stride(2) == 1) and gluon_prefill_supported(q, k, v)
+    fp8 = q.dtype == torch.float8_e4m3fn
+    ok = (descales is None or (fp8 and fp8_gluon)) and (out is None or out.stride(2) == 1)
+    ok = ok and (not fp8 or fp8_gluon) and gluon_prefill_supported(q, k, v, fp8=fp8)
     if backend == "gluon" and not ok:
         raise ValueError(
             "backend='gluon' needs an sm90 GPU with triton.experimental.gluon, bf16 q/k/v without descales, "

@@ -98,28 +98,37 @@ PINGPONG: bool = True
 HEAD_BLOCK: int = 1
 
 
-def _smem_bytes(block_n: int, stages: int) -> int:
-    return BLOCK_M * D_QK * 2 + stages * block_n * (D_QK + D_V) * 2 + 1024
+def _smem_bytes(block_n: int, stages: int, fp8: bool = False) -> int:
+    """Q + the K / V ring + barriers (fp8: e4m3 Q and K, bf16 V)."""
+    qk = 1 if fp8 else 2
+    return BLOCK_M * D_QK * qk + stages * block_n * (D_QK * qk + D_V * 2) + 1024
 
 
 if GLUON_AVAILABLE:
 
     @gluon.jit
-    def _producer(q_desc, k1_desc, k2_desc, v_desc, q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty,
-                  v_ready, v_empty, row_q, col_q, row_k, col_k, col_v, n_tiles, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr):  # fmt: skip
-        """1 warp: Q once, then the K and V tiles of the ring (each waits for its stage to be released)."""
-        mbarrier.expect(q_ready, 6 * 64 * 64 * 2)
-        for w in gl.static_range(2):
-            for c in gl.static_range(3):
-                tma.async_copy_global_to_shared(q_desc, [row_q + w * 64, col_q + c * 64], q_ready,
-                                                q_smem.index(w * 3 + c))  # fmt: skip
+    def _producer(q_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready,
+                  k_ready, k_empty, v_ready, v_empty, row_q, col_q, row_k, col_k, col_v, n_tiles, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+        """1 warp: Q once, then the K and V tiles of the ring (each waits for its stage to be released). FP8: Q and
+        K are e4m3, Q as a [64, 128] and a [64, 64] box a warpgroup (one 128- / 64-byte swizzle atom wide)."""
+        if FP8:
+            mbarrier.expect(q_ready, 2 * 64 * 192)
+            for w in gl.static_range(2):
+                tma.async_copy_global_to_shared(q_desc, [row_q + w * 64, col_q], q_ready, q_smem.index(w))
+                tma.async_copy_global_to_shared(q2_desc, [row_q + w * 64, col_q + 128], q_ready, q2_smem.index(w))
+        else:
+            mbarrier.expect(q_ready, 6 * 64 * 64 * 2)
+            for w in gl.static_range(2):
+                for c in gl.static_range(3):
+                    tma.async_copy_global_to_shared(q_desc, [row_q + w * 64, col_q + c * 64], q_ready,
+                                                    q_smem.index(w * 3 + c))  # fmt: skip
         for j in range(n_tiles):
             st = j % STAGES
             ph = ((j // STAGES) & 1) ^ 1  # fresh barriers pass parity 1 at once (the first lap)
             row = row_k + j * BLOCK_N
             mbarrier.wait(k_empty.index(st), ph)
-            mbarrier.expect(k_ready.index(st), BLOCK_N * 192 * 2)
+            mbarrier.expect(k_ready.index(st), BLOCK_N * 192 * (1 if FP8 else 2))
             tma.async_copy_global_to_shared(k1_desc, [row, col_k], k_ready.index(st), k1_smem.index(st))
             tma.async_copy_global_to_shared(k2_desc, [row, col_k + 128], k_ready.index(st), k2_smem.index(st))
             mbarrier.wait(v_empty.index(st), ph)
@@ -141,12 +150,18 @@ if GLUON_AVAILABLE:
             mbarrier.arrive(turn.index(1 - WG), count=1)
 
     @gluon.jit
-    def _qk(q_smem, k1_tile, k2_tile, s_init, WG: gl.constexpr):
-        """Start ``S = Q K^T`` (k = 192 as three chained async wgmmas over 64-column slices)."""
-        s = warpgroup_mma(q_smem.index(WG * 3), k1_tile.slice(0, 64, dim=1).permute((1, 0)), s_init, use_acc=False,
-                          is_async=True)  # fmt: skip
-        s = warpgroup_mma(q_smem.index(WG * 3 + 1), k1_tile.slice(64, 64, dim=1).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(q_smem.index(WG * 3 + 2), k2_tile.permute((1, 0)), s, is_async=True)
+    def _qk(q_smem, q2_smem, k1_tile, k2_tile, s_init, WG: gl.constexpr, FP8: gl.constexpr):
+        """Start ``S = Q K^T`` (k = 192 as three chained async wgmmas over 64-column slices; FP8: two, over the
+        e4m3 columns 0:128 and 128:192)."""
+        if FP8:
+            s = warpgroup_mma(q_smem.index(WG), k1_tile.permute((1, 0)), s_init, use_acc=False, is_async=True)
+            s = warpgroup_mma(q2_smem.index(WG), k2_tile.permute((1, 0)), s, is_async=True)
+        else:
+            s = warpgroup_mma(q_smem.index(WG * 3), k1_tile.slice(0, 64, dim=1).permute((1, 0)), s_init,
+                              use_acc=False, is_async=True)  # fmt: skip
+            s = warpgroup_mma(q_smem.index(WG * 3 + 1), k1_tile.slice(64, 64, dim=1).permute((1, 0)), s,
+                              is_async=True)  # fmt: skip
+            s = warpgroup_mma(q_smem.index(WG * 3 + 2), k2_tile.permute((1, 0)), s, is_async=True)
         return s
 
     @gluon.jit
@@ -191,13 +206,15 @@ if GLUON_AVAILABLE:
         gl.thread_barrier()
 
     @gluon.jit
-    def _consumer(q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o, lse,
-                  stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h, n_tiles, qk_scale,
-                  WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  SCALE_POS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr):  # fmt: skip
-        """One consumer warpgroup: rows ``start_m + WG * 64 + [0, 64)`` of the block."""
+    def _consumer(q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o,
+                  lse, stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h, n_tiles, qk_scale,
+                  v_scale, WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  SCALE_POS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr,
+                  FP8: gl.constexpr):  # fmt: skip
+        """One consumer warpgroup: rows ``start_m + WG * 64 + [0, 64)`` of the block (the output times
+        ``v_scale``: FP8's V descale, else 1)."""
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+                                                           instr_shape=[16, BLOCK_N, 32 if FP8 else 16])  # fmt: skip
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 128, 16])  # fmt: skip
         P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
@@ -223,7 +240,7 @@ if GLUON_AVAILABLE:
             # ---- tile 0: scores and softmax (no PV yet)
             mbarrier.wait(k_ready.index(0), 0)
             _turn_wait(turn, 0, WG, PINGPONG)
-            s_tok = _qk(q_smem, k1_smem.index(0), k2_smem.index(0), s_zero, WG)
+            s_tok = _qk(q_smem, q2_smem, k1_smem.index(0), k2_smem.index(0), s_zero, WG, FP8)
             _turn_pass(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(0), count=1)
@@ -241,7 +258,7 @@ if GLUON_AVAILABLE:
                 mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
                 mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
                 _turn_wait(turn, j, WG, PINGPONG)
-                s_tok = _qk(q_smem, k1_smem.index(st), k2_smem.index(st), s_zero, WG)
+                s_tok = _qk(q_smem, q2_smem, k1_smem.index(st), k2_smem.index(st), s_zero, WG, FP8)
                 o_tok = warpgroup_mma(p_op, v_smem.index(pst), acc, is_async=True)
                 _turn_pass(turn, WG, PINGPONG)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))  # the scores; the PV may still run
@@ -271,7 +288,7 @@ if GLUON_AVAILABLE:
 
         # ---- epilogue: normalise, store the rows of this request (out 0 / lse -inf where l = 0)
         empty = l_i == 0.0
-        inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+        inv = gl.where(empty, 0.0, v_scale / gl.where(empty, 1.0, l_i))
         b_o = acc * gl.expand_dims(gl.convert_layout(inv, ROW_O), 1)
         o_r = row0 + gl.arange(0, 64, layout=ROW_O)
         rows = (bos_q + o_r).to(gl.int64)
@@ -290,7 +307,11 @@ if GLUON_AVAILABLE:
         q_desc,  # q as [Tq, (H - 1) * stride_qh + 192] bf16, block [64, 64]
         k1_desc,  # k as [Tk, (H_KV - 1) * stride_kh + 192], block [BLOCK_N, 128] (columns 0:128 of a head)
         k2_desc,  # the same view, block [BLOCK_N, 64] (columns 128:192)
-        v_desc,  # v as [Tk, (H_KV - 1) * stride_vh + 128], block [BLOCK_N, 128]
+        v_desc,  # v as [Tk, (H_KV - 1) * stride_vh + 128], block [BLOCK_N, 128] (bf16, FP8 too)
+        q2_desc,  # FP8: q's columns 128:192, block [64, 64] (q_desc's block then [64, 128]); else q_desc
+        q_ds,  # [1] fp32 descales (FP8)
+        k_ds,
+        v_ds,
         o,  # [Tq, H, 128] bf16
         lse,  # [Tq, H] fp32 (STORE_LSE)
         cu_seqlens_q,  # [B + 1]
@@ -314,6 +335,7 @@ if GLUON_AVAILABLE:
         PRODUCER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
+        FP8: gl.constexpr = False,  # e4m3 q / k with descales (the scores on fp8 tensor cores); V is bf16
     ):
         gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
         gl.static_assert(BLOCK_N == 64 or BLOCK_N == 128, "BLOCK_N is 64 or 128")
@@ -338,10 +360,20 @@ if GLUON_AVAILABLE:
         n_tiles = gl.cdiv(n_end, BLOCK_N)
         i_hk = i_h // GROUP
 
-        Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [6, 64, 64], Q_SMEM)
-        k1_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 128], k1_desc.layout)
-        k2_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], k2_desc.layout)
+        if FP8:
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 128], q_desc.layout)
+            q2_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 64], q2_desc.layout)
+            k1_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 128], k1_desc.layout)
+            k2_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 64], k2_desc.layout)
+            qk_scale = qk_scale * gl.load(q_ds) * gl.load(k_ds)
+            v_scale = gl.load(v_ds)
+        else:
+            Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+            q_smem = gl.allocate_shared_memory(gl.bfloat16, [6, 64, 64], Q_SMEM)
+            q2_smem = q_smem  # unused
+            k1_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 128], k1_desc.layout)
+            k2_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], k2_desc.layout)
+            v_scale = 1.0
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 128], v_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -360,15 +392,17 @@ if GLUON_AVAILABLE:
         fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
 
         gl.warp_specialize([
-            (_consumer, (q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o, lse,
-                         stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h, n_tiles,
-                         qk_scale, 0, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE)),
-            (_consumer, (q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o, lse,
-                         stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h, n_tiles,
-                         qk_scale, 1, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE)),
-            (_producer, (q_desc, k1_desc, k2_desc, v_desc, q_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty,
-                         v_ready, v_empty, bos_q + start_m, i_h * stride_qh, bos_k, i_hk * stride_kh, i_hk * stride_vh,
-                         n_tiles, BLOCK_N, STAGES)),
+            (_consumer, (q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
+                         o, lse, stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h,
+                         n_tiles, qk_scale, v_scale, 0, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE,
+                         FP8)),
+            (_consumer, (q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
+                         o, lse, stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h,
+                         n_tiles, qk_scale, v_scale, 1, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE,
+                         FP8)),
+            (_producer, (q_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, q2_smem, k1_smem, k2_smem, v_smem,
+                         q_ready, k_ready, k_empty, v_ready, v_empty, bos_q + start_m, i_h * stride_qh, bos_k,
+                         i_hk * stride_kh, i_hk * stride_vh, n_tiles, BLOCK_N, STAGES, FP8)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
         mbarrier.invalidate(q_ready)
@@ -381,7 +415,10 @@ if GLUON_AVAILABLE:
         mbarrier.invalidate(turn.index(1))
 
 
-def _nvmma_layout():
+def _nvmma_layout(block: list[int] | None = None, fp8: bool = False):
+    """bf16 boxes: 128-byte swizzle; e4m3 boxes: the swizzle of their row width (128 or 64 bytes)."""
+    if fp8:
+        return gl.NVMMASharedLayout(swizzle_byte_width=min(128, block[1]), element_bitwidth=8, rank=2)
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
@@ -398,14 +435,15 @@ def _tma_ok(t: torch.Tensor, d: int) -> bool:
     return T < 2**31 and width < 2**31 and (T <= 1 or s0 >= width)
 
 
-def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> bool:
+def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, fp8: bool = False,
+                            **kwargs) -> bool:  # fmt: skip
     """Whether :func:`flash_attn_varlen_gluon` handles these inputs: Gluon available, an sm90 CUDA device,
-    bf16 q/k/v, ``d_qk = 192``, ``d_v = 128``, ``h_q`` a multiple of ``h_kv``, last dims contiguous and
-    token strides / base pointers 16-byte aligned (the 2-D TMA views). Extra arguments (``cu_seqlens``,
-    lengths, ``sm_scale``, ...) are accepted and ignored; descales (fp8) are not handled."""
+    bf16 q/k/v (``fp8``: float8_e4m3fn q/k/v, with descales), ``d_qk = 192``, ``d_v = 128``, ``h_q`` a multiple of
+    ``h_kv``, last dims contiguous and token strides / base pointers 16-byte aligned (the 2-D TMA views). Extra
+    arguments (``cu_seqlens``, lengths, ``sm_scale``, ...) are accepted and ignored; descales need ``fp8``."""
     if not GLUON_AVAILABLE:
         return False
-    if any(kwargs.get(n) is not None for n in ("q_descale", "k_descale", "v_descale")):
+    if not fp8 and any(kwargs.get(n) is not None for n in ("q_descale", "k_descale", "v_descale")):
         return False
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return False
@@ -413,7 +451,7 @@ def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    if any(t.dtype != torch.bfloat16 or t.dim() != 3 for t in (q, k, v)):
+    if any(t.dtype != (torch.float8_e4m3fn if fp8 else torch.bfloat16) or t.dim() != 3 for t in (q, k, v)):
         return False
     if q.shape[2] != D_QK or k.shape[2] != D_QK or v.shape[2] != D_V:
         return False
@@ -426,7 +464,8 @@ def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
 def _desc(t: torch.Tensor, d: int, block: list[int]):
     T, H, _ = t.shape
     width = (H - 1) * t.stride(1) + d
-    return TensorDescriptor(t, [T, width], [t.stride(0), 1], block, _nvmma_layout())
+    fp8 = t.dtype == torch.float8_e4m3fn
+    return TensorDescriptor(t, [T, width], [t.stride(0), 1], block, _nvmma_layout(block, fp8))
 
 
 def flash_attn_varlen_gluon(
@@ -446,12 +485,17 @@ def flash_attn_varlen_gluon(
     stages: int | None = None,
     pingpong: bool | None = None,
     head_block: int | None = None,
+    descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""bf16 varlen flash attention on sm90 (Gluon); the semantics of :func:`openmla.flash_attn_varlen`.
 
     Args:
         q: `[Tq, h_q, 192]` bf16. k: `[Tk, h_kv, 192]` bf16. v: `[Tk, h_kv, 128]` bf16 (see
-            :func:`gluon_prefill_supported` for the layouts accepted).
+            :func:`gluon_prefill_supported` for the layouts accepted). With ``descales``: float8_e4m3fn q / k / v;
+            the scores run on the fp8 tensor cores, V is widened to bf16 first (exact) and P V runs in bf16, as
+            in the portable kernel.
+        descales: ``(q_descale, k_descale, v_descale)``, `[1]` fp32 each, positive (validated by the caller), for
+            fp8 inputs: scores ``sm_scale * q_descale * k_descale * q . k``, output times ``v_descale``.
         cu_seqlens_q, cu_seqlens_k: `[B + 1]` int32 (or int64), starting at 0, non-decreasing.
         max_seqlen_q (int): an upper bound of the query lengths (sizes the grid).
         max_seqlen_k (int): unused (API parity).
@@ -470,10 +514,11 @@ def flash_attn_varlen_gluon(
         natural-log LSE of ``sm_scale * q . k`` (-inf for rows that see no key). Rows past
         ``cu_seqlens_q[-1]`` are not written.
     """
-    if not gluon_prefill_supported(q, k, v):
-        raise ValueError("flash_attn_varlen_gluon needs sm90, bf16 q/k/v with d_qk 192, d_v 128, h_q % h_kv == 0 "
-                         f"and TMA-compatible strides; got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")  # fmt: skip
+    fp8 = descales is not None
+    if not gluon_prefill_supported(q, k, v, fp8=fp8):
+        raise ValueError("flash_attn_varlen_gluon needs sm90, bf16 q/k/v (float8_e4m3fn with descales) with d_qk 192, "
+                         "d_v 128, h_q % h_kv == 0 and TMA-compatible strides; got q "
+                         f"{tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, v {tuple(v.shape)}")  # fmt: skip
     if not math.isfinite(float(sm_scale)):
         raise ValueError(f"sm_scale must be finite; got {sm_scale!r}")
     Tq, H, _ = q.shape
@@ -504,13 +549,20 @@ def flash_attn_varlen_gluon(
     if int(stages) != stages or stages < 1:  # stages 0: `j % STAGES` in the kernel
         raise ValueError(f"stages must be a positive int; got {stages!r}")
     stages = int(stages)
-    if _smem_bytes(block_n, stages) > SMEM_LIMIT:
-        raise ValueError(f"block_n={block_n} x stages={stages} needs {_smem_bytes(block_n, stages)} B of shared memory")
+    if _smem_bytes(block_n, stages, fp8) > SMEM_LIMIT:
+        raise ValueError(f"block_n={block_n} x stages={stages} needs {_smem_bytes(block_n, stages, fp8)} B of "
+                         "shared memory")  # fmt: skip
     pingpong = PINGPONG if pingpong is None else pingpong
     if Tk == 0:  # no key anywhere (every len_k is 0): a 1-row dummy keeps the descriptors valid, never read
         k = torch.zeros(1, H_KV, D_QK, dtype=k.dtype, device=k.device)
         v = torch.zeros(1, H_KV, D_V, dtype=v.dtype, device=v.device)
-    q_desc = _desc(q, D_QK, [64, 64])
+    if fp8:
+        v = v.to(torch.bfloat16)  # e4m3 -> bf16 is exact; P V runs in bf16 (V is 40% of the FLOPs)
+        q_desc, q2_desc = _desc(q, D_QK, [64, 128]), _desc(q, D_QK, [64, 64])
+        q_ds, k_ds, v_ds = descales
+    else:
+        q_desc = q2_desc = _desc(q, D_QK, [64, 64])
+        q_ds = k_ds = v_ds = lse  # unused
     k1_desc = _desc(k, D_QK, [block_n, 128])
     k2_desc = _desc(k, D_QK, [block_n, 64])
     v_desc = _desc(v, D_V, [block_n, D_V])
@@ -522,10 +574,11 @@ def flash_attn_varlen_gluon(
     if B > 65535 or grid[1] > 65535:
         raise ValueError(f"grid {grid} exceeds the CUDA limit of 65535 blocks in y / z")
     _flash_attn_varlen_gluon_kernel[grid](
-        q_desc, k1_desc, k2_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k, float(sm_scale) * 1.4426950408889634,
+        q_desc, k1_desc, k2_desc, v_desc, q2_desc, q_ds, k_ds, v_ds, out, lse, cu_seqlens_q, cu_seqlens_k,
+        float(sm_scale) * 1.4426950408889634,
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         GROUP=H // H_KV, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), SCALE_POS=float(sm_scale) > 0,
         PINGPONG=bool(pingpong), HEAD_BLOCK=head_block, STORE_LSE=True, PRODUCER_REGS=PRODUCER_REGS,
-        CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+        CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **({"FP8": True} if fp8 else {}),
     )  # fmt: skip
     return out, lse
