@@ -358,6 +358,9 @@ def plan_decode(
     _check_spans_tuning(_spans, _spans_mode, _span_cut)
     # splits are at most max_split long, so a batch of long requests may need more than slots
     capacity = B + max(slots, B * triton_cdiv(max_seq_len, max_split))
+    # a request's splits: the batch's split length is at least min(min_split, max_split, the longest request) and a
+    # whole tile, so no request has more than this many
+    max_splits = max(1, triton_cdiv(max_seq_len, max(tiling.block_n, min(min_split, max_split))))
 
     if out is not None:
         if (out.batch_size, out.num_heads, out.max_query_len, out.d_v, out.kv_cache_dtype) != (
@@ -387,6 +390,7 @@ def plan_decode(
             lse_part=torch.empty(capacity, max_query_len, num_heads, dtype=torch.float32, device=dev),
             merge_req=torch.empty(B, dtype=torch.int32, device=dev),
             num_merge=torch.zeros(1, dtype=torch.int32, device=dev),
+            max_splits=max_splits,
         )  # fmt: skip
     spans = None
     if _spans_wanted(tiling, kv_cache_dtype, num_heads, programs_per_split, B, num_sms, dev, _spans):
@@ -394,9 +398,6 @@ def plan_decode(
         reuse = out.spans if out is not None and out.spans is not None and out.spans.num_groups == groups else None
         spans = plan_spans(seq_lens, query_start_loc, groups, programs_per_split, capacity, out=reuse,
                            mode=_spans_mode or "auto", cut_cost=_span_cut)  # fmt: skip
-    # a request's splits: the batch's split length is at least min(min_split, max_split, the longest request) and a
-    # whole tile, so no request has more than this many
-    max_splits = max(1, triton_cdiv(max_seq_len, max(tiling.block_n, min(min_split, max_split))))
     if spans is not plan.spans or max_splits != plan.max_splits:
         plan = dataclasses.replace(plan, spans=spans, max_splits=max_splits)
     if B:
