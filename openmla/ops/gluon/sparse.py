@@ -107,7 +107,7 @@ _V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8
 
 # the variants a call runs by default (V3.2, one source), by cache format: measured on the H200 (benchmarks/RESULTS.md,
 # preset "gopts", stop 39): fp8_ds_mla staged + nanpack + lazy 1.12-1.14x the plain code at h16-h128
-# b64-b128 (h128 b1 even), bf16 rows lazy 1.01-1.03x; V4 calls run the plain code (the variants do not cover them)
+# b64-b128 (h128 b1 even), bf16 rows lazy 1.01-1.03x; V4 calls run the plain code (their variants are unmeasured)
 DEFAULT_OPTS = {"fp8_ds_mla": ("staged", "nanpack", "lazy"), "auto": ("lazy",)}
 
 
