@@ -62,7 +62,9 @@ PRESETS = {
     # points; bf16 and prefill: the plain code)
     "gopts": [f"decode {p} q1 k2048 g:{v}" for p in ("h128 b128", "h64 b64", "h16 b128", "h128 b1")
               for v in ("plain", "nanpack+lazy", "staged", "staged+nanpack")]
-             + ["decode h128 b128 q1 k2048 bf16 g:plain", "prefill h128 t4096 k2048 g:plain"],
+             + ["decode h128 b128 q1 k2048 bf16 g:plain", "prefill h128 t4096 k2048 g:plain"]
+             # batch 1 (0.45x FlashMLA): forced split counts against the planner's (32 of 64 keys at h128)
+             + [f"decode h{h} b1 q1 k2048 split{n}" for h in (128, 64) for n in (4, 8, 16)],
 }  # fmt: skip
 
 
