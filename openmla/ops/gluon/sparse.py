@@ -408,22 +408,29 @@ if GLUON_AVAILABLE:
         return _e8m0_scale(gl.load(p_e, mask=ok, other=127).to(gl.int32))
 
     @gluon.jit
-    def _v4_rows(kv, ekv, p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b, stride_ekv_b,
-                 PAGE: gl.constexpr, E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
+    def _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b, stride_ekv_b, PAGE: gl.constexpr,
+                 E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
                  HAS_EXTRA: gl.constexpr):  # fmt: skip
         """fp8_v4 rows of entries ``[n0, n0 + BLOCK_N)`` (``layout``: a 1-D slice layout): (byte offsets of the data
-        rows, of the exponent bytes, whether each row is the main source's, whether it is valid); invalid rows are
-        slot 0 of the main source (read masked)."""
+        rows, of the exponent bytes, whether each row is the main source's, whether it is valid); with HAS_EXTRA a
+        row that is not the main source's reads the extra one (:func:`_pick`), invalid rows read masked."""
         if HAS_EXTRA:
             slot, ok, e_slot, e_ok = _tile_slots2(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, BLOCK_N, layout)
             row, ex = _v4_offsets(slot, stride_kv_b, PAGE)
             e_row, e_ex = _v4_offsets(e_slot, stride_ekv_b, E_PAGE)
-            main = ok | ~e_ok
-            return gl.where(main, row, e_row), gl.where(main, ex, e_ex), main, ok | e_ok
+            return gl.where(ok, row, e_row), gl.where(ok, ex, e_ex), ok, ok | e_ok
         else:
             slot, ok = _tile_slots(p_idx, n0, hi, num_slots, BLOCK_N, layout)
             row, ex = _v4_offsets(slot, stride_kv_b, PAGE)
-            return row, ex, ok | ~ok, ok
+            return row, ex, ok, ok
+
+    @gluon.jit
+    def _pick(main, a, b, HAS_EXTRA: gl.constexpr):
+        """``a`` where a row is the main source's, else ``b`` (one source: ``a``)."""
+        if HAS_EXTRA:
+            return gl.where(main, a, b)
+        else:
+            return a
 
     @gluon.jit
     def _gather_staged_v4(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat8, ex8, rope8, ready, empty,
@@ -451,18 +458,17 @@ if GLUON_AVAILABLE:
             stage = j % STAGES
             phase = ((j // STAGES) & 1) ^ 1  # fresh barriers pass parity 1 at once
             n0 = lo + j * BLOCK_N
-            row, _, main, ok = _v4_rows(kv, ekv, p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b,
-                                        stride_ekv_b, PAGE, E_PAGE, BLOCK_N, ROW8, HAS_EXTRA)  # fmt: skip
-            p_b = gl.expand_dims(gl.where(main, kv + row, ekv + row), 1) + o_b
+            row, _, main, ok = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b, stride_ekv_b,
+                                        PAGE, E_PAGE, BLOCK_N, ROW8, HAS_EXTRA)  # fmt: skip
+            p_b = gl.expand_dims(_pick(main, kv + row, ekv + row, HAS_EXTRA), 1) + o_b
             m2 = gl.expand_dims(ok, 1) & (o_b < 448)
-            _, ex, main_e, ok_e = _v4_rows(kv, ekv, p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b,
+            _, ex, main_e, ok_e = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b,
                                            stride_ekv_b, PAGE, E_PAGE, BLOCK_N, ROWEX, HAS_EXTRA)  # fmt: skip
-            p_e = gl.expand_dims(gl.where(main_e, kv_f32 + ex // 4, ekv_f32 + ex // 4), 0) + o_w
+            p_e = gl.expand_dims(_pick(main_e, kv_f32 + ex // 4, ekv_f32 + ex // 4, HAS_EXTRA), 0) + o_w
             m_e = gl.expand_dims(ok_e, 0) & (o_w < 2)
-            row_r, _, main_r, ok_r = _v4_rows(kv, ekv, p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots,
-                                              stride_kv_b, stride_ekv_b, PAGE, E_PAGE, BLOCK_N, ROW16,
-                                              HAS_EXTRA)  # fmt: skip
-            p_r = gl.expand_dims(gl.where(main_r, kv_b16 + row_r // 2, ekv_b16 + row_r // 2) + 224, 1) + o_r
+            row_r, _, main_r, ok_r = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b,
+                                              stride_ekv_b, PAGE, E_PAGE, BLOCK_N, ROW16, HAS_EXTRA)  # fmt: skip
+            p_r = gl.expand_dims(_pick(main_r, kv_b16 + row_r // 2, ekv_b16 + row_r // 2, HAS_EXTRA) + 224, 1) + o_r
             m_r = gl.expand_dims(ok_r, 1)
             mbarrier.wait(empty.index(stage), phase)
             async_copy.async_copy_global_to_shared(lat8.index(stage), p_b, mask=m2)
@@ -507,20 +513,11 @@ if GLUON_AVAILABLE:
             dst = lat.index(stage)
             for h in gl.static_range(PASSES):
                 n0 = lo + j * BLOCK_N + h * R
-                if HAS_EXTRA:
-                    slot, ok, e_slot, e_ok = _tile_slots2(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, R, ROW)
-                    row, ex = _v4_offsets(slot, stride_kv_b, PAGE)
-                    e_row, e_ex = _v4_offsets(e_slot, stride_ekv_b, E_PAGE)
-                    p_row = gl.where(ok, kv + row, ekv + e_row)
-                    p_ex = gl.where(ok, kv + ex, ekv + e_ex)
-                    p_rope = gl.where(ok, kv_b16 + row // 2, ekv_b16 + e_row // 2) + 224  # 64 bf16 at byte 448
-                    ok = ok | e_ok
-                else:
-                    slot, ok = _tile_slots(p_idx, n0, hi, num_slots, R, ROW)
-                    row, ex = _v4_offsets(slot, stride_kv_b, PAGE)
-                    p_row = kv + row
-                    p_ex = kv + ex
-                    p_rope = kv_b16 + row // 2 + 224  # 64 bf16 at byte 448
+                row, ex, main, ok = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b,
+                                             stride_ekv_b, PAGE, E_PAGE, R, ROW, HAS_EXTRA)  # fmt: skip
+                p_row = _pick(main, kv + row, ekv + row, HAS_EXTRA)
+                p_ex = _pick(main, kv + ex, ekv + ex, HAS_EXTRA)
+                p_rope = _pick(main, kv_b16 + row // 2, ekv_b16 + row // 2, HAS_EXTRA) + 224  # 64 bf16 at byte 448
                 m2 = gl.expand_dims(ok, 1)
                 p_b = gl.expand_dims(p_row, 1) + o_b
                 # every load of the pass first (one latency), then the conversions
