@@ -351,5 +351,9 @@ def test_gluon_prefill_fp8(causal, stages, device):
         torch.testing.assert_close(g_out, out, atol=0, rtol=0)
     o1, _ = openmla.flash_attn_varlen(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal,
                                       _fp8_gluon=True)  # fmt: skip
-    r1, _ = flash_attn_varlen_ref(q8, k8, v8, cu_q, cu_k, SCALE, causal=causal)
-    assert_close("out, unit descales", r1, o1, *TOLERANCES[torch.bfloat16])
+    # raw e4m3 values give logits ~1e3 here, where the fp8 MMA's accumulation rounding decides the softmax:
+    # the default is checked against explicit unit descales on the same kernel, bit for bit
+    ones = (torch.ones(1, dtype=torch.float32, device=device),) * 3
+    r1, _ = pg.flash_attn_varlen_gluon(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal,
+                                       descales=ones)  # fmt: skip
+    torch.testing.assert_close(o1, r1, atol=0, rtol=0)
