@@ -153,7 +153,7 @@ def test_sparse_gluon_compiles_for_sm90():
             assert r["cp_async"] == 0, f"{name}: {r}"
 
 
-def test_sparse_gluon_opts_validation():
+def test_sparse_gluon_opts_validation(device):
     # _gluon_opts names -> OPTS bits; unknown names ("onestore": tried and dropped), V4 / two-source calls and the
     # fp8 variants on a bf16 cache are refused
     assert gs.gluon_opts_bits((), "auto", 576, False) == 0
@@ -178,18 +178,18 @@ def test_sparse_gluon_opts_validation():
                  (("onestore",), "fp8_ds_mla", 576, False)]:  # fmt: skip
         with pytest.raises(ValueError, match="_gluon_opts"):
             gs.gluon_opts_bits(*args)
-    q = torch.randn(1, 64, 576).bfloat16()
-    cache = torch.randn(2, 16, 576).bfloat16()
-    idx = torch.zeros(1, 4, dtype=torch.int32)
+    q = torch.randn(1, 64, 576, device=device).bfloat16()
+    cache = torch.randn(2, 16, 576, device=device).bfloat16()
+    idx = torch.zeros(1, 4, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="_gluon_opts needs _kernel='gluon'"):
         openmla.sparse_mla(q, cache, idx, SCALE, _gluon_opts=("lazy",))
 
 
 def test_sparse_gluon_refusals(device):
-    # "auto" takes the Gluon kernel at any head count where it applies (sm90) for V3.2 rows with one source and no
-    # inverse RoPE, else the Triton one: V4 calls (D 512, a second source, the inverse RoPE) stay on the Triton kernel
-    # under "auto" even where "gluon" runs them (unmeasured); "gluon" refuses what it does not take (a CPU device
-    # here, or an unsupported layout on a GPU) with a ValueError naming the reason; an unknown name is refused
+    # "auto" takes the Gluon kernel at any head count wherever it applies (sm90): V3.2 rows and V4 calls alike (D 512,
+    # a second source, the inverse RoPE), bit for bit the "gluon" result, else the Triton one; "gluon" refuses what
+    # it does not take (a CPU device here, or an unsupported layout on a GPU) with a ValueError naming the reason; an
+    # unknown name is refused
     q = torch.randn(2, 64, 576, device=device).bfloat16()
     cache = torch.randn(4, 16, 576, device=device).bfloat16()
     idx = torch.randint(0, 64, (2, 8), dtype=torch.int32, device=device)
@@ -208,14 +208,12 @@ def test_sparse_gluon_refusals(device):
         (q4, cache4, dict(extra_kv_cache=cache4[:2], extra_indices=idx // 2)),
         (q4, cache4, dict(inv_rope_positions=pos, cos_sin_cache=cs)),  # the inverse RoPE
     ]
-    for qq, cc, kw in v4_calls:  # "auto" is the Triton kernel there, bit for bit
+    for qq, cc, kw in v4_calls:  # "auto" is the Gluon kernel there where it runs, bit for bit, else the Triton one
         a, la = openmla.sparse_mla(qq, cc, idx, SCALE, **kw)
-        b, lb = openmla.sparse_mla(qq, cc, idx, SCALE, _kernel="triton", **kw)
+        b, lb = openmla.sparse_mla(qq, cc, idx, SCALE, _kernel="gluon" if gluon_here else "triton", **kw)
         torch.testing.assert_close(a, b, atol=0, rtol=0)
         torch.testing.assert_close(la, lb, atol=0, rtol=0)
-        if gluon_here:  # "gluon" runs them
-            openmla.sparse_mla(qq, cc, idx, SCALE, _kernel="gluon", **kw)
-        else:
+        if not gluon_here:
             with pytest.raises(ValueError, match="_kernel='gluon'"):
                 openmla.sparse_mla(qq, cc, idx, SCALE, _kernel="gluon", **kw)
     with pytest.raises(ValueError, match="_kernel must be"):
@@ -545,13 +543,20 @@ def test_sparse_gluon_v4_staged(opts, heads, rows, splits, extra, device):
 
 
 def test_sparse_gluon_v4_staged_needs_aligned_blocks():
-    # fp8_v4 blocks of an odd size are 8- but not 16-byte aligned: "staged" (16-byte cp.async) refuses them
+    # unpadded fp8_v4 blocks of an odd size (3 x 584 B) are 8- but not 16-byte aligned: "staged" (16-byte cp.async)
+    # refuses them; the padded blocks openmla allocates (2304 B here) are aligned at any block size
     if not (gs.GLUON_AVAILABLE and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         pytest.skip("needs an sm90 (Hopper) GPU")
     dev = "cuda"
-    cache = _v4_cache(dev, 8, 3, "fp8_v4", torch.arange(24), 0)
+    padded = _v4_cache(dev, 8, 3, "fp8_v4", torch.arange(24), 0)
+    cache = padded.contiguous()
+    assert padded.stride(0) % 16 == 0 and cache.stride(0) == 3 * 584
     q = torch.randn(2, 64, 512, device=dev).bfloat16()
     idx = torch.zeros(2, 4, dtype=torch.int32, device=dev)
+    kw = dict(kv_cache_dtype="fp8_v4", _kernel="gluon")
+    a, _ = openmla.sparse_mla(q, padded, idx, V4_SCALE, _gluon_opts=("staged",), **kw)
+    b, _ = openmla.sparse_mla(q, padded, idx, V4_SCALE, _gluon_opts=(), **kw)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
     with pytest.raises(ValueError, match="16-byte aligned"):
         openmla.sparse_mla(q, cache, idx, V4_SCALE, kv_cache_dtype="fp8_v4", _kernel="gluon",
                            _gluon_opts=("staged",))  # fmt: skip

@@ -95,7 +95,7 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 # "staged" (fp8_ds_mla, fp8_v4): the producer only cp.asyncs the raw rows (e4m3 bytes, scales or exponent bytes,
 #   bf16 rope) into a ring of fp8 staging stages (many rows in flight); the consumers dequantise each stage into ONE
 #   bf16 tile (the same bf16 values), release it, then run the MMAs; V3.2's P lives in the tile's rope slot (see
-#   _smem_bytes); fp8_v4 needs 16-byte aligned blocks (an even block size)
+#   _smem_bytes); fp8_v4 needs 16-byte aligned blocks (openmla's padded blocks, or an even block size unpadded)
 GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4}
 _FP8_ONLY_OPTS = 1 | 4
 _STAGED = 4
@@ -1016,8 +1016,8 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
     eviews, e_stride_b, e_stride_p = _cache_views(ekv, fmt)
     if fmt == 2 and opts & _STAGED:  # cp.async of 16-byte row pieces and 4-byte exponent words
         if stride_b % 16 or e_stride_b % 16:
-            raise ValueError(f"_gluon_opts 'staged' needs fp8_v4 blocks 16-byte aligned (an even block size); got "
-                             f"{kv_cache.shape[1]} and {ekv.shape[1]} tokens a block")  # fmt: skip
+            raise ValueError(f"_gluon_opts 'staged' needs fp8_v4 blocks 16-byte aligned (padded blocks, or an even "
+                             f"block size); got block strides {stride_b} and {e_stride_b} B")  # fmt: skip
         views[1], eviews[1] = kv_cache.view(torch.float32), ekv.view(torch.float32)
     eidx = extra_indices if has_extra else idx
     if inv_rope is not None:
