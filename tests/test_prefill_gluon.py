@@ -327,7 +327,7 @@ def _fp8_problem(device, heads, qlens, klens, h_kv=None):
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_gluon_prefill_fp8(causal, stages, device):
-    # fp8 q / k / v (the private _fp8_gluon path): scores on fp8 tensor cores, V widened to bf16, descales; a
+    # fp8 q / k / v (the default on sm90): scores on fp8 tensor cores, V widened to bf16, descales; a
     # ragged batch with an empty request, a request without keys and Lk != Lq, GQA, against the fp32 reference
     # on the same fp8 values and against the portable kernel's fp8 path
     qlens, klens = [300, 0, 1, 129, 40], [700, 17, 0, 129, 20]
@@ -344,13 +344,12 @@ def test_gluon_prefill_fp8(causal, stages, device):
                                              backend="triton", **kw)  # fmt: skip
     assert_close("out vs triton", t_out, out, *TOLERANCES[torch.bfloat16])
     assert_close("lse vs triton", t_lse, lse, 1e-3, 1e-3, 1e-6)
-    # through flash_attn_varlen: _fp8_gluon routes fp8 to this kernel; without descales they default to 1
-    g_out, g_lse = openmla.flash_attn_varlen(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE, _fp8_gluon=True,
-                                             **kw)  # fmt: skip
+    # through flash_attn_varlen: "auto" routes fp8 to this kernel; without descales they default to 1
+    g_out, g_lse = openmla.flash_attn_varlen(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE, **kw)
     if stages == pg.STAGES_DEFAULT:
         torch.testing.assert_close(g_out, out, atol=0, rtol=0)
     o1, _ = openmla.flash_attn_varlen(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal,
-                                      _fp8_gluon=True)  # fmt: skip
+                                      backend="gluon")  # fmt: skip
     # raw e4m3 values give logits ~1e3 here, where the fp8 MMA's accumulation rounding decides the softmax:
     # the default is checked against explicit unit descales on the same kernel, bit for bit
     ones = (torch.ones(1, dtype=torch.float32, device=device),) * 3

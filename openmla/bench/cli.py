@@ -70,8 +70,8 @@ def _plan(args, device) -> dict[str, list]:
     for spec in (s.strip() for s in preset.split(";")):
         if not spec:
             continue
-        fam, _, body = spec.rpartition(":")
-        fam = fam.strip()
+        head, colon, rest = spec.partition(":")  # 'family:spec'; a colon later in a spec is its own ("g:lazy")
+        fam, body = (head.strip(), rest) if colon and head.strip() in FAMILIES else ("", spec)
         if fam:
             mods.setdefault(fam, load_family(fam))
             out.setdefault(fam, []).append(mods[fam].parse(body))

@@ -33,8 +33,8 @@ PRESETS = {
     "quick": ["h128 n4096 bf16", "h128 n4096 fp8"],
     "full": [f"h{h} n{n} {d}" for h in (16, 128) for n in (1024, 4096, 16384) for d in ("bf16", "fp8")],
     "tiny": ["h2 n32 t64 bf16", "h2 n24 t48 fp8"],  # CPU (interpreter)
-    # the Gluon kernel's fp8 path (private _fp8_gluon) beside the default fp8 path and cuDNN bf16
-    "fp8": [f"h{h} n{n} fp8 g8" for h, n in ((128, 1024), (128, 4096), (128, 16384), (16, 4096))],
+    # the portable Triton kernel's fp8 path beside the default (the Gluon kernel on sm90) and cuDNN bf16
+    "fp8": [f"h{h} n{n} fp8 t8" for h, n in ((128, 1024), (128, 4096), (128, 16384), (16, 4096))],
 }
 
 
@@ -44,14 +44,14 @@ class PrefillShape:
     n: int
     t: int = 16384
     dtype: str = "bf16"
-    g8: bool = False  # fp8: also time the Gluon kernel's fp8 path (flash_attn_varlen(_fp8_gluon=True)), "g8"
+    t8: bool = False  # fp8: also time the portable kernel's fp8 path (flash_attn_varlen(backend="triton")), "t8"
 
     @property
     def batch(self) -> int:
         return max(1, self.t // self.n)
 
     def __str__(self) -> str:
-        return f"h{self.h} n{self.n} t{self.t}" + (" g8" if self.g8 else "")
+        return f"h{self.h} n{self.n} t{self.t}" + (" t8" if self.t8 else "")
 
 
 def parse(spec: str) -> PrefillShape:
@@ -61,8 +61,8 @@ def parse(spec: str) -> PrefillShape:
         for tok in spec.replace(",", " ").split():
             if tok in ("bf16", "fp8"):
                 f["dtype"] = tok
-            elif tok == "g8":
-                f["g8"] = True
+            elif tok == "t8":
+                f["t8"] = True
             elif tok[0] in "hnt":
                 f[tok[0]] = int(tok[1:])
             else:
@@ -70,11 +70,11 @@ def parse(spec: str) -> PrefillShape:
         shape = PrefillShape(**f)
     except (ValueError, TypeError, IndexError):
         raise ValueError(f"bad prefill shape {spec!r}: want 'h<heads> n<tokens a request> [t<tokens a batch>] "
-                         "[bf16|fp8] [g8]'") from None  # fmt: skip
+                         "[bf16|fp8] [t8]'") from None  # fmt: skip
     if min(shape.h, shape.n, shape.t) < 1:
         raise ValueError(f"bad prefill shape {spec!r}: sizes must be >= 1")
-    if shape.g8 and shape.dtype != "fp8":
-        raise ValueError(f"bad prefill shape {spec!r}: g8 times the fp8 path (add fp8)")
+    if shape.t8 and shape.dtype != "fp8":
+        raise ValueError(f"bad prefill shape {spec!r}: t8 times the fp8 path (add fp8)")
     return shape
 
 
@@ -136,13 +136,13 @@ def run(shape: PrefillShape, ctx: BenchContext) -> list[dict]:
 
     own()
     fns, check, old_check = {"openmla": own}, None, None
-    if shape.g8:  # the Gluon kernel's fp8 path on the same inputs, into its own buffer
-        out_g = torch.empty_like(out)
+    if shape.t8:  # the portable kernel's fp8 path on the same inputs, into its own buffer
+        out_t = torch.empty_like(out)
 
-        def g8():
-            openmla.flash_attn_varlen(*args, cu, cu, L, L, SCALE, causal=True, out=out_g, _fp8_gluon=True, **own_kw)
+        def t8():
+            openmla.flash_attn_varlen(*args, cu, cu, L, L, SCALE, causal=True, out=out_t, backend="triton", **own_kw)
 
-        add_variant(ctx, fns, "g8", g8, out, out_g, shape)
+        add_variant(ctx, fns, "t8", t8, out, out_t, shape)
     old = ctx.baseline  # --against: the older openmla on the same inputs
     if old is not None:
         out_o = torch.empty_like(out)
@@ -161,7 +161,7 @@ def run(shape: PrefillShape, ctx: BenchContext) -> list[dict]:
         except Exception as exc:  # no cuDNN attention here: the column stays empty
             ctx.note(f"# cudnn sdpa failed at {shape}: {type(exc).__name__}: {exc}".splitlines()[0])
     timings = ctx.time(fns, graph=False)
-    ours = ("openmla", "before", "g8")  # read openmla's inputs; the peer reads bf16
+    ours = ("openmla", "before", "t8")  # read openmla's inputs; the peer reads bf16
     elem = {p: 1 if fp8 and p in ours else 2 for p in fns}
     nbytes = {p: T * h * ((2 * D_QK + D_V) * elem[p] + D_V * 2) for p in fns}
     dtypes = {p: shape.dtype if p in ours else "bf16" for p in fns}

@@ -26,9 +26,10 @@ Tiles: on a GPU, a short autotune list (``_configs``, keyed on the head dims, GQ
 dtypes; with ``AUTOTUNE`` False, one fixed tile per head-dim class, ``_fixed_tiling``); under the interpreter
 fixed 16 x 16 tiles and no autotuning.
 
-On sm90, bf16 inputs with d_qk 192 / d_v 128 go to the Hopper Gluon kernel (``openmla.ops.gluon.prefill``:
+On sm90, bf16 and fp8 inputs with d_qk 192 / d_v 128 go to the Hopper Gluon kernel (``openmla.ops.gluon.prefill``:
 warp-specialised TMA producer, ping-pong consumer warpgroups), which is faster than this kernel and than
-cuDNN there (benchmarks/RESULTS.md); everything else runs the Triton kernel of this module.
+cuDNN there (benchmarks/RESULTS.md; fp8 1.4-1.6x this kernel's fp8 path); everything else runs the Triton kernel
+of this module.
 """
 
 from __future__ import annotations
@@ -417,7 +418,6 @@ def flash_attn_varlen(
     out: torch.Tensor | None = None,
     backend: str | None = None,
     validate: bool = True,
-    _fp8_gluon: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Flash attention over a ragged batch; q/k and v head dims may differ (MLA prefill: 192 / 128).
 
@@ -443,8 +443,8 @@ def flash_attn_varlen(
             scales of fp8 inputs (value ~= stored * descale); default 1. Only allowed with fp8 inputs.
         out (torch.Tensor | None): `[Tq, h_q, d_v]` buffer of the output dtype to write into.
         backend (str | None): "auto" (default; env ``OPENMLA_PREFILL_BACKEND``): the Hopper Gluon kernel
-            (``openmla.ops.gluon.prefill``) where it applies (sm90, bf16, d_qk 192 / d_v 128, TMA-compatible
-            strides, no descales), the portable Triton kernel elsewhere; "triton" or "gluon" force one
+            (``openmla.ops.gluon.prefill``) where it applies (sm90, bf16 or fp8 with any descales, d_qk 192 /
+            d_v 128, TMA-compatible strides), the portable Triton kernel elsewhere; "triton" or "gluon" force one
             ("gluon" raises where it does not apply).
         validate (bool): check ``cu_seqlens_q`` / ``cu_seqlens_k`` (start at 0, do not decrease, end within
             Tq / Tk) and ``max_seqlen_q`` on the host: a device sync on a GPU, skipped while a CUDA graph is
@@ -514,8 +514,7 @@ def flash_attn_varlen(
         if B and int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) > max_seqlen_q:
             raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is below the longest query length")
 
-    # _fp8_gluon (private, tests and the benchmark until it is measured): fp8 inputs on the Gluon kernel too
-    if _use_gluon(backend, q, k, v, descales, out, _fp8_gluon):
+    if _use_gluon(backend, q, k, v, out):
         if is_fp8 and descales is None:
             descales = (torch.ones(1, dtype=torch.float32, device=dev),) * 3
         o, lse = flash_attn_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -526,18 +525,18 @@ def flash_attn_varlen(
                                   return_lse, out)  # fmt: skip
 
 
-def _use_gluon(backend, q, k, v, descales, out, fp8_gluon: bool = False) -> bool:
+def _use_gluon(backend, q, k, v, out) -> bool:
     """Whether ``flash_attn_varlen`` runs the Hopper Gluon kernel (see its ``backend`` argument): on the H200 at
-    H128 2 x 8k causal 605 TFLOPS (the Triton kernel 418, cuDNN 570). fp8 inputs only with ``fp8_gluon``."""
+    H128 2 x 8k causal 605 TFLOPS (the Triton kernel 418, cuDNN 570); fp8 at h128 n4096 618 TFLOPS (the Triton
+    kernel's fp8 path 434, cuDNN bf16 543)."""
     backend = kernel_backend(backend, "OPENMLA_PREFILL_BACKEND")
     if backend == "triton":
         return False
     fp8 = q.dtype == torch.float8_e4m3fn
-    ok = (descales is None or (fp8 and fp8_gluon)) and (out is None or out.stride(2) == 1)
-    ok = ok and (not fp8 or fp8_gluon) and gluon_prefill_supported(q, k, v, fp8=fp8)
+    ok = (out is None or out.stride(2) == 1) and gluon_prefill_supported(q, k, v, fp8=fp8)
     if backend == "gluon" and not ok:
         raise ValueError(
-            "backend='gluon' needs an sm90 GPU with triton.experimental.gluon, bf16 q/k/v without descales, "
+            "backend='gluon' needs an sm90 GPU with triton.experimental.gluon, bf16 or float8_e4m3fn q/k/v, "
             f"d_qk 192, d_v 128 and 16-byte aligned token strides; got q {describe(q)}, k {describe(k)}, "
             f"v {describe(v)}"
         )
