@@ -118,8 +118,8 @@ def test_specs_find_their_family():
     assert [str(s) for s in plan["decode"]] == ["h2 b1 s16 q1", "h1 b1 s1 q1"] and plan["decode"][0].dtype == "fp8"
     assert [str(s) for s in plan["prefill"]] == ["h2 n8 t16"]
     # a colon inside a spec (a Gluon variant, "g:lazy") is the spec's own, with or without a family prefix
-    v4 = types.SimpleNamespace(family="sparse_v4", quick=False,
-                               shapes="v4decode h2 b2 q2 w8 k8 g:lazy; sparse_v4:v4decode h2 b2 q2 w8 k8 g:staged")  # fmt: skip
+    specs = "v4decode h2 b2 q2 w8 k8 g:lazy; sparse_v4:v4decode h2 b2 q2 w8 k8 g:staged"
+    v4 = types.SimpleNamespace(family="sparse_v4", quick=False, shapes=specs)
     assert [str(s).split()[-1] for s in _plan(v4, torch.device("cpu"))["sparse_v4"]] == ["g:lazy", "g:staged"]
     args.shapes = "quick"
     assert {k: len(v) for k, v in _plan(args, torch.device("cpu")).items()} == {
