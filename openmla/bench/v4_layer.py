@@ -167,21 +167,25 @@ def run(shape: V4LayerShape, ctx: BenchContext) -> list[dict]:
     if fm is not None:
         try:
             hp = next((p for p in PEER_HEADS if p >= h), None)
-            if hp is None or kv_dtype != "fp8_v4" or extra[0] is None:
-                raise ValueError(f"FlashMLA's sparse decode takes {PEER_HEADS} heads, an fp8 cache and an extra source")
+            if hp is None or kv_dtype != "fp8_v4":
+                raise ValueError(f"FlashMLA's sparse decode takes {PEER_HEADS} heads and an fp8 cache")
             plain = sparse_mla(q, cache.swa, md.swa_indices, layer.scaling, **kw)[0]
             qp = torch.zeros(b, 1, hp, 512, device=dev, dtype=torch.bfloat16)
             qp[:, 0, :h] = q
             sp = torch.zeros(hp, device=dev)
             sp[:h] = layer.sinks
-            kc, ekc = (c.view(torch.float8_e4m3fn).unsqueeze(2) for c in (cache.swa, cache.compressed))
-            ip, eip = md.swa_indices.view(b, 1, -1), extra[1].view(b, 1, -1)
+            kc = cache.swa.view(torch.float8_e4m3fn).unsqueeze(2)
+            ip = md.swa_indices.view(b, 1, -1)
+            ex = {}  # SWA layers: the window alone; CSA / HCA: the compressed entries as FlashMLA's extra source
+            if extra[0] is not None:
+                ex = dict(extra_k_cache=cache.compressed.view(torch.float8_e4m3fn).unsqueeze(2),
+                          extra_indices_in_kvcache=extra[1].view(b, 1, -1), extra_topk_length=extra[2])  # fmt: skip
             meta = fm.get_mla_metadata()[0]
 
             def peer():
                 return fm.flash_mla_with_kvcache(qp, kc, None, None, 512, meta, softmax_scale=layer.scaling,
-                                                 is_fp8_kvcache=True, indices=ip, attn_sink=sp, extra_k_cache=ekc,
-                                                 extra_indices_in_kvcache=eip, extra_topk_length=extra[2])  # fmt: skip
+                                                 is_fp8_kvcache=True, indices=ip, topk_length=md.swa_lens,
+                                                 attn_sink=sp, **ex)  # fmt: skip
 
             check = cosine(plain, peer()[0][:, 0, :h])
             fns["flashmla"] = peer
