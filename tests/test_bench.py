@@ -351,3 +351,23 @@ def test_against_an_older_package(tmp_path):
         assert math.isclose(float(own["speedup"]), float(before["p50_us"]) / float(own["p50_us"]), rel_tol=1e-6)
     assert json.loads((tmp_path / "bench.json").read_text())["meta"]["against"] == "abc1234"
     assert bench_main(["--against", str(tmp_path / "nothing"), "--out", str(tmp_path)]) == 2
+
+
+def test_sparse_v4_variant_rows(monkeypatch):
+    """A Gluon variant ("g:lazy") gets its own row at every V4 route, bytes and dtype those of the default (the
+    Gluon kernel is stood in for by the Triton one on the CPU: the rows, not the kernel, are under test)."""
+    from openmla.bench import sparse_v4
+
+    dev = DEV
+    ctx = BenchContext(dev, Timer(dev, rep=5, rounds=1), peers=False, quick=False, bw_gbs=1.0, peak_tflops=1.0,
+                       env=dict(gpu="cpu", torch="t", triton="tr", git="x", label=""))  # fmt: skip
+    ctx.family = "sparse_v4"
+
+    def stand_in(shape, ctx, fns, call, out, lse):
+        fns[sparse_v4._kernel_provider(shape)] = lambda: call(out.clone(), lse.clone(), _kernel="triton")
+
+    monkeypatch.setattr(sparse_v4, "_add_kernel", stand_in)
+    for spec in sparse_v4.PRESETS["tiny"]:
+        rows = sparse_v4.run(sparse_v4.parse(spec + " g:lazy"), ctx)
+        assert [r["provider"] for r in rows] == ["openmla", "g:lazy"], spec
+        assert rows[1]["bytes"] == rows[0]["bytes"] and rows[1]["dtype"] == rows[0]["dtype"], spec

@@ -191,6 +191,11 @@ def _priv(shape: V4AttnShape) -> dict:
     return priv
 
 
+def _kernel_provider(shape: V4AttnShape) -> str:
+    """The provider name of ``shape.kernel``'s rows: ``g:<variants>`` for Gluon variants, else the kernel's name."""
+    return f"g:{'+'.join(shape.gopts)}" if shape.gopts else shape.kernel
+
+
 def _add_kernel(shape: V4AttnShape, ctx: BenchContext, fns: dict, call, out: torch.Tensor, lse: torch.Tensor) -> None:
     """``shape.kernel`` (``_kernel=``) on the same inputs into its own buffers, as provider ``fns[shape.kernel]``;
     ``call(out, lse, **kw)`` runs the point's openmla call. A note when refused or off the default's output."""
@@ -202,7 +207,7 @@ def _add_kernel(shape: V4AttnShape, ctx: BenchContext, fns: dict, call, out: tor
     def other():
         call(out_k, lse_k, _kernel=shape.kernel, **kw)
 
-    add_variant(ctx, fns, f"g:{'+'.join(shape.gopts)}" if shape.gopts else shape.kernel, other, out, out_k, shape)
+    add_variant(ctx, fns, _kernel_provider(shape), other, out, out_k, shape)
 
 
 def _run_decode(shape: V4AttnShape, ctx: BenchContext) -> list[dict]:
@@ -390,7 +395,7 @@ def _run_prefill_paged(shape: V4AttnShape, ctx: BenchContext) -> list[dict]:
           "flashmla": decode_bytes(t + n_c, BF16_ROW, t, h, d_qk=D, d_v=D)}  # fmt: skip
     dt = {"openmla": "fp8", "flashmla": "bf16"}
     if shape.kernel:  # the other kernel runs the same route
-        nb[shape.kernel], dt[shape.kernel] = nb["openmla"], dt["openmla"]
+        nb[_kernel_provider(shape)], dt[_kernel_provider(shape)] = nb["openmla"], dt["openmla"]
     return ctx.rows(OP, str(shape), timings, flops=2.0 * h * keys * 2 * D, nbytes=nb, dtype=dt, peer="flashmla",
                     check=check)  # fmt: skip
 
