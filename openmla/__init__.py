@@ -16,6 +16,7 @@ from openmla.ops.e8m0 import scale_to_e8m0
 from openmla.ops.indexer import concat_and_cache_indexer_k, indexer_logits, indexer_topk
 from openmla.ops.indices import expand_page_indices
 from openmla.ops.merge import merge_attn_states
+from openmla.ops.norm_rope import rms_norm_rope
 from openmla.ops.plan import DecodePlan, plan_decode
 from openmla.ops.prefill import flash_attn_varlen
 from openmla.ops.rope import inverse_rope_rows
@@ -59,5 +60,6 @@ __all__ = [
     "hca_indices",
     "combine_topk_swa_indices",
     "inverse_rope_rows",
+    "rms_norm_rope",
     "scale_to_e8m0",
 ]

@@ -9,8 +9,11 @@ A shape spec is ``<op> <fields>``:
         (``max(coff*r - q, 0)`` x 512 fp32 kv + score) and 584 + the state rows the step writes.
     ``inv_rope t<tokens> h<heads>``: ``inverse_rope_rows`` on bf16 ``[T, H, 512]``; bytes = T * H * 64 * 2 * 2.
     ``swa b<requests> q<qlen> s<seq_len> [w<window>]``: ``swa_indices``; bytes = T * W * 4 (the rows written).
+    ``norm_rope t<tokens> h<heads>``: ``rms_norm_rope`` in place on V4's q heads, bf16 ``[T, H, 512]`` (the
+        unweighted norm, then RoPE), beside peer ``torch``: the torch formulation it replaces in the layer (15-odd
+        kernels); bytes = T * H * 512 * 2 * 2.
 No FLOPs are counted (memory-bound helpers: read the GB/s column). Timed validate=False (the engine's hot path)
-under CUDA-graph replay; no peer (FlashMLA has none of these as a separate op).
+under CUDA-graph replay; no other peer (FlashMLA has none of these as a separate op).
 """
 
 from __future__ import annotations
@@ -20,17 +23,19 @@ from dataclasses import dataclass, field
 import torch
 
 import openmla
-from openmla.bench.context import BenchContext
+from openmla.bench.context import BenchContext, cosine
 
 PRESETS = {
     "default": ["write t4096", "gather b32 s4096", "compress r4 b128 q1 s8192", "compress r128 b128 q1 s8192",
                 "compress r4 b1 q8192 s8192", "compress r128 b1 q8192 s8192", "inv_rope t128 h64",
-                "inv_rope t128 h128", "swa b128 q2 s8192 w128"],
-    "quick": ["write t4096", "compress r4 b128 q1 s8192", "inv_rope t128 h128"],
-    "tiny": ["write t16", "gather b2 s20", "compress r4 b2 q3 s8", "inv_rope t3 h2", "swa b2 q2 s9 w4"],
+                "inv_rope t128 h128", "swa b128 q2 s8192 w128", "norm_rope t64 h64", "norm_rope t128 h64",
+                "norm_rope t8192 h64"],
+    "quick": ["write t4096", "compress r4 b128 q1 s8192", "inv_rope t128 h128", "norm_rope t128 h64"],
+    "tiny": ["write t16", "gather b2 s20", "compress r4 b2 q3 s8", "inv_rope t3 h2", "swa b2 q2 s9 w4",
+             "norm_rope t3 h2"],
 }  # fmt: skip
-OP = "v4 ops (concat_and_cache_v4, gather_cache_v4, compress_kv, inverse_rope_rows, swa_indices)"
-OPS = ("write", "gather", "compress", "inv_rope", "swa")
+OP = "v4 ops (concat_and_cache_v4, gather_cache_v4, compress_kv, inverse_rope_rows, swa_indices, rms_norm_rope)"
+OPS = ("write", "gather", "compress", "inv_rope", "swa", "norm_rope")
 _DEFAULTS = {"t": 0, "b": 1, "s": 0, "q": 1, "r": 4, "h": 1, "w": 128}
 
 
@@ -139,6 +144,8 @@ def run(shape: V4Shape, ctx: BenchContext) -> list[dict]:
             openmla.inverse_rope_rows(o, pos, table, validate=False)
 
         nbytes, dtype = T * h * 64 * 2 * 2 + T * 64 * 4, "bf16"
+    elif op == "norm_rope":
+        return _run_norm_rope(shape, ctx)
     else:  # swa
         b, q, s, w = shape.b, shape.q, shape.s, shape.w
         qsl, seq = _batch(b, q, s, dev)
@@ -156,3 +163,29 @@ def run(shape: V4Shape, ctx: BenchContext) -> list[dict]:
         nbytes, dtype = T * w * 4, "bf16"
     timings = ctx.time({"openmla": fn}, graph=True)
     return ctx.rows(op, str(shape), timings, flops=0.0, nbytes=nbytes, dtype=dtype)
+
+
+def _run_norm_rope(shape: V4Shape, ctx: BenchContext) -> list[dict]:
+    """``rms_norm_rope`` on V4 q heads in place, beside the torch formulation the layer had (peer "torch")."""
+    from openmla.layers.v4 import rope_tail
+
+    dev, T, h = ctx.device, shape.t, shape.h
+    x = torch.randn(T, h, 512, device=dev, dtype=torch.bfloat16)
+    pos = torch.randint(0, 4096, (T,), device=dev)
+    ang = torch.arange(4096, dtype=torch.float32, device=dev)[:, None] * torch.rand(32, device=dev)
+    table = torch.cat([ang.cos(), ang.sin()], dim=1)
+    y = x.clone()
+
+    def fn():  # in place on a copy of x that the torch path does not read
+        openmla.rms_norm_rope(y, 1e-6, positions=pos, cos_sin_cache=table, out=y, validate=False)
+
+    def torch_q():
+        q = x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+        return rope_tail(q, pos, table)
+
+    fn()
+    want = openmla.rms_norm_rope(x, 1e-6, positions=pos, cos_sin_cache=table)
+    check = cosine(want, torch_q())
+    timings = ctx.time({"openmla": fn, "torch": torch_q}, graph=True)
+    return ctx.rows("rms_norm_rope", str(shape), timings, flops=0.0, nbytes=T * h * 512 * 2 * 2, dtype="bf16",
+                    peer="torch", check=check)  # fmt: skip

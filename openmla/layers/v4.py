@@ -32,6 +32,8 @@ from openmla.ops._validate import capturing
 from openmla.ops.cache_v4 import allocate_v4_cache, concat_and_cache_v4, dequantize_and_gather_k_cache
 from openmla.ops.compressor import allocate_compressor_state, compress_kv
 from openmla.ops.indexer import INDEXER_CACHE_DTYPES, alloc_indexer_k_cache, concat_and_cache_indexer_k, indexer_topk
+from openmla.ops.norm_rope import MAX_D as NORM_MAX_D
+from openmla.ops.norm_rope import rms_norm_rope
 from openmla.ops.sparse import sparse_mla
 from openmla.ops.v4_indices import combine_topk_swa_indices, csa_topk_indices, hca_indices
 
@@ -87,7 +89,8 @@ def gather_split(qlens: list[int], seq_lens: list[int], *, ratio: int, topk: int
 
 
 class V4RMSNorm(nn.Module):
-    """transformers' V4 RMSNorm: normalise in fp32, multiply by the (fp32) weight in fp32, cast once."""
+    """transformers' V4 RMSNorm: normalise in fp32, multiply by the (fp32) weight in fp32, cast once (one
+    ``rms_norm_rope`` kernel over the rows; rows wider than it takes in torch)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -95,13 +98,12 @@ class V4RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
-
-
-def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+        D = x.shape[-1]
+        if D > NORM_MAX_D:
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (self.weight.float() * xf).to(x.dtype)
+        return rms_norm_rope(x.reshape(-1, D), self.eps, weight=self.weight, validate=False).view(x.shape)
 
 
 def rope_tail(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -336,9 +338,12 @@ class DeepseekV4Attention(nn.Module):
         T, H = x.shape[0], self.num_heads
         pos, table = md.positions, self.cos_sin_cache
         qr = self.q_a_norm(self.q_a_proj(x))
-        q = _unweighted_rms_norm(self.q_b_proj(qr).view(T, H, HEAD_DIM), self.eps)
-        q = rope_tail(q, pos, table)
-        kv = rope_tail(self.kv_norm(self.kv_proj(x)), pos, table)
+        # q: the heads' unweighted norm, kv: its weighted norm, each then RoPE'd, in place in one kernel
+        q = self.q_b_proj(qr).view(T, H, HEAD_DIM)
+        rms_norm_rope(q, self.eps, positions=pos, cos_sin_cache=table, out=q, validate=False)
+        kv = self.kv_proj(x)
+        rms_norm_rope(kv, self.kv_norm.eps, weight=self.kv_norm.weight, positions=pos, cos_sin_cache=table, out=kv,
+                      validate=False)  # fmt: skip
         nope = HEAD_DIM - ROPE_DIM
         concat_and_cache_v4(kv[:, :nope], kv[:, nope:], cache.swa, md.slot_mapping,
                             kv_cache_dtype=self.kv_cache_dtype, validate=False)  # fmt: skip

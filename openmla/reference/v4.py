@@ -130,6 +130,16 @@ def rope_rows_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch
     return y
 
 
+def rms_norm_rope_ref(x, eps, *, weight=None, positions=None, cos_sin_cache=None):
+    """fp32 RMSNorm of the rows of ``x [T, (H,) D]`` (times ``weight``), then with ``positions`` the last R dims
+    rotated by the token's angle; no intermediate rounding (openmla.rms_norm_rope rounds as V4 does)."""
+    v = x.float()
+    y = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y if positions is None else rope_rows_ref(y, positions, cos_sin_cache)
+
+
 def inverse_rope_rows_ref(o, positions, cos_sin_cache):
     """fp32 ``o`` with its rope pairs rotated by minus the token's angle (SPEC §7.8)."""
     return rope_rows_ref(o, positions, cos_sin_cache, inverse=True)
