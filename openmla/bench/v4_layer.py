@@ -3,8 +3,8 @@
 A shape spec is ``v4layer <swa|csa|hca> h<heads> b<batch> s<context> [w<window>] [k<top-k>] [r<ratio>]
 [d<hidden>] [bs<block>] [bf16]``: b requests of s cached tokens each decode one token through a
 ``DeepseekV4Attention`` with V4-Flash's proportions (hidden d = 4096, q_lora and o_lora d / 4, 8 output groups,
-an indexer of h heads x 128, window 128, CSA ratio 4 with top-k 512, HCA ratio 128) over fp8_v4 caches (``bf16``:
-bf16 caches) of 64-token blocks, every slot filled. Two parts per point:
+an indexer of h heads x 128, window 128, CSA ratio 4 with top-k 512, HCA ratio 128) over fp8_v4 caches and fp8
+indexer keys (``bf16``: bf16 caches and keys) of 64-token blocks, every slot filled. Two parts per point:
 
 * ``layer``: the whole layer step (q / kv projections and norms, the SWA write, the compressor, for CSA the
   indexer's compressor, scores and top-k over the request's ``s / 4`` entries, the attention with the fused
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openmla import concat_and_cache_v4, sparse_mla
+from openmla import concat_and_cache_indexer_k, concat_and_cache_v4, sparse_mla
 from openmla.bench.context import BenchContext, cosine
 from openmla.engine.models.deepseek_v4 import DeepseekV4ForCausalLM, rope_table
 from openmla.layers.rope import rope_inv_freq
@@ -41,7 +41,7 @@ PRESETS = {
     "default": _FLASH,
     "quick": ["v4layer swa h64 b128 s16384", "v4layer csa h64 b128 s16384", "v4layer hca h64 b128 s16384"],
     "tiny": ["v4layer swa h2 b2 s20 w8 d64 bs16", "v4layer csa h2 b2 s39 w8 k4 d64 bs16 bf16",
-             "v4layer hca h2 b1 s40 w8 r16 d64 bs16"],  # CPU (interpreter)
+             "v4layer csa h2 b1 s39 w8 k4 d64 bs16", "v4layer hca h2 b1 s40 w8 r16 d64 bs16"],  # CPU (interpreter)
 }  # fmt: skip
 
 
@@ -95,6 +95,7 @@ def _layer(shape: V4LayerShape, dev) -> DeepseekV4Attention:
         hidden_size=d, num_heads=h, q_lora_rank=d // 4, o_groups=math.gcd(8, h), o_lora_rank=d // 4,
         layer_type=TYPES[shape.kind], compress_ratio=shape.ratio, window=shape.w, index_n_heads=h,
         index_head_dim=128, index_topk=shape.k, kv_cache_dtype="fp8_v4" if shape.dtype == "fp8" else "auto",
+        indexer_cache_dtype="fp8" if shape.dtype == "fp8" else "auto",
     ).to(dev)  # fmt: skip
     g = torch.Generator(device=dev).manual_seed(0)
     with torch.no_grad():
@@ -121,6 +122,19 @@ def _fill(cache: torch.Tensor, kv_dtype: str, dev) -> None:
         concat_and_cache_v4(rows[:, :448], rows[:, 448:], cache, slot, kv_cache_dtype=kv_dtype, validate=False)
 
 
+def _fill_indexer(cache: torch.Tensor, cache_dtype: str, dev) -> None:
+    """Random ~N(0, 1) indexer keys in every slot (bf16 rows, or e4m3 with UE8M0 scales through the key writer)."""
+    if cache_dtype == "auto":
+        cache.normal_()
+        return
+    slots = cache.shape[0] * cache.shape[1]
+    for s0 in range(0, slots, 1 << 16):
+        n = min(1 << 16, slots - s0)
+        rows = torch.randn(n, cache.shape[2] - 4, device=dev, dtype=torch.bfloat16)
+        slot = torch.arange(s0, s0 + n, device=dev, dtype=torch.int64)
+        concat_and_cache_indexer_k(rows, cache, slot, cache_dtype="fp8", scale_fmt="ue8m0", validate=False)
+
+
 def run(shape: V4LayerShape, ctx: BenchContext) -> list[dict]:
     """Time one point: the layer step, its attention alone and FlashMLA's decode on the same caches."""
     dev, b, s, h = ctx.device, shape.b, shape.s, shape.h
@@ -133,7 +147,7 @@ def run(shape: V4LayerShape, ctx: BenchContext) -> list[dict]:
         if c is not None:
             _fill(c, kv_dtype, dev)
     if cache.indexer is not None:
-        cache.indexer.normal_()
+        _fill_indexer(cache.indexer, layer.indexer_cache_dtype, dev)
     ratios = (layer.ratio,) if layer.compressor is not None else ()
     builder = V4MetadataBuilder(block_size=shape.bs, window=shape.w, ratios=ratios, max_num_seqs=b,
                                 max_num_batched_tokens=b, max_model_len=s + 1, device=dev)  # fmt: skip
@@ -202,7 +216,8 @@ def run(shape: V4LayerShape, ctx: BenchContext) -> list[dict]:
     weights = sum(p.numel() * p.element_size() for p in layer.parameters())
     w_flops = 2.0 * b * sum(p.numel() for n, p in layer.named_parameters() if p.dim() == 2)
     idx_flops = 2.0 * b * h * 128 * entries
-    layer_bytes = attn_bytes + weights + b * entries * 128 * 2
+    key_bytes = 128 + 4 if layer.indexer_cache_dtype == "fp8" else 128 * 2  # an indexer key (e4m3 + its scale)
+    layer_bytes = attn_bytes + weights + b * entries * key_bytes
     attn_flops = 2.0 * h * keys * 1024
     rows = ctx.rows(OP_LAYER, f"{shape} (layer)", {"openmla": t["layer"]}, flops=attn_flops + w_flops + idx_flops,
                     nbytes=layer_bytes, dtype=shape.dtype)  # fmt: skip
