@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 import openmla  # noqa: F401
-from openmla.ops.rope import inverse_rope_rows, load_cos_sin, rope_pairs
+from openmla.ops.rope import inverse_rope_rows, load_cos_sin, rope_pairs, rope_rows_
 from openmla.reference.v4 import inverse_rope_rows_ref, rope_cache_ref, rope_rows_ref
 from openmla.utils.testing import assert_close, pick
 
@@ -54,6 +54,31 @@ def test_inverse_rope_rows(dtype, heads, device):
     fwd = rope_rows_ref(x, pos, table)
     back = inverse_rope_rows(fwd.clone(), pos, table)
     assert_close("round trip", x, back, 1e-5, 1e-5, 1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
+def test_forward_rope_rows(dtype, device):
+    # the forward twin (V4's indexer q heads [T, H, 128], rope on the last 64): the fp32 reference's rotation, one
+    # rounding; the nope lanes untouched; inverse after forward gives the rows back; a position outside the table
+    # is refused, or under validate=False left unrotated
+    T, H, P = pick(5, 300), 3, 64
+    x = torch.randn(T, H, 128, device=device).to(dtype)
+    pos = torch.randint(0, P, (T,), device=device)
+    table = _table(P, device)
+    ref = rope_rows_ref(x, pos, table)
+    got = rope_rows_(x.clone(), pos, table)
+    tol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-6, 2**-8)
+    assert_close("forward rope", ref, got, *tol, 1e-5)
+    assert torch.equal(got[..., :64], x[..., :64])
+    assert_close("round trip", x.float(), inverse_rope_rows(got.float().clone(), pos, table), 1e-2, 1e-2, 1e-4)
+    bad = pos.clone()
+    bad[0] = P
+    with pytest.raises(ValueError, match="positions span"):
+        rope_rows_(x.clone(), bad, table)
+    y = rope_rows_(x.clone(), bad, table, validate=False)
+    assert torch.equal(y[0], x[0]) and torch.equal(y[1:], got[1:])
+    with pytest.raises(TypeError, match="x must have dtype"):
+        rope_rows_(x.int(), pos, table)
 
 
 def test_inverse_rope_rows_strided(device):

@@ -167,8 +167,6 @@ def run(shape: V4Shape, ctx: BenchContext) -> list[dict]:
 
 def _run_norm_rope(shape: V4Shape, ctx: BenchContext) -> list[dict]:
     """``rms_norm_rope`` on V4 q heads in place, beside the torch formulation the layer had (peer "torch")."""
-    from openmla.layers.v4 import rope_tail
-
     dev, T, h = ctx.device, shape.t, shape.h
     x = torch.randn(T, h, 512, device=dev, dtype=torch.bfloat16)
     pos = torch.randint(0, 4096, (T,), device=dev)
@@ -179,9 +177,14 @@ def _run_norm_rope(shape: V4Shape, ctx: BenchContext) -> list[dict]:
     def fn():  # in place on a copy of x that the torch path does not read
         openmla.rms_norm_rope(y, 1e-6, positions=pos, cos_sin_cache=table, out=y, validate=False)
 
-    def torch_q():
+    def torch_q():  # the unweighted norm, then GPT-J RoPE on the last 64 dims in fp32 (the layer's code before)
         q = x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6).to(x.dtype)
-        return rope_tail(q, pos, table)
+        cs = table[pos]
+        cos, sin = cs[:, None, :32], cs[:, None, 32:]
+        rope = q[..., -64:].float()
+        a, b = rope[..., 0::2], rope[..., 1::2]
+        rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+        return torch.cat([q[..., :-64], rot.to(q.dtype)], dim=-1)
 
     fn()
     want = openmla.rms_norm_rope(x, 1e-6, positions=pos, cos_sin_cache=table)

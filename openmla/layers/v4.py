@@ -34,6 +34,7 @@ from openmla.ops.compressor import allocate_compressor_state, compress_kv
 from openmla.ops.indexer import INDEXER_CACHE_DTYPES, alloc_indexer_k_cache, concat_and_cache_indexer_k, indexer_topk
 from openmla.ops.norm_rope import MAX_D as NORM_MAX_D
 from openmla.ops.norm_rope import rms_norm_rope
+from openmla.ops.rope import rope_rows_
 from openmla.ops.sparse import sparse_mla
 from openmla.ops.v4_indices import combine_topk_swa_indices, csa_topk_indices, hca_indices
 
@@ -104,18 +105,6 @@ class V4RMSNorm(nn.Module):
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
             return (self.weight.float() * xf).to(x.dtype)
         return rms_norm_rope(x.reshape(-1, D), self.eps, weight=self.weight, validate=False).view(x.shape)
-
-
-def rope_tail(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """GPT-J RoPE on the last 64 dims of ``x [T, ..., D]`` at ``positions [T]`` (fp32 math, x's dtype out)."""
-    half = cos_sin_cache.shape[1] // 2
-    cs = cos_sin_cache[positions]  # [T, 64]
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    cos, sin = cs[:, :half].reshape(shape), cs[:, half:].reshape(shape)
-    rope = x[..., -2 * half :].float()
-    a, b = rope[..., 0::2], rope[..., 1::2]
-    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    return torch.cat([x[..., : -2 * half], out.to(x.dtype)], dim=-1)
 
 
 @dataclass
@@ -314,7 +303,8 @@ class DeepseekV4Attention(nn.Module):
             slots = torch.empty(T, dtype=torch.int32, device=x.device)
             self._compress(ix, x, md, cache.indexer_state, None, "auto", entry_rows=rows, entry_slots=slots)
             concat_and_cache_indexer_k(rows, cache.indexer, slots, cache_dtype="fp8", scale_fmt="ue8m0", validate=False)
-        qi = rope_tail(ix.q_b_proj(qr).view(T, ix.n_heads, ix.head_dim), md.positions, self.cos_sin_cache)
+        qi = rope_rows_(ix.q_b_proj(qr).view(T, ix.n_heads, ix.head_dim), md.positions, self.cos_sin_cache,
+                        validate=False)  # fmt: skip
         w = ix.scorer.weights_proj(x).float() * (ix.head_dim**-0.5 * ix.n_heads**-0.5)
         # Each row scores as its own request over the (pos + 1) // r entries it may see.
         return indexer_topk(

@@ -6,7 +6,8 @@ DeepSeek V4 rotates the last ``rope_dim`` (64) dims of each 512-wide row as inte
 token's angle: ``(a c - b s, a s + b c)``; inverse (V4's output, SPEC §7.8): ``(a c + b s, b c - a s)``.
 
 ``rope_pairs`` and ``load_cos_sin`` are ``@triton.jit`` helpers other kernels call on register tiles
-(the compressor here, the sparse-attention epilogue later); ``inverse_rope_rows`` is the standalone op.
+(the compressor here, the sparse-attention epilogue later); ``inverse_rope_rows`` is the standalone op, and
+``rope_rows_`` its forward twin for the V4 layer (the indexer's q heads).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from openmla.device import INTERPRET
 from openmla.ops._bf16 import to_bf16
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
 
-__all__ = ["inverse_rope_rows", "load_cos_sin", "rope_pairs"]
+__all__ = ["inverse_rope_rows", "load_cos_sin", "rope_pairs", "rope_rows_"]
 
 _FLOAT_DTYPES = FLOAT16_DTYPES + (torch.float32,)
 BLOCK_ROWS = 16  # (token, head) rows per program of inverse_rope_rows
@@ -57,7 +58,7 @@ def rope_pairs(x, b_cos, b_sin, M: tl.constexpr, N: tl.constexpr, INVERSE: tl.co
 
 
 @triton.jit
-def _inverse_rope_rows_fwd_kernel(
+def _rope_rows_fwd_kernel(
     o,  # [T, H, D] (any strides, last dim contiguous)
     positions,  # [T]
     cos_sin_cache,  # [P, R]
@@ -70,6 +71,7 @@ def _inverse_rope_rows_fwd_kernel(
     D: tl.constexpr,
     R: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    INVERSE: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
 ):
     # Only the R rope columns are read and written: the nope lanes pass through untouched.
@@ -83,7 +85,7 @@ def _inverse_rope_rows_fwd_kernel(
     p_o = o + (i_t * stride_o_t + i_h * stride_o_h)[:, None] + (D - R) + o_r[None, :]
     b_x = tl.load(p_o, mask=m_m[:, None], other=0.0).to(tl.float32)
     b_cos, b_sin = load_cos_sin(cos_sin_cache, pos, stride_cs, num_pos, R // 2, R, 0)
-    b_y = rope_pairs(b_x, b_cos, b_sin, BLOCK_M, R, True)
+    b_y = rope_pairs(b_x, b_cos, b_sin, BLOCK_M, R, INVERSE)
     if o.dtype.element_ty == tl.bfloat16:
         b_y = to_bf16(b_y, EXACT_ROUND)
     tl.store(p_o, b_y.to(o.dtype.element_ty), mask=m_m[:, None])
@@ -115,9 +117,19 @@ def inverse_rope_rows(
     Returns:
         torch.Tensor: ``o`` itself.
     """
-    check_tensor("o", o, dtypes=_FLOAT_DTYPES)
+    return _rope_rows("o", o, positions, cos_sin_cache, inverse=True, validate=validate)
+
+
+def rope_rows_(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *, validate: bool = True):
+    """:func:`inverse_rope_rows`' forward twin, in place: the pairs become ``(a c - b s, a s + b c)`` (V4's GPT-J
+    RoPE on its indexer q heads); the same arguments and rules."""
+    return _rope_rows("x", x, positions, cos_sin_cache, inverse=False, validate=validate)
+
+
+def _rope_rows(name, o, positions, cos_sin_cache, *, inverse: bool, validate: bool) -> torch.Tensor:
+    check_tensor(name, o, dtypes=_FLOAT_DTYPES)
     if o.dim() not in (2, 3):
-        raise ValueError(f"o must be [T, H, D] or [T, D]; got {describe(o)}")
+        raise ValueError(f"{name} must be [T, H, D] or [T, D]; got {describe(o)}")
     dev = o.device
     T = o.shape[0]
     check_index("positions", positions, ndim=1, device=dev, length=T)
@@ -138,8 +150,8 @@ def inverse_rope_rows(
     rows = T * H
     if rows == 0:
         return o
-    _inverse_rope_rows_fwd_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
+    _rope_rows_fwd_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
         o3, positions, cos_sin_cache, o3.stride(0), o3.stride(1), cos_sin_cache.stride(0), rows, P,
-        H=H, D=D, R=R, BLOCK_M=BLOCK_ROWS, EXACT_ROUND=INTERPRET,
+        H=H, D=D, R=R, BLOCK_M=BLOCK_ROWS, INVERSE=inverse, EXACT_ROUND=INTERPRET,
     )  # fmt: skip
     return o
