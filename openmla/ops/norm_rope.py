@@ -18,12 +18,11 @@ import triton.language as tl
 
 from openmla.device import INTERPRET
 from openmla.ops._bf16 import to_bf16
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
-from openmla.ops.rope import load_cos_sin, rope_pairs
+from openmla.ops._validate import check_tensor, describe
+from openmla.ops.rope import _FLOAT_DTYPES, check_rope_table, load_cos_sin, rope_pairs
 
 __all__ = ["rms_norm_rope"]
 
-_FLOAT_DTYPES = FLOAT16_DTYPES + (torch.float32,)
 MAX_D = 16384  # widest row one program holds (V4: 512 heads and kv, 1024-1536 LoRA ranks, hidden 4096-7168)
 TILE_VALUES = 4096  # fp32 values a program holds: BLOCK_M = TILE_VALUES // BLOCK_D rows (at most 16)
 
@@ -140,21 +139,14 @@ def rms_norm_rope(
     rope = positions is not None
     P = R = 2
     if rope:
-        check_index("positions", positions, ndim=1, device=dev, length=T)
-        positions = positions.contiguous()  # read densely (a strided one is copied)
-        check_tensor("cos_sin_cache", cos_sin_cache, dtypes=_FLOAT_DTYPES, ndim=2, device=dev)
-        P, R = cos_sin_cache.shape
-        if R < 2 or R & (R - 1) or R > D or (D - R) % 2:
-            raise ValueError(f"cos_sin_cache must be [P, R] with R a power of two <= D = {D} and D - R even; got "
-                             f"{describe(cos_sin_cache)}")  # fmt: skip
+        positions, P, R = check_rope_table("positions", positions, cos_sin_cache, T, D, dev, validate)
+        if (D - R) % 2:
+            raise ValueError(f"the rope pairs must start at an even column: D - R even; got x {describe(x)}, "
+                             f"cos_sin_cache {describe(cos_sin_cache)}")  # fmt: skip
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     else:
         check_tensor("out", out, dtypes=(x.dtype,), shape=tuple(x.shape), device=dev)
-    if validate and rope and not capturing() and T > 0:
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= P:
-            raise ValueError(f"positions span [{lo}, {hi}] but cos_sin_cache has {P} positions")
     x3, o3 = (x, out) if x.dim() == 3 else (x.unsqueeze(1), out.unsqueeze(1))
     H = x3.shape[1]
     rows = T * H

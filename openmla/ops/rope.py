@@ -20,7 +20,7 @@ from openmla.device import INTERPRET
 from openmla.ops._bf16 import to_bf16
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
 
-__all__ = ["inverse_rope_rows", "load_cos_sin", "rope_pairs", "rope_rows_"]
+__all__ = ["check_rope_table", "inverse_rope_rows", "load_cos_sin", "rope_pairs", "rope_rows_"]
 
 _FLOAT_DTYPES = FLOAT16_DTYPES + (torch.float32,)
 BLOCK_ROWS = 16  # (token, head) rows per program of inverse_rope_rows
@@ -126,27 +126,32 @@ def rope_rows_(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
     return _rope_rows("x", x, positions, cos_sin_cache, inverse=False, validate=validate)
 
 
+def check_rope_table(pos_name: str, positions, cos_sin_cache, T: int, max_r: int, device, validate: bool):
+    """A RoPE's arguments: ``positions [T]`` int and ``cos_sin_cache [P, R]`` float with R a power of two in
+    ``[2, max_r]``; with ``validate`` (a host sync, skipped while a CUDA graph is captured) ``0 <= positions < P``.
+    Returns (positions as a dense tensor, P, R)."""
+    check_index(pos_name, positions, ndim=1, device=device, length=T)
+    check_tensor("cos_sin_cache", cos_sin_cache, dtypes=_FLOAT_DTYPES, ndim=2, device=device)
+    P, R = cos_sin_cache.shape
+    if R < 2 or R & (R - 1) or R > max_r:
+        raise ValueError(f"cos_sin_cache must be [P, R] with R a power of two in [2, {max_r}]; got "
+                         f"{describe(cos_sin_cache)}")  # fmt: skip
+    if validate and not capturing() and T > 0:
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= P:
+            raise ValueError(f"{pos_name} span [{lo}, {hi}] but cos_sin_cache has {P} positions")
+    return positions.contiguous(), P, R  # read densely (a strided one is copied)
+
+
 def _rope_rows(name, o, positions, cos_sin_cache, *, inverse: bool, validate: bool) -> torch.Tensor:
     check_tensor(name, o, dtypes=_FLOAT_DTYPES)
     if o.dim() not in (2, 3):
         raise ValueError(f"{name} must be [T, H, D] or [T, D]; got {describe(o)}")
     dev = o.device
-    T = o.shape[0]
-    check_index("positions", positions, ndim=1, device=dev, length=T)
-    positions = positions.contiguous()  # read densely (a strided one is copied)
-    check_tensor("cos_sin_cache", cos_sin_cache, dtypes=_FLOAT_DTYPES, ndim=2, device=dev)
-    P, R = cos_sin_cache.shape
-    D = o.shape[-1]
-    if R < 2 or R & (R - 1) or R > D:
-        raise ValueError(
-            f"cos_sin_cache must be [P, R] with R a power of two <= D = {D}; got {describe(cos_sin_cache)}"
-        )
+    T, D = o.shape[0], o.shape[-1]
+    positions, P, R = check_rope_table("positions", positions, cos_sin_cache, T, D, dev, validate)
     o3 = o if o.dim() == 3 else o.unsqueeze(1)
     H = o3.shape[1]
-    if validate and not capturing() and T > 0:
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= P:
-            raise ValueError(f"positions span [{lo}, {hi}] but cos_sin_cache has {P} positions")
     rows = T * H
     if rows == 0:
         return o

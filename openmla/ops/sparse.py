@@ -28,8 +28,8 @@ import triton.language as tl
 
 from openmla.device import INTERPRET, compute_dtype
 from openmla.ops._bf16 import to_bf16
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
-from openmla.ops.rope import load_cos_sin, rope_pairs
+from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_tensor, describe
+from openmla.ops.rope import check_rope_table, load_cos_sin, rope_pairs
 
 __all__ = ["SPARSE_KV_CACHE_DTYPES", "apply_attn_sink", "sparse_mla"]
 
@@ -623,24 +623,13 @@ def _cache_views(cache, fmt: int) -> tuple[list, int, int]:
     return [cache, cache, cache.view(torch.bfloat16)], stride_b, _V4_DATA_BYTES
 
 
-def _check_rope(positions, cos_sin_cache, T: int, d_v: int, dev, validate: bool) -> None:
+def _check_rope(positions, cos_sin_cache, T: int, d_v: int, dev, validate: bool):
     """The fused inverse RoPE's arguments: positions [T] int, cos_sin_cache [P, R] float (R a power of two that
-    fits the output's last column chunk)."""
+    fits the output's last column chunk); returns the positions as a dense tensor."""
     if (positions is None) != (cos_sin_cache is None):
         raise ValueError("inv_rope_positions and cos_sin_cache go together (pass both or neither)")
-    check_index("inv_rope_positions", positions, ndim=1, device=dev, length=T)
-    check_tensor("cos_sin_cache", cos_sin_cache, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=2, device=dev)
-    P, R = cos_sin_cache.shape
     r_max = min(d_v // 4, _MERGE_BLOCK_D)
-    if R < 2 or R & (R - 1) or R > r_max:
-        raise ValueError(f"cos_sin_cache must be [P, R] with R a power of two in [2, {r_max}] (d_v {d_v}); "
-                         f"got {describe(cos_sin_cache)}")  # fmt: skip
-    if validate and not capturing() and T and P:
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= P:
-            raise ValueError(f"inv_rope_positions span [{lo}, {hi}] but cos_sin_cache has {P} positions")
-    elif validate and not capturing() and T:
-        raise ValueError(f"cos_sin_cache has no positions; got {describe(cos_sin_cache)}")
+    return check_rope_table("inv_rope_positions", positions, cos_sin_cache, T, r_max, dev, validate)[0]
 
 
 def _check_indices(name: str, indices, len_name: str, length, T: int, dev, validate: bool):
@@ -797,8 +786,7 @@ def sparse_mla(
         _check_sink(attn_sink, H, dev)
     has_rope = inv_rope_positions is not None or cos_sin_cache is not None
     if has_rope:
-        _check_rope(inv_rope_positions, cos_sin_cache, T, d_v, dev, validate)
-        inv_rope_positions = inv_rope_positions.contiguous()
+        inv_rope_positions = _check_rope(inv_rope_positions, cos_sin_cache, T, d_v, dev, validate)
         rope_args = (inv_rope_positions, cos_sin_cache)
         rope_strides = (cos_sin_cache.stride(0), cos_sin_cache.shape[0])
         rope_dim = cos_sin_cache.shape[1]
