@@ -112,27 +112,33 @@ def _layer(shape: V4LayerShape, dev) -> DeepseekV4Attention:
     return layer.eval()
 
 
-def _fill(cache: torch.Tensor, kv_dtype: str, dev) -> None:
-    """Random ~N(0, 1) rows in every slot of a V4 cache (written by the cache writer, 64k rows at a time)."""
+def _fill_slots(cache: torch.Tensor, width: int, write, dev) -> None:
+    """Random ~N(0, 1) bf16 rows of ``width`` into every slot of ``cache`` through its writer
+    ``write(rows, slots)``, 64k rows at a time."""
     slots = cache.shape[0] * cache.shape[1]
     for s0 in range(0, slots, 1 << 16):
         n = min(1 << 16, slots - s0)
-        rows = torch.randn(n, 512, device=dev, dtype=torch.bfloat16)
-        slot = torch.arange(s0, s0 + n, device=dev, dtype=torch.int64)
+        write(torch.randn(n, width, device=dev, dtype=torch.bfloat16),
+              torch.arange(s0, s0 + n, device=dev, dtype=torch.int64))  # fmt: skip
+
+
+def _fill(cache: torch.Tensor, kv_dtype: str, dev) -> None:
+    """Every slot of a V4 cache, written by the cache writer."""
+    def write(rows, slot):
         concat_and_cache_v4(rows[:, :448], rows[:, 448:], cache, slot, kv_cache_dtype=kv_dtype, validate=False)
+
+    _fill_slots(cache, 512, write, dev)
 
 
 def _fill_indexer(cache: torch.Tensor, cache_dtype: str, dev) -> None:
-    """Random ~N(0, 1) indexer keys in every slot (bf16 rows, or e4m3 with UE8M0 scales through the key writer)."""
+    """Every indexer key: bf16 rows, or e4m3 with UE8M0 scales through the key writer."""
     if cache_dtype == "auto":
         cache.normal_()
         return
-    slots = cache.shape[0] * cache.shape[1]
-    for s0 in range(0, slots, 1 << 16):
-        n = min(1 << 16, slots - s0)
-        rows = torch.randn(n, cache.shape[2] - 4, device=dev, dtype=torch.bfloat16)
-        slot = torch.arange(s0, s0 + n, device=dev, dtype=torch.int64)
+    def write(rows, slot):
         concat_and_cache_indexer_k(rows, cache, slot, cache_dtype="fp8", scale_fmt="ue8m0", validate=False)
+
+    _fill_slots(cache, cache.shape[2] - 4, write, dev)
 
 
 def run(shape: V4LayerShape, ctx: BenchContext) -> list[dict]:
