@@ -124,6 +124,7 @@ def _fill_slots(cache: torch.Tensor, width: int, write, dev) -> None:
 
 def _fill(cache: torch.Tensor, kv_dtype: str, dev) -> None:
     """Every slot of a V4 cache, written by the cache writer."""
+
     def write(rows, slot):
         concat_and_cache_v4(rows[:, :448], rows[:, 448:], cache, slot, kv_cache_dtype=kv_dtype, validate=False)
 
@@ -135,6 +136,7 @@ def _fill_indexer(cache: torch.Tensor, cache_dtype: str, dev) -> None:
     if cache_dtype == "auto":
         cache.normal_()
         return
+
     def write(rows, slot):
         concat_and_cache_indexer_k(rows, cache, slot, cache_dtype="fp8", scale_fmt="ue8m0", validate=False)
 
