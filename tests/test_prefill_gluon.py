@@ -109,6 +109,24 @@ def test_gluon_prefill_unsupported_on_cpu():
     assert not pg.gluon_prefill_supported(q8, k8, v8, fp8=True) and not pg.gluon_prefill_supported(q8, k8, v8)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 65, 300])
+def test_widen_e4m3(rows, device):
+    # the fp8 path's V widening (a Triton kernel; torch's cast ran at ~1 TB/s on the H200): every e4m3 byte, from
+    # a head-strided view, equal to torch's cast bit for bit; NaN stays NaN on the GPU (the interpreter's cast
+    # makes it 480, so the CPU run leaves the two NaN bytes out)
+    codes = torch.arange(256, dtype=torch.int32)
+    if torch.device(device).type == "cpu":
+        codes = codes[(codes & 0x7F) != 0x7F]
+    wide = codes[torch.arange(rows * 3 * 96) % codes.numel()].to(torch.uint8).view(torch.float8_e4m3fn)
+    wide = wide.reshape(rows, 3, 96).to(device)
+    v = torch.cat([wide, wide[..., :32]], dim=-1)[:, :2, 16:80]  # [rows, 2, 64], head stride 128, row stride 384
+    got = pg._widen_e4m3(v)
+    assert got.is_contiguous() and got.shape == v.shape and got.dtype == torch.bfloat16
+    want = v.to(torch.bfloat16)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num().view(torch.int16), want.nan_to_num().view(torch.int16))
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU (sm90) tests
 

@@ -68,6 +68,7 @@ import math
 
 import torch
 import triton
+import triton.language as tl
 
 __all__ = ["GLUON_AVAILABLE", "flash_attn_varlen_gluon", "gluon_prefill_supported"]
 
@@ -96,6 +97,7 @@ BLOCK_N_DEFAULT, STAGES_DEFAULT = 128, 2
 PINGPONG: bool = True
 # launch order (see flash_attn_varlen_gluon's head_block): 1 keeps the programs in flight on few heads
 HEAD_BLOCK: int = 1
+_WIDEN_ROWS = 64  # rows of D values per program of _widen_e4m3_kernel (the fp8 path's V widening)
 
 
 def _smem_bytes(block_n: int, stages: int, fp8: bool = False) -> int:
@@ -415,6 +417,28 @@ if GLUON_AVAILABLE:
         mbarrier.invalidate(turn.index(1))
 
 
+@triton.jit
+def _widen_e4m3_kernel(src, dst, n_rows, H, stride_t, stride_h, BLOCK_R: tl.constexpr, D: tl.constexpr):
+    """Rows ``(t, h)`` of a strided e4m3 ``[T, H, D]`` tensor into a contiguous bf16 one (exact)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    keep = rows < n_rows
+    src_off = (rows // H).to(tl.int64) * stride_t + (rows % H).to(tl.int64) * stride_h
+    cols = tl.arange(0, D)
+    x = tl.load(src + src_off[:, None] + cols[None, :], mask=keep[:, None])
+    tl.store(dst + rows.to(tl.int64)[:, None] * D + cols[None, :], x.to(tl.bfloat16), mask=keep[:, None])
+
+
+def _widen_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """``v.to(torch.bfloat16)`` for a ``[T, H, D]`` e4m3 tensor (last dim contiguous, D a power of two) at the
+    copy's bandwidth: on the H200 torch's cast of a 16k x 128 x 128 tensor took 782 us (~1 TB/s)."""
+    T, H, D = v.shape
+    out = torch.empty(T, H, D, dtype=torch.bfloat16, device=v.device)
+    if T * H:
+        grid = (triton.cdiv(T * H, _WIDEN_ROWS),)
+        _widen_e4m3_kernel[grid](v, out, T * H, H, v.stride(0), v.stride(1), BLOCK_R=_WIDEN_ROWS, D=D, num_warps=4)
+    return out
+
+
 def _nvmma_layout(block: list[int] | None = None, fp8: bool = False):
     """bf16 boxes: 128-byte swizzle; e4m3 boxes: the swizzle of their row width (128 or 64 bytes)."""
     if fp8:
@@ -557,7 +581,7 @@ def flash_attn_varlen_gluon(
         k = torch.zeros(1, H_KV, D_QK, dtype=k.dtype, device=k.device)
         v = torch.zeros(1, H_KV, D_V, dtype=v.dtype, device=v.device)
     if fp8:
-        v = v.to(torch.bfloat16)  # e4m3 -> bf16 is exact; P V runs in bf16 (V is 40% of the FLOPs)
+        v = _widen_e4m3(v)  # e4m3 -> bf16 is exact; P V runs in bf16 (V is 40% of the FLOPs)
         q_desc, q2_desc = _desc(q, D_QK, [64, 128]), _desc(q, D_QK, [64, 64])
         q_ds, k_ds, v_ds = descales
     else:
