@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: environment, `openmla bench`, then the GPU test set. Logs and bench output go to $OUT (or ./out).
-# usage: bash benchmarks/gpu_run.sh [bench|tests|tests1|tests2|tests3|tests4|all|ab|ab-copy] [pytest args...]
+# usage: bash benchmarks/gpu_run.sh [bench|tests|tests1|tests2|tests3|tests4|all|ab|ab-copy|dcp] [pytest args...]
 #   tests [pytest args] (default: the whole suite); tests1/2/3/4: the GPU suite in four parts (one device call
 #   each; ~1.3 tests/s with -n 14 on the H200; part 4: the sparse kernels, ~450 tests, many Gluon compiles). Every tests mode: -v, -n $TEST_WORKERS (14), per-test
 #   limit $TEST_EACH (300 s, where pytest-timeout is installed), --durations=40, $OUT/tests_gpu.log (all output),
@@ -12,6 +12,10 @@
 #   "--family decode,prefill")
 #   ab-copy: .old/openmla with this bench copied in (--label before-REV), then this tree (--label after), two
 #   processes one after the other, compared point by point (python -m openmla.bench.compare)
+#   dcp: on a machine of N >= 2 GPUs (NVLink multicast off): the DCP tests through NCCL (W = 2 / 4 / 8 where there
+#   are as many GPUs), `openmla generate --dcp N` against --dcp 1 (the tokens must be identical), and
+#   benchmarks/bench_dcp.py at W = 1, 2, 4, ... N ($DCP_SHAPES, default the 128 heads, batch 32, 128k
+#   keys), rows in $OUT/dcp.csv
 #   bench: `openmla bench` with $BENCH_ARGS (e.g. BENCH_ARGS="--quick" or "--family decode --label after"; shape
 #   specs hold spaces: run `python3 -m openmla bench --shapes ...` directly for those);
 #   FlashMLA is timed beside it when importable (../shared/peers/README.md: the .peers folder)
@@ -67,4 +71,24 @@ if [ "$what" = ab-copy ]; then
   timeout "${BENCH_TIMEOUT:-270}" python3 -m openmla.bench --out "$out" --label after $ab_args 2>&1 \
     | tee "$out/bench_after.log"
   python3 -m openmla.bench.compare "$out"/bench-before-*.csv "$out/bench-after.csv" 2>&1 | tee "$out/compare.txt"
+fi
+if [ "$what" = dcp ]; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  n=$(nvidia-smi -L | wc -l)
+  timeout -s INT "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rfE -p no:cacheprovider tests/test_parallel_dcp.py \
+    tests/test_parallel_engine.py tests/test_parallel_sharding.py "$@" > "$OUT/tests_dcp.log" 2>&1
+  tail -n 8 "$OUT/tests_dcp.log"
+  gen=(python3 -m openmla generate --prompt-ids 7,3,9,27,101,4,8,15,16,23,42 --prompt-ids 40,41,42,40,41,42,40
+       --max-new-tokens 24 --speculate 2 --json)
+  "${gen[@]}" --dcp 1 2>/dev/null | tail -n 1 > "$OUT/generate_dcp1.json"
+  "${gen[@]}" --dcp "$n" 2>/dev/null | tail -n 1 > "$OUT/generate_dcp$n.json"
+  if cmp -s "$OUT/generate_dcp1.json" "$OUT/generate_dcp$n.json"; then echo "generate --dcp $n: the tokens of --dcp 1"
+  else echo "generate --dcp $n DIFFERS from --dcp 1:"; cat "$OUT/generate_dcp1.json" "$OUT/generate_dcp$n.json"; fi
+  shapes=${DCP_SHAPES:-"H128 b32 s131072 q1;H128 b32 s131072 q2"}
+  timeout 120 python3 benchmarks/bench_dcp.py --shapes "$shapes" --csv "$OUT/dcp.csv" 2>&1 | tee "$OUT/bench_dcp.log"
+  for w in 2 4 8; do
+    [ "$w" -le "$n" ] || break
+    timeout 180 torchrun --standalone --nproc-per-node "$w" benchmarks/bench_dcp.py --shapes "$shapes" \
+      --csv "$OUT/dcp.csv" 2>&1 | grep -v "^W[0-9]\|OMP_NUM_THREADS\|^\*" | tee -a "$OUT/bench_dcp.log"
+  done
 fi

@@ -51,12 +51,25 @@ def _end_ranks(ctx, err) -> list[str]:
     return stacks
 
 
+# NVLink multicast (NVLS) stays off in every NCCL rank the tests start (the lent multi-GPU machines ask for it)
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def gpus_for(W: int) -> bool:
+    """Whether this machine has a CUDA GPU for each of ``W`` ranks."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= W
+
+
 def run_ranks(fn, W, tmp_path, *args, backend="gloo", timeout=900.0):
     """Spawn ``W`` processes running ``fn(rank, W, device, *args)``; raise with the failing ranks' tracebacks.
 
     Ranks still running after ``timeout`` seconds, or when the test is interrupted (pytest-timeout, Ctrl-C), are
-    ended; their Python stacks go into the error (or to stderr, which pytest keeps in the report).
+    ended; their Python stacks go into the error (or to stderr, which pytest keeps in the report). NCCL ranks get
+    :data:`NCCL_ENV` unless the environment sets those variables already.
     """
+    if backend == "nccl":
+        for k, v in NCCL_ENV.items():
+            os.environ.setdefault(k, v)
     init = f"file://{tmp_path}/dist_store"
     err = str(tmp_path / "err")
     ctx = mp.spawn(_entry, args=(W, init, backend, err, fn, args), nprocs=W, join=False)

@@ -21,6 +21,8 @@ from openmla.bench.timing import Timer, Timing
 from openmla.cli import main
 from openmla.utils.testing import suite_device
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 FAST = ["--rep", "5", "--rounds", "1", "--no-peers"]
 DEV = suite_device()  # the bench runs on cuda where there is one (tiny shapes there too)
 
@@ -371,3 +373,40 @@ def test_sparse_v4_variant_rows(monkeypatch):
         rows = sparse_v4.run(sparse_v4.parse(spec + " g:lazy"), ctx)
         assert [r["provider"] for r in rows] == ["openmla", "g:lazy"], spec
         assert rows[1]["bytes"] == rows[0]["bytes"] and rows[1]["dtype"] == rows[0]["dtype"], spec
+
+
+def _bench_dcp():
+    spec = importlib.util.spec_from_file_location("bench_dcp", os.path.join(ROOT, "benchmarks", "bench_dcp.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_dcp_shapes():
+    parse = _bench_dcp()._parse
+    assert parse("h16 b128 s8192 q1", 2) == {"h": 16, "b": 128, "s": 8192, "q": 1, "i": 1}
+    assert parse("H128 b32 s131072 q1 i4", 8) == {"h": 16, "b": 32, "s": 131072, "q": 1, "i": 4}
+    for bad, word in (("H6 b1 s8 q1", "multiple"), ("h2 H4 b1 s8 q1", "multiple"), ("h2 b1 q1", "missing s"),
+                      ("h2 b1 s8 q1 x3", "tokens"), ("h2 b1 s8 qq", "tokens")):  # fmt: skip
+        with pytest.raises(ValueError, match=word):
+            parse(bad, 4)
+
+
+@pytest.mark.skipif(suite_device().type != "cpu", reason="gloo ranks on the CPU (the GPU run is benchmarks/gpu_run.sh)")
+def test_bench_dcp_two_ranks(tmp_path):
+    # two gloo ranks through torchrun: a row per provider, the communication alone beside the attention and the
+    # whole call, each rank's KV bytes (half the keys)
+    import subprocess
+
+    out = tmp_path / "dcp.csv"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "benchmarks", "bench_dcp.py"), "--shapes", "H4 b2 s40 q1", "--csv", str(out)]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "KV a rank" in res.stdout and "communication gather + reduce_scatter" in res.stdout, res.stdout
+    rows = list(csv.DictReader(open(out)))
+    assert [r["provider"] for r in rows] == ["local", "comm-gather", "comm-reduce_scatter", "comm-all_to_all",
+                                             "dcp-plain-reduce_scatter", "dcp-plain-all_to_all"]  # fmt: skip
+    assert {r["world_size"] for r in rows} == {"2"}
+    assert {int(r["kv_bytes"]) for r in rows} == {2 * 20 * 576 * 4}  # b2 x 20 of 40 keys, fp32 on the CPU

@@ -5,7 +5,8 @@ One spawn per world size W (process start-up dominates under the interpreter) ru
 interleave and the verify and prefill cases at a second one, so that W = 2, 3, 4 and I = 1, 2, block size
 each meet twice. Every rank builds the same global batch from a seed, keeps its shard
 (``dcp_shard_cache_ref``) and checks its heads against the single-rank fp32 reference. On a CUDA machine
-(``OPENMLA_TEST_DEVICE=cuda``) the same cases run with NCCL at W = 1 (one GPU: the NCCL code path only).
+(``OPENMLA_TEST_DEVICE=cuda``) the same cases run with NCCL at W = 1, and at W = 2, 4, 8 where the machine has that
+many GPUs (one a rank; the GPU cases include bf16 requests of 2-4k keys at 16 heads a rank).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from functools import partial
 
 import pytest
 import torch
-from _dcp_harness import global_batch, run_ranks
+from _dcp_harness import global_batch, gpus_for, run_ranks
 
 from openmla.ops.cache import concat_and_cache_mla
 from openmla.parallel import dcp_mla_decode, dcp_mla_prefill_with_context, dcp_slot_mapping
@@ -128,7 +129,7 @@ def _errors(rank, W, dev):
 def _worker(rank, W, dev):
     # every case at one interleave per W, the verify cases and a prefill at a second one: each W meets two
     # interleaves and each interleave two W (the single-process tests cover the sharding of the whole grid)
-    main, other = {1: (1, BS), 2: (1, BS), 3: (2, 1), 4: (BS, 2)}[W]
+    main, other = {1: (1, BS), 2: (1, BS), 3: (2, 1), 4: (BS, 2), 8: (2, 1)}[W]
     _decode_cases(rank, W, main, dev, range(len(DECODE_CASES)))
     _prefill_case(rank, W, main, dev, [7, 3, 0], [1, 2, 2], chunk_size=64, seed=9)
     _prefill_case(rank, W, main, dev, [0, 5, 9], [2, 3, 1], chunk_size=4, seed=main)
@@ -146,3 +147,11 @@ def test_dcp_gloo(W, tmp_path):
 @pytest.mark.gpu
 def test_dcp_nccl_one_gpu(tmp_path):
     run_ranks(_worker, 1, tmp_path, backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [2, 4, 8])
+def test_dcp_nccl(W, tmp_path):
+    if not on_gpu() or not gpus_for(W):
+        pytest.skip(f"NCCL over {W} GPUs (this machine has {torch.cuda.device_count()})")
+    run_ranks(_worker, W, tmp_path, backend="nccl")

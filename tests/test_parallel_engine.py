@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from _dcp_harness import run_ranks
+import torch
+from _dcp_harness import NCCL_ENV, gpus_for, run_ranks
 
 from openmla.cli import main
 from openmla.engine import EngineConfig, LLMEngine, load_model
@@ -24,7 +25,7 @@ CFG = dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=12, max_model_le
 
 
 def _single_rank():
-    model, _ = load_model("tiny", seed=0)
+    model, _ = load_model("tiny", seed=0, device="cuda" if on_gpu() else "cpu")  # the ranks' kind of device
     eng = LLMEngine(model, EngineConfig(**CFG))
     return eng.generate(PROMPTS, NEW), eng.stats.num_steps, eng.stats.num_draft_tokens
 
@@ -75,6 +76,14 @@ def test_engine_tokens_dcp2(reference, tmp_path):
     run_ranks(_engine_rank, 2, tmp_path, 1, reference)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("W,interleave", [(2, 1), (4, 2)])
+def test_engine_tokens_dcp_nccl(W, interleave, reference, tmp_path):
+    if not on_gpu() or not gpus_for(W):
+        pytest.skip(f"NCCL over {W} GPUs (this machine has {torch.cuda.device_count()})")
+    run_ranks(_engine_rank, W, tmp_path, interleave, reference, backend="nccl")
+
+
 def _cli_tokens(capfd, extra):
     argv = ["generate", "--prompt-ids", "7,3,9,27,101,4,8,15,16", "--prompt-ids", "40,41,42,40,41,42,40",
             "--max-new-tokens", "4", "--speculate", "2", "--block-size", "4", "--dtype", "float32", "--json",
@@ -83,10 +92,13 @@ def _cli_tokens(capfd, extra):
     return json.loads(capfd.readouterr().out.strip().splitlines()[-1])
 
 
-def test_cli_generate_dcp(capfd):
-    """``openmla generate --dcp N`` spawns N ranks: N = 3 (I = 2) on CPU; N = 1 through NCCL on one GPU."""
+def test_cli_generate_dcp(capfd, monkeypatch):
+    """``openmla generate --dcp N`` spawns N ranks: N = 3 (I = 2) on CPU; through NCCL on a GPU machine, one rank a
+    GPU (up to 4)."""
     want = _cli_tokens(capfd, [])
-    n = "1" if on_gpu() else "3"
+    n = str(min(torch.cuda.device_count(), 4)) if on_gpu() else "3"
+    for k, v in NCCL_ENV.items():
+        monkeypatch.setenv(k, v)
     assert _cli_tokens(capfd, ["--dcp", n, "--dcp-interleave", "2"]) == want
     assert len(want) == 2 and all(len(o) == 4 for o in want)
 
