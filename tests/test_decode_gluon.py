@@ -392,6 +392,35 @@ def test_gluon_decode_empty_rows(kernel, device):
 
 
 @_gpu_test
+@pytest.mark.parametrize("kernel,heads", [("ws", 32), ("fp8", 32), ("seesaw", 32), ("pair", 32), ("pair", 128)])
+def test_gluon_decode_rows_outside(kernel, heads, device):
+    # unchecked (validate=False), a query_start_loc that starts below 0 and ends past T (its last request then has 3
+    # rows where the plan allows 2): the Gluon kernels touch no row of the request starting below 0 and none past T,
+    # and the other rows come out as for the checked batch. Every request split (num_sms 8), so the reduce runs too;
+    # at h128 the pair kernel runs the request-spanning schedule and merges the pieces itself
+    fp8 = kernel == "fp8"
+    lens = [3000, 8191, 77, 5000]
+    q, cache, bt, sl, qsl = _batch(device, heads, [1, 2, 2, 1], lens, 64, fp8=fp8)
+    T = q.shape[0]
+    bad = qsl.clone()
+    bad[0], bad[-1] = -1, T + 2
+    kv_dtype = "fp8" if fp8 else "auto"
+    plan = openmla.plan_decode(sl, qsl, heads, num_sms=8, kv_cache_dtype=kv_dtype)
+    assert (plan.spans is not None) == (heads == 128), "the spanning schedule not as the test assumes"
+    assert int((plan.num_splits if plan.spans is None else plan.spans.num_splits).max()) > 1, "no request split"
+    out = torch.full((T, heads, 512), 7.0, dtype=q.dtype, device=device)
+    lse = torch.full((T, heads), 7.0, device=device)
+    kv = {"kv_cache_dtype": "fp8", "kv_scale": KV_SCALE} if fp8 else {}
+    openmla.mla_decode(q, cache, bt, sl, bad, SCALE, plan=plan, out=out, lse=lse, backend="gluon", validate=False,
+                       _gluon_kernel="ws" if fp8 else kernel, **kv)  # fmt: skip
+    torch.cuda.synchronize()
+    assert bool((out[0] == 7.0).all()) and bool((lse[0] == 7.0).all()), "a request starting below 0 wrote row 0"
+    ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True, kv_scale=KV_SCALE if fp8 else None)
+    assert_close("out", ref_out[1:], out[1:], *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse[1:], lse[1:], 1e-3, 1e-3, 1e-6)
+
+
+@_gpu_test
 @pytest.mark.parametrize("variant", ["pair", "seesaw"])
 @pytest.mark.parametrize("q_gain", [1.0, 40.0, 0.01])
 def test_gluon_pair_score_jumps(variant, q_gain, device):

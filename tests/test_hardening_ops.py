@@ -183,6 +183,28 @@ def test_decode_checks_query_start_loc(device):
     assert_close("rows of the requests inside q", ref[:3], out[:3], *TOL)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_rows_outside_unchecked(split, device):
+    # unchecked, a request starting below 0 touches nothing, and one ending past T or longer than the plan's query
+    # length only its rows inside both (qlens 1, 2, 1: T = 4; request 0 "starts" at -1, request 2 "ends" at 7 and
+    # has 3 rows where the plan allows 2); split: every request in pieces, so the reduce runs on the same rows
+    n = openmla.plan_decode(*_decode_batch(device)[3:], 2, d_v=D_V).tiling.block_n  # (the device's key tile)
+    q, cache, bt, sl, qsl = _decode_batch(device, lens=(3 * n, 2 * n + 5, 2 * n + 1))
+    T = q.shape[0]
+    bad = qsl.clone()
+    bad[0], bad[-1] = -1, T + 3
+    kw = {"_min_split": n, "_max_split": n} if split else {}
+    plan = openmla.plan_decode(sl, qsl, 2, d_v=D_V, **kw)
+    assert (int(plan.num_splits.min()) > 1) == split
+    out = torch.full((T, 2, D_V), 7.0, dtype=q.dtype, device=device)
+    lse = torch.full((T, 2), 7.0, device=device)
+    openmla.mla_decode(q, cache, bt, sl, bad, SCALE, d_v=D_V, plan=plan, out=out, lse=lse, validate=False)
+    assert bool((out[0] == 7.0).all()) and bool((lse[0] == 7.0).all()), "a request starting below 0 wrote row 0"
+    ref, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, d_v=D_V)
+    assert_close("rows 1..3", ref[1:], out[1:], *TOL)
+    assert_close("lse rows 1..3", ref_lse[1:], lse[1:], 1e-3, 1e-3, 1e-6)
+
+
 # ------------------------------------------------------------------ defect 6
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), "tensor", True])
 def test_decode_checks_sm_scale(scale, device):

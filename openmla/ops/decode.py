@@ -128,6 +128,17 @@ def _load_rows(p_kv, m_n, o_c, DC: tl.constexpr, D_V: tl.constexpr, o_r, D_R: tl
 
 
 @triton.jit
+def _row_count(query_start_loc, i_b, num_tokens, MAX_QLEN: tl.constexpr):
+    """Request ``i_b``'s first query row and how many of its rows a program touches: those inside ``[0, num_tokens)``,
+    at most the plan's ``MAX_QLEN``, none when it starts below 0 (the query length for a checked batch; the Gluon
+    kernels' ``_row_count`` is the same rule)."""
+    q_start = tl.load(query_start_loc + i_b)
+    n = tl.minimum(tl.minimum(tl.load(query_start_loc + i_b + 1), num_tokens) - q_start, MAX_QLEN)
+    n = tl.where(q_start < 0, 0, tl.maximum(n, 0))
+    return q_start, n
+
+
+@triton.jit
 def _store_rows(p_row, o0, o1, o2, o3, m_m, o_c, DC: tl.constexpr, D_V: tl.constexpr):
     """Store four [M, DC] column chunks to rows starting at p_row [M] (in the destination's dtype); padded
     columns (past D_V) are not stored."""
@@ -175,7 +186,7 @@ def _mla_decode_fwd_kernel(
     H,
     num_blocks,
     max_blocks,
-    num_tokens,  # T: rows outside [0, T) are never touched, whatever an unchecked query_start_loc says
+    num_tokens,  # T: rows outside [0, T), and requests starting below 0, are never touched (_row_count)
     PAGE: tl.constexpr,
     MAX_QLEN: tl.constexpr,
     D_V: tl.constexpr,
@@ -200,8 +211,7 @@ def _mla_decode_fwd_kernel(
     if i_b < 0:
         return
     i_b = i_b.to(tl.int64)
-    q_start = tl.load(query_start_loc + i_b)
-    qlen = tl.load(query_start_loc + i_b + 1) - q_start
+    q_start, qlen = _row_count(query_start_loc, i_b, num_tokens, MAX_QLEN)
     if i_q * Q_PER >= qlen:
         return
     L = tl.load(seq_lens + i_b)
@@ -215,7 +225,7 @@ def _mla_decode_fwd_kernel(
     o_m = tl.arange(0, BLOCK_M)
     o_t = i_q * Q_PER + o_m // BLOCK_H  # token within the request
     o_h = i_h * BLOCK_H + o_m % BLOCK_H
-    m_m = (o_t < qlen) & (o_t < MAX_QLEN) & (o_h < H) & (q_start + o_t >= 0) & (q_start + o_t < num_tokens)
+    m_m = (o_t < qlen) & (o_h < H)
     if CAUSAL:
         limit = L - qlen + o_t + 1  # keys [0, limit) are visible to each row
         kv_hi = tl.minimum(kv_hi, L - qlen + tl.minimum(i_q * Q_PER + Q_PER, qlen))
@@ -329,7 +339,7 @@ def _mla_decode_reduce_kernel(
     stride_o_t,
     stride_o_h,
     H,
-    num_tokens,  # T (rows outside [0, T) are never written)
+    num_tokens,  # T (the rows of _row_count only)
     capacity,  # work items of the plan (partials past them are never read)
     MAX_QLEN: tl.constexpr,
     D_V: tl.constexpr,
@@ -351,9 +361,9 @@ def _mla_decode_reduce_kernel(
         i_t = rest // per_row
         i_hb = (rest % per_row) // N_D
         i_d = rest % N_D
-        q_start = tl.load(query_start_loc + i_b)
+        q_start, qlen = _row_count(query_start_loc, i_b, num_tokens, MAX_QLEN)
         row = (q_start + i_t).to(tl.int64)
-        if (i_t < tl.load(query_start_loc + i_b + 1) - q_start) & (row >= 0) & (row < num_tokens):
+        if i_t < qlen:
             w0 = tl.load(work_indptr + i_b).to(tl.int64)
             n_split = tl.minimum(tl.load(num_splits + i_b), capacity - w0)
             if BLOCK_HB == 1:  # one head: its LSEs as a vector over the splits (no per-column copies)

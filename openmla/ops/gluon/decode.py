@@ -113,7 +113,7 @@ VARIANTS = ("ws", "seesaw", "pair")
 
 if GLUON_AVAILABLE:
     from openmla.ops.gluon.decode_seesaw import _mla_decode_gluon_seesaw_kernel
-    from openmla.ops.gluon.decode_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
+    from openmla.ops.gluon.decode_tiles import _box_ok, _kv_rows, _row_count, _store_result, _zero_tail
 
     @gluon.jit
     def _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, bars, stage, row0, row1, NSUB: gl.constexpr,
@@ -280,11 +280,11 @@ if GLUON_AVAILABLE:
         _store_result(acc, gl.sum(b_lv, axis=1), b_m, v_scale, num_splits, out, lse, o_part, lse_part, stride_o_t,
                       stride_o_h, H, i_w, i_h, i_q, i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, 0, True)  # fmt: skip
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_tokens"])
     def _mla_decode_gluon_ws_kernel(
         q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
         split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-        stride_o_t, stride_o_h, H, num_blocks, max_blocks,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks, num_tokens,
         PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         FP8: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr, num_warps: gl.constexpr,
@@ -313,8 +313,7 @@ if GLUON_AVAILABLE:
         if i_b < 0:
             return
         i_b = i_b.to(gl.int64)
-        q_start = gl.load(query_start_loc + i_b)
-        qlen = gl.load(query_start_loc + i_b + 1) - q_start
+        q_start, qlen = _row_count(query_start_loc, i_b, num_tokens, MAX_QLEN)
         if i_q * Q_PER >= qlen:
             return
         L = gl.load(seq_lens + i_b)
@@ -529,7 +528,7 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     args = (q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, plan.work_req, plan.work_split,
             plan.num_splits, plan.split_len, out, lse, plan.o_part, plan.lse_part, scale_log2, v_scale,
             q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-            H, num_blocks, block_table.shape[1])  # fmt: skip
+            H, num_blocks, block_table.shape[1], q.shape[0])  # fmt: skip
     if seesaw:
         half_desc = TensorDescriptor(kv2d, shape, strides, [box_rows, 256], _kv_layout())  # half a latent row a copy
         rope_desc = TensorDescriptor(kv2d, shape, strides, [box_rows, D_R], _kv_layout(fp8, D_R))

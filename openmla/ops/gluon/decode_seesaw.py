@@ -37,7 +37,7 @@ RESCALE_ASM = gl.constexpr(
 RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 128 + [str(i) for i in range(128)] + ["r"] * 128 + ["f"] * 128))
 
 if GLUON_AVAILABLE:
-    from openmla.ops.gluon.decode_tiles import _box_ok, _kv_rows, _store_result, _zero_tail
+    from openmla.ops.gluon.decode_tiles import _box_ok, _kv_rows, _row_count, _store_result, _zero_tail
 
     # ---- "seesaw" kernel: two 4-warp partitions (warpgroup 0 = the default partition, warpgroup 1 a worker),
     # no producer warp. Tile t of a work item lives in stage t % 2 and belongs to warpgroup t % 2, which loads it
@@ -63,8 +63,9 @@ if GLUON_AVAILABLE:
     # operand descriptor out of the loop and spill (~350 B a thread).
 
     @gluon.jit
-    def _seesaw_item(block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER: gl.constexpr,
-                     CAUSAL: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr):  # fmt: skip
+    def _seesaw_item(block_table, seq_lens, query_start_loc, work_req, work_split, split_len, num_tokens,
+                     MAX_QLEN: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr, N_HB: gl.constexpr,
+                     N_QB: gl.constexpr):  # fmt: skip
         """The program's work item, head block, query block, request, its query rows and its key range
         ``[kv_lo, kv_hi)`` (causal: cut at the block's last query token)."""
         pid = gl.program_id(0)
@@ -72,8 +73,7 @@ if GLUON_AVAILABLE:
         i_h = pid % N_HB
         i_q = (pid // N_HB) % N_QB
         i_b = gl.load(work_req + i_w).to(gl.int64)  # >= 0: the parent returned for empty slots
-        q_start = gl.load(query_start_loc + i_b)
-        qlen = gl.load(query_start_loc + i_b + 1) - q_start
+        q_start, qlen = _row_count(query_start_loc, i_b, num_tokens, MAX_QLEN)
         L = gl.load(seq_lens + i_b)
         chunk = gl.load(split_len + i_b)
         kv_lo = gl.load(work_split + i_w) * chunk
@@ -523,7 +523,7 @@ if GLUON_AVAILABLE:
     def _seesaw_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_x, ready_y,
                    empty_y, pready, qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split,
                    num_splits, split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h,
-                   stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE: gl.constexpr,
+                   stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, num_tokens, PAGE: gl.constexpr,
                    MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr, CAUSAL: gl.constexpr,
                    N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
@@ -540,8 +540,8 @@ if GLUON_AVAILABLE:
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
 
         i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi = _seesaw_item(
-            block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB
-        )
+            block_table, seq_lens, query_start_loc, work_req, work_split, split_len, num_tokens, MAX_QLEN, Q_PER,
+            CAUSAL, N_HB, N_QB)  # fmt: skip
         n_tiles = gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
         n_own = gl.maximum(n_tiles - WG + 1, 0) // 2  # tiles WG, WG + 2, ...
         p_bt = block_table + i_b * stride_bt_b
@@ -811,7 +811,7 @@ if GLUON_AVAILABLE:
     def _pair_wg(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r, m_ready,
                  p_ready, qbar, lbar, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
                  split_len, group_indptr, span_indptr, span_flags, out, lse, o_part, lse_part, scale_log2, v_scale,
-                 stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks,
+                 stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks, max_blocks, num_tokens,
                  PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
                  CAUSAL: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr, WG: gl.constexpr, SPANS: gl.constexpr,
                  out_desc, OUT_TMA: gl.constexpr, part_desc, pbar, MERGE_TMA: gl.constexpr):  # fmt: skip
@@ -834,8 +834,7 @@ if GLUON_AVAILABLE:
             for k in range(it_lo, it_hi):
                 it = it_lo + it_hi - 1 - k
                 i_b = gl.load(work_req + it).to(gl.int64)
-                q_start = gl.load(query_start_loc + i_b)
-                qlen = gl.load(query_start_loc + i_b + 1) - q_start
+                q_start, qlen = _row_count(query_start_loc, i_b, num_tokens, MAX_QLEN)
                 if i_q * Q_PER < qlen:  # (the same test in both warpgroups)
                     L = gl.load(seq_lens + i_b)
                     kv_lo = gl.load(work_split + it)
@@ -858,8 +857,8 @@ if GLUON_AVAILABLE:
                 tma.store_wait(0)
         else:
             i_w, i_h, i_q, i_b, q_start, qlen, L, kv_lo, kv_hi = _seesaw_item(
-                block_table, seq_lens, query_start_loc, work_req, work_split, split_len, Q_PER, CAUSAL, N_HB, N_QB
-            )
+                block_table, seq_lens, query_start_loc, work_req, work_split, split_len, num_tokens, MAX_QLEN, Q_PER,
+                CAUSAL, N_HB, N_QB)  # fmt: skip
             _pair_item(q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, ready_l, ready_r,
                        m_ready, p_ready, qbar, lbar, block_table, num_splits, span_indptr, span_flags, out, lse,
                        o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t,
@@ -975,11 +974,11 @@ if GLUON_AVAILABLE:
                            i_b, q_start, qlen, MAX_QLEN, BLOCK_H, Q_PER, WG)  # fmt: skip
         return g0 + n_pairs
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_tokens"])
     def _mla_decode_gluon_seesaw_kernel(
         q, lat_desc, rope_desc, block_table, seq_lens, query_start_loc, work_req, work_split, num_splits,
         split_len, out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-        stride_o_t, stride_o_h, H, num_blocks, max_blocks, group_indptr, span_indptr, span_flags, out_desc,
+        stride_o_t, stride_o_h, H, num_blocks, max_blocks, num_tokens, group_indptr, span_indptr, span_flags, out_desc,
         part_desc, PAGE: gl.constexpr, MAX_QLEN: gl.constexpr, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
         CAUSAL: gl.constexpr, WG_REGS: gl.constexpr, N_HB: gl.constexpr, N_QB: gl.constexpr,
         PAIR: gl.constexpr, SPANS: gl.constexpr, OUT_TMA: gl.constexpr, MERGE_TMA: gl.constexpr,
@@ -1011,8 +1010,7 @@ if GLUON_AVAILABLE:
             if i_b < 0:
                 return
             i_b = i_b.to(gl.int64)
-            q_start = gl.load(query_start_loc + i_b)
-            qlen = gl.load(query_start_loc + i_b + 1) - q_start
+            q_start, qlen = _row_count(query_start_loc, i_b, num_tokens, MAX_QLEN)
             if i_q * Q_PER >= qlen:
                 return
 
@@ -1055,14 +1053,14 @@ if GLUON_AVAILABLE:
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                             work_req, work_split, num_splits, split_len, group_indptr, span_indptr, span_flags,
                             out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-                            stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL,
-                            N_HB, N_QB, 0, SPANS, out_desc, OUT_TMA, part_desc, pbar, MERGE_TMA)),
+                            stride_o_t, stride_o_h, H, num_blocks, max_blocks, num_tokens, PAGE, MAX_QLEN, BLOCK_H,
+                            Q_PER, CAUSAL, N_HB, N_QB, 0, SPANS, out_desc, OUT_TMA, part_desc, pbar, MERGE_TMA)),
                 (_pair_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                             bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                             work_req, work_split, num_splits, split_len, group_indptr, span_indptr, span_flags,
                             out, lse, o_part, lse_part, scale_log2, v_scale, stride_q_t, stride_q_h, stride_bt_b,
-                            stride_o_t, stride_o_h, H, num_blocks, max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL,
-                            N_HB, N_QB, 1, SPANS, out_desc, OUT_TMA, part_desc, pbar, MERGE_TMA)),
+                            stride_o_t, stride_o_h, H, num_blocks, max_blocks, num_tokens, PAGE, MAX_QLEN, BLOCK_H,
+                            Q_PER, CAUSAL, N_HB, N_QB, 1, SPANS, out_desc, OUT_TMA, part_desc, pbar, MERGE_TMA)),
             ], [4], [WG_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
@@ -1070,12 +1068,12 @@ if GLUON_AVAILABLE:
                               bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                               work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                               v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0)),
+                              max_blocks, num_tokens, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 0)),
                 (_seesaw_wg, (q, lat_desc, rope_desc, q_smem, lat_smem, rope_smem, m_smem, l_smem, bar_a, bar_b,
                               bar_c, bar_d, sync.index(0), sync.index(1), block_table, seq_lens, query_start_loc,
                               work_req, work_split, num_splits, split_len, out, lse, o_part, lse_part, scale_log2,
                               v_scale, stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h, H, num_blocks,
-                              max_blocks, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1)),
+                              max_blocks, num_tokens, PAGE, MAX_QLEN, BLOCK_H, Q_PER, CAUSAL, N_HB, N_QB, 1)),
             ], [4], [WG_REGS])  # fmt: skip
 
         for st in gl.static_range(2):

@@ -1,12 +1,24 @@
 """Gluon helpers shared by the Hopper decode kernels (:mod:`openmla.ops.gluon.decode`,
-:mod:`openmla.ops.gluon.decode_seesaw`): page lookups of 32-key boxes for TMA, zeroing the rows of a landed
-tile that lie past the sequence end, and storing a program's normalised output rows and LSE."""
+:mod:`openmla.ops.gluon.decode_seesaw`): the query rows a program may touch, page lookups of 32-key boxes for
+TMA, zeroing the rows of a landed tile that lie past the sequence end, and storing a program's normalised output
+rows and LSE."""
 
 from __future__ import annotations
 
 from openmla.ops.gluon._lang import GLUON_AVAILABLE, fence_async_shared, gl, gluon
 
 if GLUON_AVAILABLE:
+
+    @gluon.jit
+    def _row_count(query_start_loc, i_b, num_tokens, MAX_QLEN: gl.constexpr):
+        """Request ``i_b``'s first query row and how many of its rows a program touches: those inside
+        ``[0, num_tokens)``, at most the plan's ``MAX_QLEN``, none when it starts below 0. For a checked batch this is
+        the query length; an unchecked ``query_start_loc`` never sends a load or store outside q, out or the
+        partials."""
+        q_start = gl.load(query_start_loc + i_b)
+        n = gl.minimum(gl.minimum(gl.load(query_start_loc + i_b + 1), num_tokens) - q_start, MAX_QLEN)
+        n = gl.where(q_start < 0, 0, gl.maximum(n, 0))
+        return q_start, n
 
     @gluon.jit
     def _box_ok(p_bt, n, kv_hi, max_blocks, num_blocks, PAGE: gl.constexpr):
