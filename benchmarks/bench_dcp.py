@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import openmla  # noqa: F401  (configures the interpreter on CPU)
 from openmla.ops.decode import mla_decode
+from openmla.ops.plan import plan_decode
 from openmla.parallel import dcp_local_seq_lens, dcp_mla_decode
 from openmla.parallel.comm import all_gather_heads, merge_heads
 
@@ -99,14 +100,16 @@ def _bench_shape(spec: str, rank: int, W: int, device: torch.device, info: dict)
     sm = 576**-0.5
     q_all = all_gather_heads(q)
     local_lens = torch.full((B,), local, dtype=torch.int32, device=device)
-    runs = [("local", lambda: mla_decode(q_all, cache, bt, local_lens, qsl, sm, causal=False, return_lse=True))]
+    plan = plan_decode(local_lens, qsl, q_all.shape[1], max_query_len=qlen, max_seq_len=local)  # (outside a capture)
+    runs = [("local", lambda: mla_decode(q_all, cache, bt, local_lens, qsl, sm, causal=False, plan=plan,
+                                         validate=False))]  # fmt: skip
     out_l, lse_l = runs[0][1]()  # the local result the merges alone take
     runs.append(("comm-gather", lambda: all_gather_heads(q)))
     for merge in ("reduce_scatter", "all_to_all"):
         runs.append((f"comm-{merge}", lambda merge=merge: merge_heads(out_l, lse_l, merge=merge)))
     for route in ["plain"] if qlen == 1 else ["segmented", "masked"]:
         for merge in ("reduce_scatter", "all_to_all"):
-            kw = dict(interleave=I, route=route, merge=merge, max_query_len=qlen, validate=False)
+            kw = dict(interleave=I, route=route, merge=merge, max_query_len=qlen, max_seq_len=S, validate=False)
             runs.append((f"dcp-{route}-{merge}", lambda kw=kw: dcp_mla_decode(q, cache, bt, seq, qsl, sm, **kw)))
     rows, times = [], {}
     kv_bytes = B * local * 576 * cache.element_size()

@@ -37,6 +37,11 @@ DECODE_CASES = [
     ([2, 5, 13], [3, 2, 4], False, torch.float32, {}),
     ([3, 8, 17], [2, 1, 4], True, torch.float32, {"gather_heads": False}),
     ([3, 8, 17], [2, 1, 4], True, torch.bfloat16, {}),
+    # host-known bounds and no checks (the form a CUDA graph captures): the local plans need no sync
+    ([0, 1, 2, 9, 21], [1, 1, 1, 1, 1], True, torch.float32,
+     {"max_query_len": 1, "max_seq_len": 24, "validate": False}),
+    ([1, 2, 6, 13, 21], [1, 2, 3, 4, 3], True, torch.float32,
+     {"route": "segmented", "max_query_len": 4, "max_seq_len": 21, "validate": False}),
 ] + pick([], [  # on a GPU also longer bf16 requests through both verify routes and a plain decode batch
     ([2048, 777, 1, 130], [4, 3, 2, 1], True, torch.bfloat16, {"route": "masked"}),
     ([2048, 777, 1, 130], [4, 3, 2, 1], True, torch.bfloat16, {"route": "segmented", "merge": "all_to_all"}),

@@ -14,6 +14,7 @@ import torch
 
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
 from openmla.ops.decode import mla_decode
+from openmla.ops.plan import plan_decode
 from openmla.parallel.comm import MERGES, _all_gather, all_gather_heads, group_info, merge_heads, merge_replicated
 from openmla.parallel.sharding import check_dcp_args, dcp_local_seq_lens, dcp_local_verify_row_lens
 from openmla.parallel.verify import dcp_masked_decode, select_dcp_decode_route
@@ -37,6 +38,7 @@ def dcp_local_decode(
     kv_scale=None,
     route: str | None = None,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
     d_v: int = 512,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -55,6 +57,15 @@ def dcp_local_decode(
     route = select_dcp_decode_route(causal, max_query_len, route)
     sync_ok = validate and not capturing()
     kw = dict(kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale, d_v=d_v)
+    # a global length bound gives the local decode's plan without a host sync (so the call can be captured)
+    local_max = None if max_seq_len is None else -(-max_seq_len // (I * W)) * I
+
+    def plan(lens, qsl, qlen):
+        if local_max is None:
+            return None
+        return plan_decode(lens, qsl, q.shape[1], max_query_len=qlen, max_seq_len=local_max, d_v=d_v,
+                           kv_cache_dtype=kv_cache_dtype, validate=sync_ok)  # fmt: skip
+
     if route == "masked":
         out, lse = dcp_masked_decode(
             q, kv_cache, block_table, seq_lens, query_start_loc, sm_scale, world_size=W, rank=rank, interleave=I,
@@ -71,15 +82,13 @@ def dcp_local_decode(
         else:
             row_lens = dcp_local_seq_lens(seq_lens, W, rank, I, validate=sync_ok)[req]
         qsl_rows = torch.arange(T + 1, dtype=torch.int32, device=q.device)
-        out, lse = mla_decode(
-            q, kv_cache, block_table[req], row_lens, qsl_rows, sm_scale, causal=False, validate=sync_ok, **kw
-        )
+        out, lse = mla_decode(q, kv_cache, block_table[req], row_lens, qsl_rows, sm_scale, causal=False,
+                              plan=plan(row_lens, qsl_rows, 1), validate=sync_ok, **kw)  # fmt: skip
     else:
         local = dcp_local_seq_lens(seq_lens, W, rank, I, validate=sync_ok)
         # qlen 1 sees all its keys whether causal or not; a non-causal block sees every local key
-        out, lse = mla_decode(
-            q, kv_cache, block_table, local, query_start_loc, sm_scale, causal=False, validate=sync_ok, **kw
-        )
+        out, lse = mla_decode(q, kv_cache, block_table, local, query_start_loc, sm_scale, causal=False,
+                              plan=plan(local, query_start_loc, max_query_len), validate=sync_ok, **kw)  # fmt: skip
     return out, lse, route
 
 
@@ -101,6 +110,7 @@ def dcp_mla_decode(
     merge: str = "auto",
     gather_heads: bool = True,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
     d_v: int = 512,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -128,6 +138,9 @@ def dcp_mla_decode(
             scattered back. False: every rank passes the *same* heads (a model without tensor
             parallelism), no gather, and the merge is an all-reduce that gives every rank all of them.
         max_query_len (int | None): the batch's longest query, when known on the host (saves a sync).
+        max_seq_len (int | None): an upper bound of ``seq_lens`` (global), when known on the host: the local
+            decode is then planned without a host sync, so that a call with ``max_query_len``, this and
+            ``validate=False`` can be captured in a CUDA graph.
         d_v (int): latent width (512).
         validate (bool): host-synchronising checks, including that every rank passes the same ``T``,
             ``H`` and batch size (one small all-gather); pass False on the hot path.
@@ -169,7 +182,7 @@ def dcp_mla_decode(
     out, lse, _ = dcp_local_decode(
         q_all, kv_cache, block_table, seq_lens, query_start_loc, sm_scale, world_size=W, rank=rank,
         interleave=interleave, causal=causal, kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale, route=route,
-        max_query_len=max_query_len, d_v=d_v, validate=validate,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, d_v=d_v, validate=validate,
     )  # fmt: skip
     if gather_heads:
         out, lse = merge_heads(out, lse, group, merge=merge)
