@@ -436,8 +436,8 @@ for block_h, fmt, splits, extra, f16, rope in json.loads(sys.argv[1]):
     report.append(dict(variant=[block_h, fmt, splits, extra, f16, rope], **resource_report(c)))
     if splits > 1:  # the split merge with the same epilogue options
         m = S._sparse_mla_merge_fwd_kernel
-        mconst = dict(S=splits, S_P=triton.next_power_of_2(splits), D_V=512, BLOCK_H=S._MERGE_BLOCK_H,
-                      BLOCK_D=S._MERGE_BLOCK_D, HAS_SINK=True, HAS_ROPE=rope, ROPE=64)
+        s_p, m_h, m_d = S._merge_tiling(splits, block_h * 2, 512)
+        mconst = dict(S=splits, S_P=s_p, D_V=512, BLOCK_H=m_h, BLOCK_D=m_d, HAS_SINK=True, HAS_ROPE=rope, ROPE=64)
         mptrs = dict(o_part="*fp32", lse_part="*fp32", sink="*fp32", out="*bf16", lse="*fp32", rope_pos="*i32",
                      cos_sin="*fp32")
         msig = {n: "constexpr" if n in mconst else mptrs.get(n, "i32") for n in m.arg_names}
@@ -463,7 +463,9 @@ def test_sparse_mla_compiles_for_sm90():
                 [64, 0, 1, True, False, False],
                 # one source (V3.2 decode and prefill, a gathered V4 workspace): the 64-key tiles
                 [64, 0, 1, False, False, False], [64, 1, 1, False, False, False], [64, 1, 4, False, False, False],
-                [64, 2, 1, False, False, True], [32, 1, 1, False, False, False]]  # fmt: skip
+                [64, 2, 1, False, False, True], [32, 1, 1, False, False, False],
+                # the merge at the planner's most splits (one head a program) and at 16 (4 heads)
+                [64, 1, 32, False, False, False], [64, 2, 16, True, False, True]]  # fmt: skip
     from openmla.ops.gluon.decode import SMEM_LIMIT
 
     for r in run_report_script(_SM90_SCRIPT, variants):

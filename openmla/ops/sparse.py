@@ -78,11 +78,15 @@ _FP32_MAX_STAGES = 2
 _INTERPRET_FIX = tl.constexpr(INTERPRET)
 # split planner: with fewer programs (tokens x head blocks) than one wave of thread blocks (SMs x _CTAS_PER_SM),
 # cut each token's key list into as many splits as keep the programs within that wave, each of at least
-# _MIN_SPLIT_KEYS keys, at most _MAX_SPLITS of them
-_MIN_SPLIT_KEYS = 128
+# _MIN_SPLIT_KEYS keys (one 64-key tile: at batch 1 on the H200 a tile a split is the fastest, V3.2 h128 top-k 2048
+# 15.1 us against 18.9 at two tiles), at most _MAX_SPLITS of them
+_MIN_SPLIT_KEYS = 64
 _MAX_SPLITS = 32
+# split merge: a program merges up to _MERGE_BLOCK_H heads x _MERGE_BLOCK_D columns of one token, all splits in one
+# tile of at most _MERGE_TILE partial values (fewer heads when there are many splits)
 _MERGE_BLOCK_H = 16
 _MERGE_BLOCK_D = 128
+_MERGE_TILE = 8192
 _SINK_BLOCK_H = 16
 _SINK_BLOCK_D = 128
 
@@ -434,37 +438,37 @@ def _sparse_mla_merge_fwd_kernel(
     HAS_ROPE: tl.constexpr,
     ROPE: tl.constexpr,
 ):
-    # LSE merge of the splits of one token for BLOCK_H heads; a split of weight 0 (no key) is not read
+    # LSE merge of the splits of one token for BLOCK_H heads x BLOCK_D columns: every split's partial is loaded at
+    # once (one [S_P, BLOCK_H, BLOCK_D] tile, not a loop of dependent loads); a split of weight 0 (no key) may hold
+    # anything, so its values are zeroed after the load
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    i_d = tl.program_id(2)
     m_h = o_h < H
     o_s = tl.arange(0, S_P)
-    p_l = lse_part + (o_s[:, None] * T + i_t) * H + o_h[None, :]  # [S_P, BLOCK_H]
-    b_ls = tl.load(p_l, mask=(o_s[:, None] < S) & m_h[None, :], other=float("-inf"))
+    m_sh = (o_s[:, None] < S) & m_h[None, :]
+    part = (o_s[:, None] * T + i_t) * H + o_h[None, :]  # [S_P, BLOCK_H]
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    b_o = tl.load(o_part + part[:, :, None] * D_V + o_d[None, None, :], mask=m_sh[:, :, None], other=0.0)
+    b_ls = tl.load(lse_part + part, mask=m_sh, other=float("-inf"))
     b_mx = tl.max(b_ls, axis=0)
     b_mx = tl.where(b_mx == float("-inf"), 0.0, b_mx)
-    b_den = tl.sum(tl.exp2((b_ls - b_mx[None, :]) * 1.4426950408889634), axis=0)  # [BLOCK_H]
+    b_w = tl.exp2((b_ls - b_mx[None, :]) * 1.4426950408889634)  # [S_P, BLOCK_H]
+    b_den = tl.sum(b_w, axis=0)  # [BLOCK_H]
     empty = b_den == 0.0
     b_lse = tl.where(empty, float("-inf"), b_mx + tl.log(tl.where(empty, 1.0, b_den)))
     b_r = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, b_den))
     if HAS_SINK:
         b_r = b_r * _sink_factor(b_lse, tl.load(sink + o_h, mask=m_h, other=float("-inf")))
-    tl.store(lse + i_t * stride_l_t + o_h, b_lse, mask=m_h)
-    o_d = tl.arange(0, BLOCK_D)
-    for d0 in tl.static_range(0, D_V, BLOCK_D):
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for s in range(S):
-            b_l1 = tl.load(lse_part + (s * T + i_t) * H + o_h, mask=m_h, other=float("-inf"))
-            w = tl.exp2((b_l1 - b_mx) * 1.4426950408889634)
-            p_o = o_part + ((s * T + i_t) * H + o_h)[:, None] * D_V + d0 + o_d[None, :]
-            b_o = tl.load(p_o, mask=(m_h & (w > 0.0))[:, None], other=0.0)
-            acc += w[:, None] * b_o
-        acc = acc * b_r[:, None]
-        if HAS_ROPE:
-            if d0 + BLOCK_D == D_V:  # the last chunk holds the rope columns (ROPE <= BLOCK_D)
-                acc = _inverse_rope_tail(acc, rope_pos, i_t, cos_sin, stride_cs, num_pos, BLOCK_H, BLOCK_D, ROPE)
-        p_out = out + i_t * stride_o_t + o_h[:, None] * stride_o_h + d0 + o_d[None, :]
-        tl.store(p_out, _to_out(acc, out.dtype.element_ty), mask=m_h[:, None])
+    if i_d == 0:
+        tl.store(lse + i_t * stride_l_t + o_h, b_lse, mask=m_h)
+    b_o = tl.where((b_w > 0.0)[:, :, None], b_o, 0.0)
+    acc = tl.sum(b_w[:, :, None] * b_o, axis=0) * b_r[:, None]  # [BLOCK_H, BLOCK_D]
+    if HAS_ROPE:
+        if i_d == D_V // BLOCK_D - 1:  # the last chunk holds the rope columns (ROPE <= BLOCK_D)
+            acc = _inverse_rope_tail(acc, rope_pos, i_t, cos_sin, stride_cs, num_pos, BLOCK_H, BLOCK_D, ROPE)
+    p_out = out + i_t * stride_o_t + o_h[:, None] * stride_o_h + o_d[None, :]
+    tl.store(p_out, _to_out(acc, out.dtype.element_ty), mask=m_h[:, None])
 
 
 @triton.jit
@@ -558,6 +562,14 @@ def _num_splits(T: int, head_blocks: int, max_keys: int, num_sms: int, ctas_per_
     if programs == 0 or programs >= slots:
         return 1
     return max(1, min(slots // programs, max_keys // _MIN_SPLIT_KEYS, _MAX_SPLITS))
+
+
+def _merge_tiling(splits: int, H: int, d_v: int) -> tuple[int, int, int]:
+    """(S_P, BLOCK_H, BLOCK_D) of the split merge: all splits in one tile of at most _MERGE_TILE values where the
+    heads allow (grid: tokens x head blocks x column chunks, so that a batch of one still fills many SMs)."""
+    s_p = triton.next_power_of_2(splits)
+    block_d = min(_MERGE_BLOCK_D, d_v)
+    return s_p, max(1, min(_MERGE_BLOCK_H, triton.next_power_of_2(H), _MERGE_TILE // (s_p * block_d))), block_d
 
 
 def _tiling(H: int, fmt: int, fp32: bool = False, extra: bool = True) -> tuple[int, int, int, int]:
@@ -878,10 +890,11 @@ def sparse_mla(
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     if splits > 1:
-        _sparse_mla_merge_fwd_kernel[(T, triton.cdiv(H, _MERGE_BLOCK_H))](
+        s_p, m_h, m_d = _merge_tiling(splits, H, d_v)
+        _sparse_mla_merge_fwd_kernel[(T, triton.cdiv(H, m_h), d_v // m_d)](
             o_part, lse_part, attn_sink if attn_sink is not None else lse, out, lse, *rope_args, out.stride(0),
-            out.stride(1), lse.stride(0), *rope_strides, T, H, S=splits, S_P=triton.next_power_of_2(splits),
-            D_V=d_v, BLOCK_H=_MERGE_BLOCK_H, BLOCK_D=min(_MERGE_BLOCK_D, dc * 4), HAS_SINK=attn_sink is not None,
+            out.stride(1), lse.stride(0), *rope_strides, T, H, S=splits, S_P=s_p,
+            D_V=d_v, BLOCK_H=m_h, BLOCK_D=m_d, HAS_SINK=attn_sink is not None,
             HAS_ROPE=has_rope, ROPE=rope_dim, num_warps=4,
         )  # fmt: skip
     return out, (lse if return_lse else None)
