@@ -436,13 +436,13 @@ for block_h, fmt, splits, extra, f16, rope in json.loads(sys.argv[1]):
     report.append(dict(variant=[block_h, fmt, splits, extra, f16, rope], **resource_report(c)))
     if splits > 1:  # the split merge with the same epilogue options
         m = S._sparse_mla_merge_fwd_kernel
-        s_p, m_h, m_d = S._merge_tiling(splits, block_h * 2, 512)
+        s_p, m_h, m_d, m_w = S._merge_tiling(splits, block_h * 2, 512)
         mconst = dict(S=splits, S_P=s_p, D_V=512, BLOCK_H=m_h, BLOCK_D=m_d, HAS_SINK=True, HAS_ROPE=rope, ROPE=64)
         mptrs = dict(o_part="*fp32", lse_part="*fp32", sink="*fp32", out="*bf16", lse="*fp32", rope_pos="*i32",
                      cos_sin="*fp32")
         msig = {n: "constexpr" if n in mconst else mptrs.get(n, "i32") for n in m.arg_names}
         c = triton.compile(ASTSource(m, msig, constexprs=mconst), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=4))
+                           options=dict(num_warps=m_w))
         report.append(dict(variant=["merge", fmt, splits, extra, f16, rope], **resource_report(c)))
 print("REPORT" + json.dumps(report))
 """

@@ -82,11 +82,11 @@ _INTERPRET_FIX = tl.constexpr(INTERPRET)
 # 15.1 us against 18.9 at two tiles), at most _MAX_SPLITS of them
 _MIN_SPLIT_KEYS = 64
 _MAX_SPLITS = 32
-# split merge: a program merges up to _MERGE_BLOCK_H heads x _MERGE_BLOCK_D columns of one token, all splits in one
-# tile of at most _MERGE_TILE partial values (fewer heads when there are many splits)
+# split merge: a program merges up to _MERGE_BLOCK_H heads x _MERGE_BLOCK_D columns of one token over all its
+# splits, _MERGE_SPLIT_ROWS (heads x splits) at most (fewer heads when there are many splits)
 _MERGE_BLOCK_H = 16
 _MERGE_BLOCK_D = 128
-_MERGE_TILE = 8192
+_MERGE_SPLIT_ROWS = 32
 _SINK_BLOCK_H = 16
 _SINK_BLOCK_D = 128
 
@@ -438,23 +438,19 @@ def _sparse_mla_merge_fwd_kernel(
     HAS_ROPE: tl.constexpr,
     ROPE: tl.constexpr,
 ):
-    # LSE merge of the splits of one token for BLOCK_H heads x BLOCK_D columns: every split's partial is loaded at
-    # once (one [S_P, BLOCK_H, BLOCK_D] tile, not a loop of dependent loads); a split of weight 0 (no key) may hold
-    # anything, so its values are zeroed after the load
+    # LSE merge of the splits of one token for BLOCK_H heads x BLOCK_D columns. The split loop is unrolled and no
+    # load waits on another (the partials' addresses do not depend on the LSEs), so all of them are in flight at
+    # once; a split of weight 0 (no key) may hold anything, so its values are zeroed after the load
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     i_d = tl.program_id(2)
     m_h = o_h < H
     o_s = tl.arange(0, S_P)
-    m_sh = (o_s[:, None] < S) & m_h[None, :]
-    part = (o_s[:, None] * T + i_t) * H + o_h[None, :]  # [S_P, BLOCK_H]
-    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    b_o = tl.load(o_part + part[:, :, None] * D_V + o_d[None, None, :], mask=m_sh[:, :, None], other=0.0)
-    b_ls = tl.load(lse_part + part, mask=m_sh, other=float("-inf"))
+    b_ls = tl.load(lse_part + (o_s[:, None] * T + i_t) * H + o_h[None, :],
+                   mask=(o_s[:, None] < S) & m_h[None, :], other=float("-inf"))  # fmt: skip
     b_mx = tl.max(b_ls, axis=0)
     b_mx = tl.where(b_mx == float("-inf"), 0.0, b_mx)
-    b_w = tl.exp2((b_ls - b_mx[None, :]) * 1.4426950408889634)  # [S_P, BLOCK_H]
-    b_den = tl.sum(b_w, axis=0)  # [BLOCK_H]
+    b_den = tl.sum(tl.exp2((b_ls - b_mx[None, :]) * 1.4426950408889634), axis=0)  # [BLOCK_H]
     empty = b_den == 0.0
     b_lse = tl.where(empty, float("-inf"), b_mx + tl.log(tl.where(empty, 1.0, b_den)))
     b_r = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, b_den))
@@ -462,8 +458,14 @@ def _sparse_mla_merge_fwd_kernel(
         b_r = b_r * _sink_factor(b_lse, tl.load(sink + o_h, mask=m_h, other=float("-inf")))
     if i_d == 0:
         tl.store(lse + i_t * stride_l_t + o_h, b_lse, mask=m_h)
-    b_o = tl.where((b_w > 0.0)[:, :, None], b_o, 0.0)
-    acc = tl.sum(b_w[:, :, None] * b_o, axis=0) * b_r[:, None]  # [BLOCK_H, BLOCK_D]
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for s in tl.static_range(S):
+        w = tl.exp2((tl.load(lse_part + (s * T + i_t) * H + o_h, mask=m_h, other=float("-inf")) - b_mx)
+                    * 1.4426950408889634)  # fmt: skip
+        b_o = tl.load(o_part + ((s * T + i_t) * H + o_h)[:, None] * D_V + o_d[None, :], mask=m_h[:, None], other=0.0)
+        acc += tl.where((w > 0.0)[:, None], w[:, None] * b_o, 0.0)
+    acc = acc * b_r[:, None]
     if HAS_ROPE:
         if i_d == D_V // BLOCK_D - 1:  # the last chunk holds the rope columns (ROPE <= BLOCK_D)
             acc = _inverse_rope_tail(acc, rope_pos, i_t, cos_sin, stride_cs, num_pos, BLOCK_H, BLOCK_D, ROPE)
@@ -564,12 +566,13 @@ def _num_splits(T: int, head_blocks: int, max_keys: int, num_sms: int, ctas_per_
     return max(1, min(slots // programs, max_keys // _MIN_SPLIT_KEYS, _MAX_SPLITS))
 
 
-def _merge_tiling(splits: int, H: int, d_v: int) -> tuple[int, int, int]:
-    """(S_P, BLOCK_H, BLOCK_D) of the split merge: all splits in one tile of at most _MERGE_TILE values where the
-    heads allow (grid: tokens x head blocks x column chunks, so that a batch of one still fills many SMs)."""
+def _merge_tiling(splits: int, H: int, d_v: int) -> tuple[int, int, int, int]:
+    """(S_P, BLOCK_H, BLOCK_D, num_warps) of the split merge: about 32 split rows a program (32 // S_P heads, 1 to
+    16), one warp a head up to 4 (on the H200 the fastest of BLOCK_H 1-16 at batch 1 to 128, 2 to 32 splits);
+    grid: tokens x head blocks x column chunks, so that a batch of one still fills many SMs."""
     s_p = triton.next_power_of_2(splits)
-    block_d = min(_MERGE_BLOCK_D, d_v)
-    return s_p, max(1, min(_MERGE_BLOCK_H, triton.next_power_of_2(H), _MERGE_TILE // (s_p * block_d))), block_d
+    block_h = max(1, min(_MERGE_BLOCK_H, triton.next_power_of_2(H), _MERGE_SPLIT_ROWS // s_p))
+    return s_p, block_h, min(_MERGE_BLOCK_D, d_v), min(4, block_h)
 
 
 def _tiling(H: int, fmt: int, fp32: bool = False, extra: bool = True) -> tuple[int, int, int, int]:
@@ -890,11 +893,11 @@ def sparse_mla(
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     if splits > 1:
-        s_p, m_h, m_d = _merge_tiling(splits, H, d_v)
+        s_p, m_h, m_d, m_w = _merge_tiling(splits, H, d_v)
         _sparse_mla_merge_fwd_kernel[(T, triton.cdiv(H, m_h), d_v // m_d)](
             o_part, lse_part, attn_sink if attn_sink is not None else lse, out, lse, *rope_args, out.stride(0),
             out.stride(1), lse.stride(0), *rope_strides, T, H, S=splits, S_P=s_p,
             D_V=d_v, BLOCK_H=m_h, BLOCK_D=m_d, HAS_SINK=attn_sink is not None,
-            HAS_ROPE=has_rope, ROPE=rope_dim, num_warps=4,
+            HAS_ROPE=has_rope, ROPE=rope_dim, num_warps=m_w,
         )  # fmt: skip
     return out, (lse if return_lse else None)
