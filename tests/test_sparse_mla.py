@@ -140,9 +140,10 @@ def test_sparse_mla_many_heads(heads, device):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", CACHE_DTYPES)
-@pytest.mark.parametrize("splits", pick([3], [2, 5]))
+@pytest.mark.parametrize("splits", pick([3, 17], [2, 5, 17]))
 def test_sparse_mla_splits(splits, kv_cache_dtype, device):
-    """The split path (partials + LSE merge) with sinks and the extra source; splits past a short row are empty."""
+    """The split path (partials + LSE merge) with sinks and the extra source; splits past a short row are empty
+    (17: the merge's one-head programs over 32 split rows, most of them empty)."""
     T, H, K = pick(3, 8), pick(6, 64), pick(70, 2048)
     cache = _cache(device, 20, 16, kv_cache_dtype)
     extra = _cache(device, 9, 4, kv_cache_dtype)
@@ -276,7 +277,7 @@ def test_sparse_mla_fp32(heads, block_size, kv_cache_dtype, device):
     assert bool((out[1:3] == 0).all()) and bool(torch.isneginf(lse[1:3]).all())
 
 
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [1, 3, 9])
 def test_sparse_mla_fp32_extra_source_sink_v4_shape(splits, device):
     """fp32 at V4's shape (D = d_v = 512): two fp32 sources, ragged extra indices, a sink and the split merge."""
     T, H = 3, 6
