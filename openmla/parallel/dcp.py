@@ -16,7 +16,7 @@ from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_
 from openmla.ops.decode import mla_decode
 from openmla.ops.plan import plan_decode
 from openmla.parallel.comm import MERGES, _all_gather, all_gather_heads, group_info, merge_heads, merge_replicated
-from openmla.parallel.sharding import check_dcp_args, dcp_local_seq_lens, dcp_local_verify_row_lens
+from openmla.parallel.sharding import _local, check_dcp_args, dcp_local_seq_lens, dcp_local_verify_row_lens
 from openmla.parallel.verify import dcp_masked_decode, select_dcp_decode_route
 
 __all__ = ["dcp_mla_decode", "dcp_local_decode"]
@@ -58,7 +58,7 @@ def dcp_local_decode(
     sync_ok = validate and not capturing()
     kw = dict(kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale, d_v=d_v)
     # a global length bound gives the local decode's plan without a host sync (so the call can be captured)
-    local_max = None if max_seq_len is None else -(-max_seq_len // (I * W)) * I
+    local_max = None if max_seq_len is None else _local(max_seq_len, W, rank, I)
 
     def plan(lens, qsl, qlen):
         if local_max is None:

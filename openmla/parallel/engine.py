@@ -18,14 +18,9 @@ from openmla.metadata.dense import MLADecodeMetadata, MLAPrefillMetadata
 from openmla.parallel.comm import group_info
 from openmla.parallel.dcp import dcp_mla_decode
 from openmla.parallel.prefill import dcp_mla_prefill_with_context
-from openmla.parallel.sharding import check_dcp_args
+from openmla.parallel.sharding import _local, check_dcp_args
 
 __all__ = ["DCPBlockManager", "DCPMLAAttention", "enable_dcp", "dcp_engine"]
-
-
-def _local(n: int, W: int, r: int, I: int) -> int:
-    base = n // (I * W) * I
-    return base + min(max(n - base * W - r * I, 0), I)
 
 
 class DCPBlockManager(BlockManager):

@@ -43,6 +43,12 @@ def check_dcp_args(world_size, rank, interleave) -> tuple[int, int | None, int]:
     return W, rank, I
 
 
+def _local(n: int, W: int, r: int, I: int) -> int:
+    """Host form of :func:`_local_count`: tokens of the global prefix ``[0, n)`` owned by rank ``r``."""
+    base = n // (I * W) * I
+    return base + min(max(n - base * W - r * I, 0), I)
+
+
 def _local_count(n: torch.Tensor, W: int, r, I: int) -> torch.Tensor:
     """Tokens of the global prefix ``[0, n)`` owned by rank ``r`` (``r`` an int or a broadcastable tensor)."""
     base = torch.div(n, I * W, rounding_mode="floor") * I
