@@ -266,13 +266,16 @@ def test_plan_covers_every_key_once(lens, qlen, heads, num_sms):
     # the reduce's list: exactly the requests with more than one split, in order, then -1
     multi = [b for b in range(B) if n[b] > 1]
     assert int(plan.num_merge) == len(multi)
-    assert plan.merge_req.cpu().tolist() == multi + [-1] * (B - len(multi))
+    info = plan.merge_info.cpu().tolist()
+    assert [r[0] for r in info] == multi + [-1] * (B - len(multi))
+    assert [r[1:] for r in info[: len(multi)]] == [[indptr[b], n[b]] for b in multi]
+    assert all(r[2] == 0 for r in info[len(multi) :])
 
 
 @pytest.mark.parametrize("programs_per_sm,heads", [(1, 12), (1, 3), (8, 12)])
 def test_reduce_task_sizes(programs_per_sm, heads, device, monkeypatch):
-    # few reduce programs: tasks grow to whole rows and several heads (the last head block partly past H),
-    # and each program loops over several tasks; a mix of merged and single-split requests
+    # few reduce programs: whole-row tasks, several heads a task where the rows are many against the programs (the
+    # CPU's 12 heads: 2), and each program loops over several tasks; a mix of merged and single-split requests
     import openmla.ops.decode as decode_mod
     import openmla.ops.plan as plan_mod
 
@@ -286,14 +289,17 @@ def test_reduce_task_sizes(programs_per_sm, heads, device, monkeypatch):
     n = plan.num_splits.cpu().tolist()
     assert n[0] > 1 and n[1] == 1 and n[2] > 1, n
     progs, block_hb, block_d, _ = decode_mod._reduce_tiling(plan, heads, 512)
+    rows, programs = 5 * 3 * heads, programs_per_sm * plan.num_sms
+    assert block_d == 512 and (block_hb > 1) == (rows // 2 >= 8 * programs), (block_hb, rows, programs)
     if programs_per_sm == 1:
-        assert block_d == 512 and block_hb > 1 and progs < int(plan.num_merge) * 3 * -(-heads // block_hb)
+        assert progs < int(plan.num_merge) * 3 * -(-heads // block_hb)
     _check(q, cache, bt, sl, qsl, True, torch.bfloat16, plan=plan)
 
 
 def test_reduce_wide_steps(device, monkeypatch):
     # one-head reduce tasks take up to 64 splits per step of the split loop (one step for all the splits of a
-    # request), masked past each request's split count; head-block tasks stay at 2048 elements per step
+    # request), masked past each request's split count, narrower than a row when the batch has few rows; head-block
+    # tasks stay at 2048 elements per step
     import openmla.ops.decode as decode_mod
     import openmla.ops.plan as plan_mod
 
@@ -308,10 +314,12 @@ def test_reduce_wide_steps(device, monkeypatch):
     _, block_hb, block_d, block_s = decode_mod._reduce_tiling(plan, 4, 512)
     # as many splits per step as a request's share of the work items (the longest request takes several steps)
     share = triton.next_power_of_2(-(-plan.capacity // 3))
-    assert block_hb == 1 and block_d == 128 and block_s == max(2, min(64, share)), (block_s, n_max, plan.capacity)
+    assert block_hb == 1 and block_d < 512 and block_s == max(2, min(64, 16384 // block_d, share)), (
+        block_d, block_s, n_max, plan.capacity)  # fmt: skip
     # (CPU: one step, 16 >= 11 splits; GPU: 94 splits in the longest request, two steps of 64)
     _check(q, cache, bt, sl, qsl, True, torch.bfloat16, plan=plan)
     monkeypatch.setattr(decode_mod, "_REDUCE_PROGRAMS_PER_SM", 1)  # few programs, many heads: head-block tasks
+    plan = openmla.plan_decode(sl, qsl, 64, num_sms=16)
     _, block_hb, block_d, block_s = decode_mod._reduce_tiling(plan, 64, 512)
     assert block_hb > 1 and block_s == max(2, 2048 // (block_hb * block_d)), (block_hb, block_d, block_s)
 

@@ -48,7 +48,7 @@ def _plan_decode_fwd_kernel(
     work_indptr,  # [B + 1] out
     work_req,  # [capacity] out
     work_split,  # [capacity] out
-    merge_req,  # [B] out
+    merge_info,  # [B, 3] out
     num_merge,  # [1] out
     B,
     capacity,
@@ -94,11 +94,16 @@ def _plan_decode_fwd_kernel(
     tl.store(work_indptr + 1 + o_b, ends.to(tl.int32), mask=m_b)
     tl.store(work_indptr + o_b, starts.to(tl.int32), mask=o_b == 0)
     n_items = tl.sum(n, axis=0)
-    # the requests with more than one split, in order: the reduce visits only these
+    # the requests with more than one split, in order: the reduce visits only these, and reads the work items of one
+    # from one place (its partials' loads wait on one load, not on a chain of them)
     multi = ((n > 1) & m_b).to(tl.int32)
     n_multi = tl.sum(multi, axis=0)
-    tl.store(merge_req + tl.cumsum(multi, axis=0) - 1, o_b.to(tl.int32), mask=multi > 0)
-    tl.store(merge_req + o_b, tl.full([BLOCK_B], -1, tl.int32), mask=m_b & (o_b >= n_multi))
+    p_info = merge_info + (tl.cumsum(multi, axis=0) - 1) * 3
+    tl.store(p_info, o_b.to(tl.int32), mask=multi > 0)
+    tl.store(p_info + 1, starts.to(tl.int32), mask=multi > 0)
+    tl.store(p_info + 2, n.to(tl.int32), mask=multi > 0)
+    tl.store(merge_info + o_b * 3, tl.full([BLOCK_B], -1, tl.int32), mask=m_b & (o_b >= n_multi))
+    tl.store(merge_info + o_b * 3 + 2, tl.zeros([BLOCK_B], tl.int32), mask=m_b & (o_b >= n_multi))
     tl.store(num_merge, n_multi)
     for i0 in range(0, capacity, BLOCK_I):
         o_i = i0 + tl.arange(0, BLOCK_I)
@@ -187,9 +192,10 @@ class DecodePlan:
         o_part (torch.Tensor): `[capacity, max_query_len, num_heads, d_v]` fp32 partial outputs
             (normalised) of requests with more than one split.
         lse_part (torch.Tensor): `[capacity, max_query_len, num_heads]` fp32 natural-log partial LSEs.
-        merge_req (torch.Tensor): `[B]` int32, the requests with more than one split, in order (their
-            partials are merged by the reduce), then -1.
-        num_merge (torch.Tensor): `[1]` int32, how many entries of ``merge_req`` are requests.
+        merge_info (torch.Tensor): `[B, 3]` int32, one row per request with more than one split, in order
+            (their partials are merged by the reduce): the request, its first work item (``work_indptr[b]``) and
+            its splits; then rows of (-1, any, 0).
+        num_merge (torch.Tensor): `[1]` int32, how many rows of ``merge_info`` are requests.
         spans (DecodeSpans | None): the request-spanning schedule of the same batch for the Hopper pair kernel
             (:mod:`openmla.ops.plan_spans`; it shares ``o_part`` / ``lse_part``), where ``mla_decode`` runs that
             kernel (64-row tiles read by 2+ programs each, a batch that fills the SMs with them); else None.
@@ -211,7 +217,7 @@ class DecodePlan:
     work_split: torch.Tensor
     o_part: torch.Tensor
     lse_part: torch.Tensor
-    merge_req: torch.Tensor
+    merge_info: torch.Tensor
     num_merge: torch.Tensor
     spans: DecodeSpans | None = None
     kv_cache_dtype: str = "auto"
@@ -388,7 +394,7 @@ def plan_decode(
             work_split=torch.empty(capacity, dtype=torch.int32, device=dev),
             o_part=torch.empty(capacity, max_query_len, num_heads, d_v, dtype=torch.float32, device=dev),
             lse_part=torch.empty(capacity, max_query_len, num_heads, dtype=torch.float32, device=dev),
-            merge_req=torch.empty(B, dtype=torch.int32, device=dev),
+            merge_info=torch.zeros(B, 3, dtype=torch.int32, device=dev),
             num_merge=torch.zeros(1, dtype=torch.int32, device=dev),
             max_splits=max_splits,
         )  # fmt: skip
@@ -403,7 +409,7 @@ def plan_decode(
     if B:
         _plan_decode_fwd_kernel[(1,)](
             seq_lens, query_start_loc, plan.split_len, plan.num_splits, plan.work_indptr, plan.work_req,
-            plan.work_split, plan.merge_req, plan.num_merge, B, capacity, slots, MIN_SPLIT=min_split,
+            plan.work_split, plan.merge_info, plan.num_merge, B, capacity, slots, MIN_SPLIT=min_split,
             BLOCK_N=tiling.block_n, MAX_SPLIT=max_split, ITEM_COST=item_cost, N_CAND=_MAX_CANDIDATES,
             BLOCK_B=triton.next_power_of_2(B), BLOCK_I=16, num_warps=8,
         )  # fmt: skip

@@ -220,7 +220,7 @@ DT = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp8e4nv": tl.float8e4nv}
 ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc": "*i32", "work_req": "*i32",
        "work_split": "*i32", "num_splits": "*i32", "split_len": "*i32", "out": "*bf16", "lse": "*fp32",
        "o_part": "*fp32", "lse_part": "*fp32", "group_indptr": "*i32", "span_indptr": "*i32", "span_flags": "*i32",
-       "work_indptr": "*i32", "merge_req": "*i32", "num_merge": "*i32", "o": "*bf16", "cu_seqlens_q": "*i32",
+       "work_indptr": "*i32", "merge_info": "*i32", "num_merge": "*i32", "o": "*bf16", "cu_seqlens_q": "*i32",
        "cu_seqlens_k": "*i32", "q_descale": "*fp32", "k_descale": "*fp32", "v_descale": "*fp32"}
 report = []
 for case in json.loads(sys.argv[1]):
