@@ -186,6 +186,7 @@ for bn, st, causal, pp, group, hb in [
                 STORE_LSE=True,
                 PRODUCER_REGS=24,
                 CONSUMER_REGS=240,
+                FP8=False,
                 num_warps=4,
             ),
         )
@@ -221,7 +222,8 @@ ptr = {"q": "*bf16", "block_table": "*i32", "seq_lens": "*i32", "query_start_loc
        "work_split": "*i32", "num_splits": "*i32", "split_len": "*i32", "out": "*bf16", "lse": "*fp32",
        "o_part": "*fp32", "lse_part": "*fp32", "group_indptr": "*i32", "span_indptr": "*i32", "span_flags": "*i32",
        "work_indptr": "*i32", "merge_info": "*i32", "num_merge": "*i32", "o": "*bf16", "cu_seqlens_q": "*i32",
-       "cu_seqlens_k": "*i32", "q_descale": "*fp32", "k_descale": "*fp32", "v_descale": "*fp32"}
+       "cu_seqlens_k": "*i32", "q_descale": "*fp32", "k_descale": "*fp32", "v_descale": "*fp32", "q_ds": "*fp32",
+       "k_ds": "*fp32", "v_ds": "*fp32"}
 report = []
 for case in json.loads(sys.argv[1]):
     kind = case["kernel"]
@@ -265,7 +267,8 @@ for case in json.loads(sys.argv[1]):
             sig[name] = f"tensordesc<fp8e4nv[{bn}, {128 if name == 'kc_desc' else 64}]>"
         elif kind == "prefill_gluon" and name.endswith("_desc"):
             bn = case["cons"]["BLOCK_N"]
-            blk = {"q_desc": [64, 64], "k1_desc": [bn, 128], "k2_desc": [bn, 64], "v_desc": [bn, 128]}[name]
+            blk = {"q_desc": [64, 64], "q2_desc": [64, 64], "k1_desc": [bn, 128], "k2_desc": [bn, 64],
+                   "v_desc": [bn, 128]}[name]  # (q2_desc: the fp8 path's second q box; bf16 passes q_desc)
             sig[name] = f"tensordesc<bf16{blk},{nvmma(128, 16)}>"
         elif name == "kv_cache":
             sig[name] = "*fp8e4nv" if fp8 else "*bf16"
