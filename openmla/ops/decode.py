@@ -48,8 +48,8 @@ _GLUON_16ROW_MIN_BATCH = 64
 _REDUCE_PROGRAMS_PER_SM = 8
 # partial elements (splits x columns) a reduce program loads per step of its split loop (the partials load with
 # the LSEs, so a step is one memory round trip). The one-head path keeps one [splits, columns] tensor per step
-# (16384: 32 splits of a whole row, 216 registers on sm90), the head-block path three (lse, weights, o), so it
-# takes a smaller tile (at 8192 it spills).
+# (16384: 32 splits of a whole row, 254 registers and no spill on sm90), the head-block path three (lse, weights,
+# o), so it takes a smaller tile (at 8192 it spills).
 _REDUCE_TILE_ONE_HEAD = 16384
 _REDUCE_TILE = 2048
 _REDUCE_MAX_BLOCK_S = 64  # splits per step at most
@@ -412,7 +412,7 @@ def _merge_one_head(o_part, lse_part, out, lse, row, ok, w0, n_split, i_t, i_h, 
         b_den = b_den * b_alpha + tl.sum(b_w, axis=0)
         b_m = b_m_new
     b_out, b_lse = _merge_finish(b_m, b_den, b_acc)
-    tl.store(out + row * stride_o_t + i_h * stride_o_h + o_d, b_out.to(out.dtype.element_ty), mask=ok & (o_d < D_V))
+    tl.store(out + row * stride_o_t + i_h * stride_o_h + o_d, b_out.to(out.dtype.element_ty), mask=ok)
     if i_d == 0:
         tl.store(lse + row * H + i_h, b_lse, mask=ok)
 
