@@ -658,3 +658,184 @@ def test_sparse_gluon_v4_matches_triton(kv_cache_dtype, device):
         b, lb, _, _ = _v4_run(H, T, kv_cache_dtype, device, sink=sink, seed=31, kernel="triton", **kw)
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(la, lb, atol=1e-3, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The narrow kernel (H <= 32, openmla/ops/gluon/sparse_narrow.py): S^T = K Q^T and O^T = V^T P^T with the heads as
+# the wgmma's N (8, 16 or 32); the default at those head counts, "wide" the 64-head kernel there
+
+NARROW_HEADS = [1, 6, 8, 16, 20, 32]
+
+_NARROW_COMPILE_SCRIPT = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from openmla.utils.sm90_report import resource_report
+from openmla.ops.gluon import sparse_narrow as gn
+
+report = []
+for v in json.loads(sys.argv[1]):
+    fmt, d_qk, hb, splits, has_len, has_sink, page, extra, e_len, e_page, rope = v
+    fn = gn._sparse_mla_gluon_narrow_kernel
+    cons = dict(PAGE=page, E_PAGE=e_page, FMT=fmt, D_QK=d_qk, HB=hb, NUM_SPLITS=splits, HAS_LEN=has_len,
+                HAS_EXTRA=extra, E_HAS_LEN=e_len, HAS_SINK=has_sink, HAS_ROPE=rope, ROPE=64 if rope else 2,
+                BLOCK_N=gn.BLOCK_N, STAGES=gn.STAGES, FP8_PASSES=gn.FP8_PASSES,
+                PRODUCER_REGS=gn.PRODUCER_REGS[fmt], num_warps=gn.NUM_WARPS, NANPACK=fmt == 1)
+    kvt = "*bf16" if fmt == 0 else "*u8"
+    views = {"": kvt, "_f32": "*fp32" if fmt == 1 else kvt, "_b16": "*bf16" if fmt else kvt}
+    ptr = {"q": "*bf16", "idx": "*i32", "lens": "*i32", "eidx": "*i32", "elens": "*i32", "sink": "*fp32",
+           "out": "*bf16", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32", "rope_pos": "*i32",
+           "cos_sin": "*fp32"}
+    ptr.update({f"{src}kv{k}": t for src in ("", "e") for k, t in views.items()})
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in cons:
+            sig[name] = "constexpr"
+        elif name in ptr:
+            sig[name] = ptr[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "scale_log2":
+            sig[name] = "fp32"
+        elif name.startswith("stride_") and name not in ("stride_i_t", "stride_ei_t", "stride_cs"):
+            sig[name] = "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+    k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=gn.NUM_WARPS))
+    r = resource_report(k)
+    r.update(variant=v, shapes=sorted(set(re.findall(r"wgmma.mma_async.sync.aligned.(m\d+n\d+k\d+)", k.asm["ptx"]))))
+    report.append(r)
+print("REPORT" + json.dumps(report))
+"""
+# (FMT, D_QK, HB, NUM_SPLITS, HAS_LEN, HAS_SINK, PAGE, HAS_EXTRA, E_HAS_LEN, E_PAGE, HAS_ROPE): V3.2 bf16 / fp8_ds_mla
+# rows at each N, split or not; V4 fp8_v4 / bf16 with the extra source and the fused inverse RoPE
+NARROW_COMPILE_VARIANTS = [
+    (1, 576, 16, 1, True, True, 64, False, False, 64, False),
+    (1, 576, 32, 4, False, False, 1, False, False, 1, False),
+    (1, 576, 8, 1, True, False, 64, False, False, 64, False),
+    (0, 576, 32, 1, True, True, 64, False, False, 64, False),
+    (2, 512, 16, 1, True, True, 256, True, True, 64, True),
+    (2, 512, 32, 4, True, True, 256, True, True, 2, True),
+    (0, 512, 8, 1, True, True, 1, False, False, 1, True),
+]
+
+
+@pytest.mark.skipif(not gs.GLUON_AVAILABLE or not HAS_NVIDIA_BACKEND, reason="needs triton's Gluon and NVIDIA backend")
+def test_sparse_gluon_narrow_compiles_for_sm90():
+    # offline sm90 compile: no spill, fits the shared memory, 12 warps (the consumer warpgroup + two producer ones)
+    # with setmaxnreg; every MMA is m64n<HB>k16: S^T 9 (V3.2) or 8 (V4) chunks x 4 k-steps, O^T 8 M-repeats x 4
+    from openmla.ops.gluon import sparse_narrow as gn
+
+    for r in run_report_script(_NARROW_COMPILE_SCRIPT, NARROW_COMPILE_VARIANTS):
+        v = tuple(r["variant"])
+        assert r["regs"] <= 255 and r["stack"] == 0 and r["local"] == 0, f"{v}: spills {r}"
+        assert r["shared"] + r["static_shared"] <= min(SMEM_LIMIT, gn._smem_bytes(v[1], v[2])), f"{v}: {r}"
+        assert r["num_warps"] == 12 and r["setmaxnreg"], f"{v}: {r}"
+        assert r["shapes"] == [f"m64n{v[2]}k16"] and r["wgmma"] == 4 * (v[1] // 64) + 32, f"{v}: wgmma {r}"
+
+
+def test_sparse_gluon_narrow_opts():
+    # H <= 32 runs the narrow kernel unless "wide"; it takes "nanpack" on fp8_ds_mla rows only (its default there)
+    from openmla.ops.gluon import sparse_narrow as gn
+
+    assert gs.is_narrow(1) and gs.is_narrow(32) and not gs.is_narrow(33) and not gs.is_narrow(16, gs.GLUON_OPTS["wide"])
+    assert [gn.narrow_block_h(h) for h in (1, 6, 8, 9, 16, 20, 32)] == [8, 8, 8, 16, 16, 32, 32]
+    assert gs.default_opts("fp8_ds_mla", 576, False, 16) == ("nanpack",)
+    assert gs.default_opts("auto", 576, False, 16) == gs.default_opts("fp8_v4", 512, True, 8) == ()
+    assert gs.default_opts("fp8_ds_mla", 576, False, 64) == ("staged", "nanpack", "lazy")
+    assert gs.gluon_opts_bits(("nanpack",), "fp8_ds_mla", 576, False, 16) == 1
+    assert gs.gluon_opts_bits((), "fp8_v4", 512, True, 16) == 0
+    # "wide": the 64-head kernel's rules
+    assert gs.gluon_opts_bits(("wide", "staged", "nanpack", "lazy"), "fp8_ds_mla", 576, False, 16) == 15
+    for args in [(("staged",), "fp8_ds_mla", 576, False, 16), (("lazy",), "auto", 576, False, 8),
+                 (("nanpack",), "auto", 576, False, 16), (("staged",), "fp8_v4", 512, True, 32),
+                 (("wide",), "fp8_ds_mla", 576, False, 64)]:  # fmt: skip
+        with pytest.raises(ValueError, match="narrow kernel|'wide'"):
+            gs.gluon_opts_bits(*args)
+
+
+_NARROW_MAIN = [
+    (h, k, bs, dt) for h in NARROW_HEADS for k, bs in ((100, 1), (2048, 64), (64, 16)) for dt in CACHE_DTYPES
+]
+
+
+@_gpu_test
+@pytest.mark.parametrize("heads,topk,block_size,kv_cache_dtype", _NARROW_MAIN, ids=lambda v: str(v))
+def test_sparse_gluon_narrow(heads, topk, block_size, kv_cache_dtype, device):
+    # 37 rows with invalid entries, index 0, duplicates, an all-invalid row, a length-0 row, NaN in every unused slot
+    _run(heads, 37, topk, block_size, kv_cache_dtype, device)
+
+
+@_gpu_test
+@pytest.mark.parametrize("kv_cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("heads,rows", [(16, 1), (32, 1), (8, 300), (16, 300)])
+def test_sparse_gluon_narrow_rows(heads, rows, kv_cache_dtype, device):
+    # one row (the planner splits it over the SMs) and 300 rows, top-k 2048
+    _run(heads, rows, 2048, 64, kv_cache_dtype, device, lens=rows > 1)
+
+
+@_gpu_test
+@pytest.mark.parametrize("kv_cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("heads", [16, 20])
+def test_sparse_gluon_narrow_splits_and_sinks(heads, splits, kv_cache_dtype, device):
+    sink = torch.linspace(-2, 2, heads, device=device)
+    sink[0], sink[1], sink[2] = -INF, INF, 100.0
+    out, _ = _run(heads, 37, 2048, 64, kv_cache_dtype, device, attn_sink=sink, _num_splits_override=splits)
+    assert bool((out[:, 1] == 0).all())  # a sink of +inf gives 0
+
+
+@_gpu_test
+def test_sparse_gluon_narrow_nan_in_selected_fp8_rows(device):
+    # a NaN e4m3 byte, a NaN scale and a NaN rope value in selected rows count as 0 (with and without nanpack)
+    cache = _cache(device, 4, 16, "fp8_ds_mla")
+    g = torch.Generator().manual_seed(5)
+    idx = torch.randint(0, 64, (3, 24), generator=g, dtype=torch.int32).to(device)
+    flat = cache.view(64, 656)
+    s0, s1, s2 = (int(v) for v in idx[0, :3])
+    flat[s0, 5] = 0x7F
+    flat[s1, 512:516] = 0xFF
+    flat[s2, 600:602] = 0xFF
+    q = torch.randn(3, 16, 576, device=device).bfloat16()
+    for opts in (None, ()):
+        _check(q, cache, idx, "fp8_ds_mla", **({} if opts is None else {"_gluon_opts": opts}))
+
+
+@_gpu_test
+@pytest.mark.parametrize("kv_cache_dtype", CACHE_DTYPES)
+def test_sparse_gluon_narrow_matches_wide(kv_cache_dtype, device):
+    # the narrow kernel and the 64-head one ("wide") on the same inputs: the same bf16 rows, so they differ only by
+    # accumulation order
+    torch.manual_seed(3)
+    cache = _cache(device, 256, 64, kv_cache_dtype)
+    idx, ln = _indices(37, 2048, 256 * 64, device)
+    q = torch.randn(37, 16, 576, device=device).bfloat16()
+    a, la = _check(q, cache, idx, kv_cache_dtype, topk_length=ln)
+    b, lb = _check(q, cache, idx, kv_cache_dtype, topk_length=ln, _gluon_opts=("wide",))
+    torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(la, lb, atol=1e-3, rtol=1e-4)
+
+
+@_gpu_test
+@pytest.mark.parametrize("kv_cache_dtype", V4_DTYPES)
+@pytest.mark.parametrize("heads,rows", list(itertools.product([1, 8, 16, 20, 32], [1, 37, 300])))
+def test_sparse_gluon_narrow_v4(heads, rows, kv_cache_dtype, device):
+    # V4 rows: two sources with their own block sizes and lengths, sinks, the fused inverse RoPE (one split: in the
+    # kernel's epilogue; the planner's splits at 1 row: in the merge)
+    _v4_run(heads, rows, kv_cache_dtype, device, sink=torch.linspace(-2, 2, heads, device=device), seed=heads + rows)
+
+
+@_gpu_test
+@pytest.mark.parametrize("kv_cache_dtype", V4_DTYPES)
+@pytest.mark.parametrize("splits,rope,extra", [(1, True, False), (1, False, True), (3, True, True), (5, False, False)])
+def test_sparse_gluon_narrow_v4_splits_rope(splits, rope, extra, kv_cache_dtype, device):
+    _v4_run(16, 37, kv_cache_dtype, device, rope=rope, extra=extra, _num_splits_override=splits, seed=splits)
+
+
+@_gpu_test
+@pytest.mark.parametrize("kv_cache_dtype", V4_DTYPES)
+@pytest.mark.parametrize("bs,e_bs,K,K2", [(64, 2, 100, 64), (1, 256, 64, 300)])
+def test_sparse_gluon_narrow_v4_block_sizes(bs, e_bs, K, K2, kv_cache_dtype, device):
+    _v4_run(8, 37, kv_cache_dtype, device, K=K, K2=K2, bs=bs, e_bs=e_bs, seed=K)

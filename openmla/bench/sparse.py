@@ -7,7 +7,7 @@ k<topk> [s<kv rows>]`` (a bf16 cache of s rows, default 32768); an optional ``ti
 ``gluon`` / ``triton`` also time that kernel (``_kernel=``: the sm90 Gluon kernel of openmla/ops/gluon/sparse.py, or
 the portable Triton one) on the same inputs in the same rounds, as provider ``gluon`` / ``triton`` beside
 ``openmla`` (``sparse_mla``'s default pick; ``split<n>`` applies to both); ``g:<variant>[+<variant>...]`` times the
-Gluon kernel with those private variants (``_gluon_opts``: ``nanpack``, ``lazy``, ``staged``) as provider
+Gluon kernel with those private variants (``_gluon_opts``: ``nanpack``, ``lazy``, ``staged``, ``wide``) as provider
 ``g:<variants>`` beside the default. Example: ``decode h128 b128 q2 k2048``, ``decode h64 b64 q1 k2048 triton``,
 ``decode h128 b128 q1 k2048 g:staged+nanpack``.
 
@@ -65,6 +65,9 @@ PRESETS = {
              + ["decode h128 b128 q1 k2048 bf16 g:plain", "prefill h128 t4096 k2048 g:plain"]
              # batch 1 (0.45x FlashMLA): forced split counts against the planner's (32 of 64 keys at h128)
              + [f"decode h{h} b1 q1 k2048 split{n}" for h in (128, 64) for n in (4, 8, 16)],
+    # H <= 32: the narrow kernel (the default there) beside the 64-head one ("wide")
+    "narrow": [f"decode h{h} b{b} q{q} k2048 g:wide" for h in (16, 32) for b in (1, 64, 128) for q in (1, 2)]
+              + ["decode h8 b128 q1 k2048 g:wide", "decode h16 b128 q1 k2048 bf16 g:wide"],
 }  # fmt: skip
 
 

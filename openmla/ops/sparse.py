@@ -838,8 +838,8 @@ def sparse_mla(
     if _gluon_opts is not None and _kernel != "gluon":
         raise ValueError(f"_gluon_opts needs _kernel='gluon'; got _kernel={_kernel!r}")
     if use_gluon:
-        opts = gluon_sparse.default_opts(kv_cache_dtype, D, has_extra) if _gluon_opts is None else _gluon_opts
-        gluon_bits = gluon_sparse.gluon_opts_bits(opts, kv_cache_dtype, D, has_extra)
+        opts = gluon_sparse.default_opts(kv_cache_dtype, D, has_extra, H) if _gluon_opts is None else _gluon_opts
+        gluon_bits = gluon_sparse.gluon_opts_bits(opts, kv_cache_dtype, D, has_extra, H)
     if T == 0:
         return out, (lse if return_lse else None)
 

@@ -77,6 +77,7 @@ D_QK, D_V, D_R = 576, 512, 64  # V3.2 rows; V4 rows are D_V wide (K = V)
 D_QKS = (D_QK, D_V)  # the q widths the kernel takes
 BLOCK_H = 64  # heads per program: one wgmma M of 64 per warpgroup
 BLOCK_N = 64  # keys per tile: each consumer warpgroup scores 32 of them
+NARROW_MAX_H = 32  # head counts the narrow kernel (openmla/ops/gluon/sparse_narrow.py) takes by default
 STAGES = 2  # bf16 tiles in the ring (73,728 B each for V3.2, 65,536 for V4)
 NUM_WARPS = 8  # the two consumer warpgroups (the default partition)
 # registers of a producer thread (setmaxnreg) by (cache format, D_QK); the consumers get the rest of the register
@@ -96,7 +97,10 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 #   bf16 rope) into a ring of fp8 staging stages (many rows in flight); the consumers dequantise each stage into ONE
 #   bf16 tile (the same bf16 values), release it, then run the MMAs; V3.2's P lives in the tile's rope slot (see
 #   _smem_bytes); fp8_v4 needs 16-byte aligned blocks (openmla's padded blocks, or an even block size unpadded)
-GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4}
+# "wide" (H <= NARROW_MAX_H): the 64-head kernel instead of the narrow one (openmla/ops/gluon/sparse_narrow.py), which
+#   takes "nanpack" only
+GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4, "wide": 8}
+_WIDE = 8
 _FP8_ONLY_OPTS = 1 | 4
 _STAGED = 4
 # the staged producers only compute addresses, by format (fp8_ds_mla 56: consumers 224, as with bf16 rows; fp8_v4
@@ -111,17 +115,26 @@ _V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8
 DEFAULT_OPTS = {"fp8_ds_mla": ("staged", "nanpack", "lazy"), "auto": ("lazy",)}
 
 
-def default_opts(kv_cache_dtype: str, d_qk: int, has_extra: bool) -> tuple[str, ...]:
-    """The variants of DEFAULT_OPTS that a call takes when ``sparse_mla`` is given no ``_gluon_opts``."""
+def is_narrow(H: int, opts: int = 0) -> bool:
+    """Whether a call of H heads (OPTS bits ``opts``) runs the narrow kernel: H <= NARROW_MAX_H, not "wide"."""
+    return H <= NARROW_MAX_H and not opts & _WIDE
+
+
+def default_opts(kv_cache_dtype: str, d_qk: int, has_extra: bool, H: int = BLOCK_H) -> tuple[str, ...]:
+    """The variants of DEFAULT_OPTS that a call takes when ``sparse_mla`` is given no ``_gluon_opts`` (the narrow
+    kernel's: "nanpack" for fp8_ds_mla rows)."""
+    if is_narrow(H):
+        return ("nanpack",) if kv_cache_dtype == "fp8_ds_mla" else ()
     if d_qk != D_QK or has_extra:
         return ()
     return DEFAULT_OPTS.get(kv_cache_dtype, ())
 
 
-def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool) -> int:
+def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool, H: int = BLOCK_H) -> int:
     """The kernel's OPTS bits for ``sparse_mla(_gluon_opts=...)`` (names of GLUON_OPTS; () = 0, the plain code).
     ValueError for an unknown name, or a call the variants do not cover ("staged": fp8_ds_mla calls of one source
-    and fp8_v4 calls; "nanpack": the same, fp8_v4 with "staged" only; "lazy": any call)."""
+    and fp8_v4 calls; "nanpack": the same, fp8_v4 with "staged" only; "lazy": any call; "wide": H <= NARROW_MAX_H;
+    the narrow kernel: "nanpack" on fp8_ds_mla rows only)."""
     if isinstance(opts, str) or not isinstance(opts, (tuple, list, frozenset, set)):
         raise ValueError(f"_gluon_opts must be a tuple of names from {tuple(GLUON_OPTS)}; got {opts!r}")
     bits = 0
@@ -129,6 +142,13 @@ def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool) -> in
         if name not in GLUON_OPTS:
             raise ValueError(f"_gluon_opts: unknown variant {name!r} (one of {tuple(GLUON_OPTS)})")
         bits |= GLUON_OPTS[name]
+    if bits & _WIDE and H > NARROW_MAX_H:
+        raise ValueError(f"_gluon_opts 'wide' chooses the 64-head kernel at H <= {NARROW_MAX_H}; H is {H}")
+    if is_narrow(H, bits):
+        if bits & ~GLUON_OPTS["nanpack"] or (bits and kv_cache_dtype != "fp8_ds_mla"):
+            raise ValueError(f"the narrow kernel (H <= {NARROW_MAX_H}) takes 'nanpack' on fp8_ds_mla rows only "
+                             f"(or 'wide' for the 64-head kernel); got {tuple(opts)}")  # fmt: skip
+        return bits
     if bits & _FP8_ONLY_OPTS and kv_cache_dtype not in ("fp8_ds_mla", "fp8_v4"):
         raise ValueError(f"_gluon_opts 'nanpack' / 'staged' change the fp8 paths; the cache is {kv_cache_dtype!r}")
     if bits & _FP8_ONLY_OPTS and kv_cache_dtype == "fp8_ds_mla" and (d_qk != D_QK or has_extra):
@@ -205,16 +225,17 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _gather_bf16(kv, ekv, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1, n_tiles, stride_kv_b, stride_kv_p,
                      stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE: gl.constexpr, E_PAGE: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr,
-                     HAS_EXTRA: gl.constexpr):  # fmt: skip
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_EXTRA: gl.constexpr,
+                     J0: gl.constexpr = 0, J_STEP: gl.constexpr = 1):  # fmt: skip
         """Producer, bf16 rows: cp.async every valid row of a tile into its stage (16 bytes a thread; invalid rows
         zero-filled, never read); each thread's copies complete the stage's ready barrier (noinc arrive). HAS_TAIL:
-        the rope columns 512..575 into their own ring; HAS_EXTRA: each row from its own source."""
+        the rope columns 512..575 into their own ring; HAS_EXTRA: each row from its own source. Tiles ``J0, J0 +
+        J_STEP, ...`` (the narrow kernel's producers take every other one)."""
         NW: gl.constexpr = gl.num_warps()
         LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])  # [16, 64] a pass
         ROW: gl.constexpr = gl.SliceLayout(1, LAYOUT)
         o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LAYOUT)), 0)
-        for j in range(n_tiles):
+        for j in range(J0, n_tiles, J_STEP):
             stage = j % STAGES
             if HAS_EXTRA:
                 slot, ok, e_slot, e_ok = _tile_slots2(p_idx, p_eidx, lo + j * BLOCK_N, hi, n1, num_slots, e_num_slots,
@@ -267,10 +288,12 @@ if GLUON_AVAILABLE:
     def _gather_fp8(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1,
                     n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
                     PAGE: gl.constexpr, E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    PASSES: gl.constexpr, HAS_EXTRA: gl.constexpr, NANPACK: gl.constexpr = False):  # fmt: skip
+                    PASSES: gl.constexpr, HAS_EXTRA: gl.constexpr, NANPACK: gl.constexpr = False,
+                    J0: gl.constexpr = 0, J_STEP: gl.constexpr = 1):  # fmt: skip
         """Producer, fp8_ds_mla rows (656 bytes: 512 e4m3, 4 fp32 scales, 64 bf16): a tile in PASSES row blocks,
         each loaded (16 bytes a thread) then dequantised into the bf16 stage; then fence, partition barrier and one
-        arrive on the stage's ready barrier. HAS_EXTRA: each row's three views from its own source."""
+        arrive on the stage's ready barrier. HAS_EXTRA: each row's three views from its own source. Tiles ``J0, J0
+        + J_STEP, ...``."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = BLOCK_N // PASSES
         B8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])  # e4m3 bytes, [16, 128] a pass
@@ -279,7 +302,7 @@ if GLUON_AVAILABLE:
         ROW16: gl.constexpr = gl.SliceLayout(1, R16)
         o_b = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, B8)), 0)
         o_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, R16)), 0)
-        for j in range(n_tiles):
+        for j in range(J0, n_tiles, J_STEP):
             stage = j % STAGES
             dst = lat.index(stage)
             for h in gl.static_range(PASSES):
@@ -496,19 +519,20 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _gather_v4(kv, kv_b16, ekv, ekv_b16, p_idx, p_eidx, lat, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
                    stride_ekv_b, num_slots, e_num_slots, PAGE: gl.constexpr, E_PAGE: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PASSES: gl.constexpr,
-                   HAS_EXTRA: gl.constexpr):  # fmt: skip
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PASSES: gl.constexpr, HAS_EXTRA: gl.constexpr,
+                   J0: gl.constexpr = 0, J_STEP: gl.constexpr = 1):  # fmt: skip
         """Producer, fp8_v4 rows (SPEC §2.4: a token's 448 e4m3 in 7 groups of 64 with a UE8M0 exponent each, then
         64 bf16 rope; the exponents after the block's rows): a tile in PASSES row blocks, each loaded (16 bytes a
         thread: a row's 64 values in 4 threads, so one row layout serves every load) then dequantised into the bf16
-        stage (columns 448..511 the rope values, NaN -> 0); fence, partition barrier, one arrive."""
+        stage (columns 448..511 the rope values, NaN -> 0); fence, partition barrier, one arrive. Tiles ``J0, J0 +
+        J_STEP, ...``."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = BLOCK_N // PASSES
         VEC: gl.constexpr = R * 64 // (NW * 32)  # values a thread per [R, 64] load (16 at R = 32: 16-byte loads)
         B64: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // 64, 64 // VEC], [NW, 1], [1, 0])  # bytes or bf16
         ROW: gl.constexpr = gl.SliceLayout(1, B64)
         o_b = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, B64)), 0)
-        for j in range(n_tiles):
+        for j in range(J0, n_tiles, J_STEP):
             stage = j % STAGES
             dst = lat.index(stage)
             for h in gl.static_range(PASSES):
@@ -556,20 +580,21 @@ if GLUON_AVAILABLE:
                   n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
                   PAGE: gl.constexpr, E_PAGE: gl.constexpr, FMT: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, PASSES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_EXTRA: gl.constexpr,
-                  OPTS: gl.constexpr):  # fmt: skip
-        """The producer warpgroup: the cache format's gather (OPTS: the private variants' bits)."""
+                  OPTS: gl.constexpr, J0: gl.constexpr = 0, J_STEP: gl.constexpr = 1):  # fmt: skip
+        """The producer warpgroup: the cache format's gather (OPTS: the private variants' bits) of tiles ``J0, J0 +
+        J_STEP, ...``."""
         if FMT == 0:
             _gather_bf16(kv, ekv, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
                          stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N,
-                         STAGES, HAS_TAIL, HAS_EXTRA)  # fmt: skip
+                         STAGES, HAS_TAIL, HAS_EXTRA, J0, J_STEP)  # fmt: skip
         elif FMT == 1:
             _gather_fp8(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1,
                         n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE,
-                        E_PAGE, BLOCK_N, STAGES, PASSES, HAS_EXTRA, (OPTS & 1) != 0)  # fmt: skip
+                        E_PAGE, BLOCK_N, STAGES, PASSES, HAS_EXTRA, (OPTS & 1) != 0, J0, J_STEP)  # fmt: skip
         else:
             _gather_v4(kv, kv_b16, ekv, ekv_b16, p_idx, p_eidx, lat, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
-                       stride_ekv_b, num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N, STAGES, PASSES,
-                       HAS_EXTRA)  # fmt: skip
+                       stride_ekv_b, num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N, STAGES, PASSES, HAS_EXTRA, J0,
+                       J_STEP)  # fmt: skip
 
     @gluon.jit
     def _qk(q_smem, lat, rope, s_init, HAS_TAIL: gl.constexpr):
@@ -1025,15 +1050,22 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
         rope_args, stride_cs, num_pos, rope_dim = inv_rope, cos_sin.stride(0), cos_sin.shape[0], cos_sin.shape[1]
     else:
         rope_args, stride_cs, num_pos, rope_dim = (lse, lse), 0, 0, 2
+    args = (q, *views, idx, lens if lens is not None else idx, *eviews, eidx,
+            extra_topk_length if extra_topk_length is not None else eidx, sink if sink is not None else lse, out, lse,
+            o_part, lse_part, *rope_args, scale_log2, q.stride(0), q.stride(1), stride_b, stride_p, e_stride_b,
+            e_stride_p, idx.stride(0), eidx.stride(0), out.stride(0), out.stride(1), lse.stride(0), stride_cs,
+            num_pos, T, H, idx.shape[1], eidx.shape[1] if has_extra else 0, kv_cache.shape[0] * kv_cache.shape[1],
+            ekv.shape[0] * ekv.shape[1])  # fmt: skip
+    shared = dict(PAGE=kv_cache.shape[1], E_PAGE=ekv.shape[1], FMT=fmt, D_QK=d_qk, NUM_SPLITS=num_splits,
+                  HAS_LEN=lens is not None, HAS_EXTRA=has_extra, E_HAS_LEN=has_extra and extra_topk_length is not None,
+                  HAS_SINK=sink is not None, HAS_ROPE=inv_rope is not None, ROPE=rope_dim)  # fmt: skip
+    if is_narrow(H, opts):
+        from openmla.ops.gluon.sparse_narrow import launch_narrow
+
+        launch_narrow(args, T, H, num_splits, fmt, bool(opts & GLUON_OPTS["nanpack"]), **shared)
+        return
     _sparse_mla_gluon_fwd_kernel[(T * n_hb, num_splits)](
-        q, *views, idx, lens if lens is not None else idx, *eviews, eidx,
-        extra_topk_length if extra_topk_length is not None else eidx, sink if sink is not None else lse, out, lse,
-        o_part, lse_part, *rope_args, scale_log2, q.stride(0), q.stride(1), stride_b, stride_p, e_stride_b, e_stride_p,
-        idx.stride(0), eidx.stride(0), out.stride(0), out.stride(1), lse.stride(0), stride_cs, num_pos, T, H,
-        idx.shape[1], eidx.shape[1] if has_extra else 0, kv_cache.shape[0] * kv_cache.shape[1],
-        ekv.shape[0] * ekv.shape[1], PAGE=kv_cache.shape[1], E_PAGE=ekv.shape[1], FMT=fmt, D_QK=d_qk, N_HB=n_hb,
-        NUM_SPLITS=num_splits, HAS_LEN=lens is not None, HAS_EXTRA=has_extra,
-        E_HAS_LEN=has_extra and extra_topk_length is not None, HAS_SINK=sink is not None,
-        HAS_ROPE=inv_rope is not None, ROPE=rope_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, FP8_PASSES=FP8_PASSES,
+        *args, N_HB=n_hb, BLOCK_N=BLOCK_N, STAGES=STAGES, FP8_PASSES=FP8_PASSES,
         PRODUCER_REGS=producer_regs(fmt, d_qk, opts), num_warps=NUM_WARPS, **({"OPTS": opts} if opts else {}),
+        **shared,
     )  # fmt: skip

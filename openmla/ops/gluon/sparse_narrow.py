@@ -1,0 +1,311 @@
+"""Hopper (sm90) tier of sparse MLA for narrow head counts (H <= 32): both products computed transposed.
+
+The 64-head kernel (:mod:`openmla.ops.gluon.sparse`) puts the heads on the wgmma's M, which is 64 rows whatever H
+is: at 16 heads three quarters of its tensor work is padding, and a 64-key tile costs about the same 4.25 us at 16
+heads as at 128 (docs/sparse_mla.md). Here the heads are the N of both products, which wgmma takes from 8 up:
+
+* ``S^T = K Q^T``: M = the tile's 64 keys, N = HB heads (8, 16 or 32), K = the row width (9 or 8 chunks of 64);
+  A = the bf16 key tile (K-major, as the ring holds it), B = Q^T (Q ``[HB, 64]`` chunks, K-major);
+* ``O^T = V^T P^T``: M = the 512 output columns (8 repeats of 64), N = HB, K = the 64 keys; A = the same tile seen
+  transposed (MN-major), B = P^T (P ``[HB, 64]``, K-major).
+
+So the MMA work scales with HB and the accumulator ``O^T [512, HB]`` is 32-128 fp32 registers a thread: one
+consumer warpgroup holds it. The producers are the 64-head kernel's (``_producer``: bf16 rows by ``cp.async``,
+``fp8_ds_mla`` and ``fp8_v4`` rows loaded and dequantised into the bf16 ring), two warpgroups, each filling one of
+the two stages (tiles 0, 2, 4, ... and 1, 3, 5, ...) and issuing a whole fp8 tile's loads before it waits for its
+stage: at narrow heads the gather's latency and the dequantisation, not the MMA, are a tile's cost (one producer of
+two 32-row passes kept 21 KB in flight an SM: 3.75 us a tile at h16 b128 on the H200).
+
+One program per (query row, split of its key list); the contract, split rule, validity rules, epilogue and outputs
+are the 64-head kernel's (one split writes ``out`` and the sink-free natural-log ``lse``, several write the fp32
+partials the Triton merge kernel combines). The softmax runs over the keys, i.e. down the columns of ``S^T``: the
+column max goes across the warpgroup's 4 warps through the compiler's shared-memory reduction; the column sums stay
+per key row until the epilogue.
+
+Shared memory (V3.2, HB 32): Q 36,864 + 2 stages x (65,536 + 8,192) + P 4,096 (+ barriers / reduction scratch).
+"""
+
+from __future__ import annotations
+
+import triton
+
+from openmla.ops.gluon._lang import (
+    GLUON_AVAILABLE,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from openmla.ops.gluon.sparse import NARROW_MAX_H
+
+__all__ = ["NARROW_MAX_H", "launch_narrow", "narrow_block_h"]
+
+BLOCK_N = 64  # keys per tile: the M of S^T
+STAGES = 2  # bf16 tiles in the ring
+NUM_WARPS = 4  # the consumer warpgroup (the default partition)
+# registers of a producer thread (setmaxnreg) by cache format: each of the two producer warpgroups loads a whole fp8
+# tile into registers before dequantising it (FP8_PASSES 1); the consumer warpgroup gets the rest of the file
+PRODUCER_REGS = {0: 56, 1: 128, 2: 128}  # sm90 offline: no spill in either partition (at 136 fp8_v4 spills)
+FP8_PASSES = 1  # row blocks of a tile the fp8 producers load and dequantise in turn
+
+
+def narrow_block_h(H: int) -> int:
+    """The N of the program's products: H rounded up to 8, 16 or 32 (wgmma N; the rows past H are masked)."""
+    return max(8, triton.next_power_of_2(H))
+
+
+def _smem_bytes(d_qk: int, hb: int) -> int:
+    """Shared memory of one program (an upper bound): Q + the bf16 ring + P + barriers / reduction scratch."""
+    return hb * d_qk * 2 + STAGES * BLOCK_N * d_qk * 2 + hb * BLOCK_N * 2 + 4096
+
+
+if GLUON_AVAILABLE:
+    from openmla.ops.gluon.sparse import _producer, _tile_ok
+
+    @gluon.jit
+    def _lane_xor4(x):
+        """Each value of a thread swapped with the same value of the lane 4 apart (``shfl.sync.bfly``): in the
+        wgmma accumulator layout that lane holds the same column of the row of the other parity."""
+        return gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 0x1f, -1;", "=r,r", [x], dtype=gl.float32,
+                                         is_pure=True, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def _inverse_rope_t(x, o_v, rope_pos, i_t, cos_sin, stride_cs, num_pos, ROPE: gl.constexpr):
+        """fp32 ``O^T [512, HB]`` (wgmma accumulator layout, ``o_v [512, 1]`` its row numbers) with the last ROPE
+        rows' interleaved pairs rotated by minus the token's angle, ``(a, b) -> (a c + b s, b c - a s)`` (SPEC §7.8,
+        the 64-head kernel's ``_inverse_rope`` on O): a pair's two rows sit in lanes 4 apart, so each thread takes
+        its partner's value by a lane shuffle and computes its own row; a position outside ``[0, num_pos)`` gets cos
+        1, sin 0."""
+        R0: gl.constexpr = x.shape[0] - ROPE
+        pos = gl.load(rope_pos + i_t).to(gl.int64)
+        in_rope = o_v >= R0
+        o_k = gl.where(in_rope, (o_v - R0) // 2, 0)
+        m_k = in_rope & (pos >= 0) & (pos < num_pos)
+        p_cs = cos_sin + pos * stride_cs + o_k
+        b_cos = gl.load(p_cs, mask=m_k, other=1.0).to(gl.float32)
+        b_sin = gl.load(p_cs + ROPE // 2, mask=m_k, other=0.0).to(gl.float32)
+        b_sin = gl.where(o_v % 2 == 0, b_sin, -b_sin)  # even row a: a c + b s; odd row b: b c - a s
+        return gl.where(in_rope, x * b_cos + _lane_xor4(x) * b_sin, x)
+
+    @gluon.jit
+    def _narrow_consumer(q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse, o_part, lse_part,
+                         rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_l_t,
+                         stride_cs, num_pos, T, H, i_t, i_s, lo, hi, n1, n_tiles, num_slots, e_num_slots,
+                         D_QK: gl.constexpr, HB: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         NUM_SPLITS: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
+                         HAS_ROPE: gl.constexpr, ROPE: gl.constexpr, FENCE: gl.constexpr):  # fmt: skip
+        """The consumer warpgroup: Q to shared memory, the online softmax over the ring's tiles (transposed
+        products), the epilogue."""
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, HB, 16])  # fmt: skip
+        KEY: gl.constexpr = gl.SliceLayout(1, S_L)
+        HEAD_S: gl.constexpr = gl.SliceLayout(0, S_L)
+        HEAD_O: gl.constexpr = gl.SliceLayout(0, S_L)  # O^T [512, HB] takes the same layout (8 repeats of M)
+        DIM_O: gl.constexpr = gl.SliceLayout(1, S_L)
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+        # Q [HB, D_QK] -> D_QK / 64 swizzled chunks (rows past H are zeros: finite scores, never stored)
+        o_h = gl.arange(0, HB, layout=gl.SliceLayout(1, LD))
+        m_ld = gl.expand_dims(o_h < H, 1)
+        p_q = q + i_t * stride_q_t + gl.expand_dims(o_h.to(gl.int64) * stride_q_h, 1)
+        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
+        for c in gl.static_range(D_QK // 64):
+            q_smem.index(c).store(gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        b_m = gl.full([HB], float("-inf"), gl.float32, HEAD_S)
+        b_lv = gl.zeros([BLOCK_N, HB], gl.float32, S_L)  # column sums per key row until the epilogue
+        acc = gl.zeros([512, HB], gl.float32, S_L)
+        s_zero = gl.zeros([BLOCK_N, HB], gl.float32, S_L)
+        for j in range(n_tiles):
+            stage = j % STAGES
+            ok = _tile_ok(p_idx, p_eidx, lo + j * BLOCK_N, hi, n1, num_slots, e_num_slots, BLOCK_N, KEY, HAS_EXTRA)
+            mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+            if FENCE:  # cp.async wrote the stage (generic proxy): order it before the wgmma reads
+                fence_async_shared()
+            k_lat = lat.index(stage)
+            b_s = warpgroup_mma(k_lat.slice(0, 64, dim=1), q_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                                is_async=True)  # fmt: skip
+            for c in gl.static_range(1, 8):
+                b_s = warpgroup_mma(k_lat.slice(c * 64, 64, dim=1), q_smem.index(c).permute((1, 0)), b_s,
+                                    is_async=True)  # fmt: skip
+            if D_QK > 512:
+                b_s = warpgroup_mma(rope.index(stage), q_smem.index(8).permute((1, 0)), b_s, is_async=True)
+            b_s = warpgroup_mma_wait(0, deps=(b_s,))
+
+            b_s = gl.where(gl.expand_dims(ok, 1), b_s * scale_log2, float("-inf"))
+            b_m_new = gl.maximum(b_m, gl.max(b_s, axis=0))
+            b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+            b_alpha = gl.exp2(b_m - b_m_use)
+            b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 0))
+            b_lv = b_lv * gl.expand_dims(b_alpha, 0) + b_p
+            b_m = b_m_new
+            p_smem.store(gl.permute(b_p.to(gl.bfloat16), (1, 0)))  # P [HB, 64]: K-major B of O^T
+            fence_async_shared()
+            gl.thread_barrier()  # all of P is written
+
+            acc = acc * gl.expand_dims(gl.convert_layout(b_alpha, HEAD_O), 0)
+            acc = warpgroup_mma(k_lat.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            gl.thread_barrier()  # every warp is done with this stage and with P
+            mbarrier.arrive(empty.index(stage), count=1)  # the producers may refill it
+
+        # epilogue: natural-log LSE of the scaled scores (sink-free), -inf and zeros for a head with no key
+        b_l = gl.sum(b_lv, axis=0)
+        empty_h = b_l == 0.0
+        b_lse = gl.where(empty_h, float("-inf"), (b_m + gl.log2(gl.where(empty_h, 1.0, b_l))) * 0.6931471805599453)
+        b_r = gl.where(empty_h, 0.0, 1.0 / gl.where(empty_h, 1.0, b_l))
+        o_hs = gl.arange(0, HB, layout=HEAD_S)
+        m_hs = o_hs < H
+        o_ho = gl.arange(0, HB, layout=HEAD_O)
+        m_o = gl.expand_dims(o_ho < H, 0)
+        o_v = gl.expand_dims(gl.arange(0, 512, layout=DIM_O), 1)
+        if NUM_SPLITS == 1:
+            if HAS_SINK:  # sigmoid(lse - sink), 0 for an empty head (as the Triton kernel's _sink_factor)
+                b_sk = gl.load(sink + o_hs, mask=m_hs, other=float("-inf"))
+                e = gl.exp2((b_sk - gl.where(empty_h, 0.0, b_lse)) * 1.4426950408889634)
+                b_r = b_r * gl.where(empty_h, 0.0, 1.0 / (1.0 + e))
+            gl.store(lse + i_t * stride_l_t + o_hs, b_lse, mask=m_hs)
+            b_o = acc * gl.expand_dims(gl.convert_layout(b_r, HEAD_O), 0)
+            if HAS_ROPE:  # after normalisation and sink (a rotation commutes with the per-head scaling)
+                b_o = _inverse_rope_t(b_o, o_v, rope_pos, i_t, cos_sin, stride_cs, num_pos, ROPE)
+            p_o = out + i_t * stride_o_t + gl.expand_dims(o_ho.to(gl.int64) * stride_o_h, 0) + o_v
+            gl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
+        else:  # the merge kernel applies the sink and the inverse RoPE
+            gl.store(lse_part + (i_s * T + i_t) * H + o_hs, b_lse, mask=m_hs)
+            b_o = acc * gl.expand_dims(gl.convert_layout(b_r, HEAD_O), 0)
+            part = ((i_s * T + i_t) * H + o_ho.to(gl.int64)) * 512
+            gl.store(o_part + gl.expand_dims(part, 0) + o_v, b_o, mask=m_o)
+
+    @gluon.jit
+    def _sparse_mla_gluon_narrow_kernel(
+        q,  # [T, H, D_QK] bf16
+        kv,  # [num_blocks, PAGE, D_QK] bf16 (FMT 0), uint8 [num_blocks, PAGE, 656] (FMT 1) or fp8_v4 bytes (FMT 2)
+        kv_f32,  # FMT 1: the same memory as fp32
+        kv_b16,  # FMT 1, 2: the same memory as bf16
+        idx,  # [T, K] int32 global slots
+        lens,  # [T] int32 (HAS_LEN)
+        ekv,  # the extra source, like kv (HAS_EXTRA)
+        ekv_f32,
+        ekv_b16,
+        eidx,  # [T, EK] int32 (HAS_EXTRA)
+        elens,  # [T] int32 (E_HAS_LEN)
+        sink,  # [H] fp32 (HAS_SINK)
+        out,  # [T, H, 512] bf16
+        lse,  # [T, H] fp32
+        o_part,  # [NUM_SPLITS, T, H, 512] fp32 (NUM_SPLITS > 1)
+        lse_part,  # [NUM_SPLITS, T, H] fp32
+        rope_pos,  # [T] int (HAS_ROPE)
+        cos_sin,  # [P, ROPE] float (HAS_ROPE): [cos | sin] per position
+        scale_log2,  # sm_scale * log2(e)
+        stride_q_t,
+        stride_q_h,
+        stride_kv_b,
+        stride_kv_p,
+        stride_ekv_b,
+        stride_ekv_p,
+        stride_i_t,
+        stride_ei_t,
+        stride_o_t,
+        stride_o_h,
+        stride_l_t,
+        stride_cs,
+        num_pos,
+        T,
+        H,
+        K,
+        EK,
+        num_slots,
+        e_num_slots,
+        PAGE: gl.constexpr,
+        E_PAGE: gl.constexpr,
+        FMT: gl.constexpr,
+        D_QK: gl.constexpr,
+        HB: gl.constexpr,
+        NUM_SPLITS: gl.constexpr,
+        HAS_LEN: gl.constexpr,
+        HAS_EXTRA: gl.constexpr,
+        E_HAS_LEN: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+        HAS_ROPE: gl.constexpr,
+        ROPE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        FP8_PASSES: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+        NANPACK: gl.constexpr = False,
+    ):
+        """One program per (row, split); see the module docstring."""
+        gl.static_assert(num_warps == 4, "one consumer warpgroup in the default partition")
+        gl.static_assert(HB == 8 or HB == 16 or HB == 32, "N of the transposed products: 8, 16 or 32 heads")
+        gl.static_assert((D_QK == 576 and FMT != 2) or (D_QK == 512 and FMT != 1), "V3.2 rows or V4 rows")
+        i_t = gl.program_id(0).to(gl.int64)
+        i_s = gl.program_id(1)
+        p_idx = idx + i_t * stride_i_t
+        n1 = K
+        if HAS_LEN:
+            n1 = gl.minimum(gl.maximum(gl.load(lens + i_t), 0), K)
+        n = n1
+        p_eidx = p_idx
+        if HAS_EXTRA:  # the extra entries follow the main ones in one list (the Triton kernel's split rule)
+            p_eidx = eidx + i_t * stride_ei_t
+            n2 = EK
+            if E_HAS_LEN:
+                n2 = gl.minimum(gl.maximum(gl.load(elens + i_t), 0), EK)
+            n = n1 + n2
+        chunk = gl.cdiv(gl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = i_s * chunk
+        hi = gl.minimum(lo + chunk, n)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+        SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, HB, 64], SW)
+        lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], SW)
+        if D_QK > 512:
+            rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SW)
+        else:
+            rope = lat  # no rope columns (V4): never read
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [HB, BLOCK_N], SW)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            # bf16: one noinc cp.async arrive per thread of its producer; fp8: one arrive after the partition barrier
+            mbarrier.init(ready.index(st), count=4 * 32 if FMT == 0 else 1)
+            mbarrier.init(empty.index(st), count=1)
+        fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
+        OPTS: gl.constexpr = 1 if NANPACK else 0
+        # two producer warpgroups, each filling one stage: tiles 0, 2, 4, ... and 1, 3, 5, ... (each issues a
+        # tile's loads before it waits for its stage, so two tiles' rows are in flight beside the consumer's work)
+        gl.warp_specialize([
+            (_narrow_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse, o_part,
+                                lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t,
+                                stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_s, lo, hi, n1, n_tiles,
+                                num_slots, e_num_slots, D_QK, HB, BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA, HAS_SINK,
+                                HAS_ROPE, ROPE, FMT == 0)),
+            (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi,
+                         n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
+                         PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA, OPTS, 0, STAGES)),
+            (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi,
+                         n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
+                         PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA, OPTS, 1, STAGES)),
+        ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])  # fmt: skip
+
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(st))
+            mbarrier.invalidate(empty.index(st))
+
+
+def launch_narrow(args: tuple, T: int, H: int, num_splits: int, fmt: int, nanpack: bool, **constexprs) -> None:
+    """Launch the narrow kernel over ``T x num_splits`` programs: ``args`` are the 64-head kernel's positional
+    arguments and ``constexprs`` its shared ones, as :func:`openmla.ops.gluon.sparse.sparse_mla_fwd_gluon` prepared
+    them for a validated call with ``H <= NARROW_MAX_H``."""
+    if H > NARROW_MAX_H:  # pragma: no cover - the caller's rule
+        raise ValueError(f"the narrow sparse kernel takes H <= {NARROW_MAX_H}; got {H}")
+    _sparse_mla_gluon_narrow_kernel[(T, num_splits)](
+        *args, HB=narrow_block_h(H), BLOCK_N=BLOCK_N, STAGES=STAGES, FP8_PASSES=FP8_PASSES,
+        PRODUCER_REGS=PRODUCER_REGS[fmt], num_warps=NUM_WARPS, NANPACK=nanpack, **constexprs,
+    )  # fmt: skip
