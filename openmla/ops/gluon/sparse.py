@@ -289,11 +289,12 @@ if GLUON_AVAILABLE:
                     n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
                     PAGE: gl.constexpr, E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     PASSES: gl.constexpr, HAS_EXTRA: gl.constexpr, NANPACK: gl.constexpr = False,
-                    J0: gl.constexpr = 0, J_STEP: gl.constexpr = 1):  # fmt: skip
+                    J0: gl.constexpr = 0, J_STEP: gl.constexpr = 1, AHEAD: gl.constexpr = False):  # fmt: skip
         """Producer, fp8_ds_mla rows (656 bytes: 512 e4m3, 4 fp32 scales, 64 bf16): a tile in PASSES row blocks,
         each loaded (16 bytes a thread) then dequantised into the bf16 stage; then fence, partition barrier and one
         arrive on the stage's ready barrier. HAS_EXTRA: each row's three views from its own source. Tiles ``J0, J0
-        + J_STEP, ...``."""
+        + J_STEP, ...``; AHEAD (one pass, one source): each tile's slots are loaded while the previous tile is in
+        flight, so its row loads wait for one memory latency, not two."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = BLOCK_N // PASSES
         B8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])  # e4m3 bytes, [16, 128] a pass
@@ -302,12 +303,21 @@ if GLUON_AVAILABLE:
         ROW16: gl.constexpr = gl.SliceLayout(1, R16)
         o_b = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, B8)), 0)
         o_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, R16)), 0)
+        SLOTS_AHEAD: gl.constexpr = AHEAD and PASSES == 1 and not HAS_EXTRA
+        if SLOTS_AHEAD:
+            slot_n, ok_n = _tile_slots(p_idx, lo + J0 * BLOCK_N, hi, num_slots, R, ROW8)
+            slot_rn, ok_rn = _tile_slots(p_idx, lo + J0 * BLOCK_N, hi, num_slots, R, ROW16)
         for j in range(J0, n_tiles, J_STEP):
             stage = j % STAGES
             dst = lat.index(stage)
             for h in gl.static_range(PASSES):
                 n0 = lo + j * BLOCK_N + h * R
-                if HAS_EXTRA:
+                if SLOTS_AHEAD:
+                    slot, ok = slot_n, ok_n
+                    row = _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE)  # bytes
+                    p_row = kv + row
+                    p_s = kv_f32 + row // 4 + 128  # the 4 fp32 scales at byte 512
+                elif HAS_EXTRA:
                     slot, ok, e_slot, e_ok = _tile_slots2(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, R, ROW8)
                     row = _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE)  # bytes
                     e_row = _row_offsets(e_slot, stride_ekv_b, stride_ekv_p, E_PAGE)
@@ -339,10 +349,16 @@ if GLUON_AVAILABLE:
                     p_r = gl.expand_dims(p_r + 264, 1) + o_r  # 64 bf16 at byte 528
                     ok_r = ok_r | e_ok_r
                 else:
-                    slot_r, ok_r = _tile_slots(p_idx, n0, hi, num_slots, R, ROW16)
+                    if SLOTS_AHEAD:
+                        slot_r, ok_r = slot_rn, ok_rn
+                    else:
+                        slot_r, ok_r = _tile_slots(p_idx, n0, hi, num_slots, R, ROW16)
                     row_r = _row_offsets(slot_r, stride_kv_b, stride_kv_p, PAGE)
                     p_r = gl.expand_dims(kv_b16 + row_r // 2 + 264, 1) + o_r  # 64 bf16 at byte 528
                 b_r = gl.load(p_r, mask=gl.expand_dims(ok_r, 1), other=0.0)
+                if SLOTS_AHEAD:  # the producer's next tile (past the split: all invalid, nothing read)
+                    slot_n, ok_n = _tile_slots(p_idx, n0 + J_STEP * BLOCK_N, hi, num_slots, R, ROW8)
+                    slot_rn, ok_rn = _tile_slots(p_idx, n0 + J_STEP * BLOCK_N, hi, num_slots, R, ROW16)
                 if h == 0:
                     mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
                 part = dst.slice(h * R, R, dim=0)
@@ -580,9 +596,10 @@ if GLUON_AVAILABLE:
                   n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
                   PAGE: gl.constexpr, E_PAGE: gl.constexpr, FMT: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, PASSES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_EXTRA: gl.constexpr,
-                  OPTS: gl.constexpr, J0: gl.constexpr = 0, J_STEP: gl.constexpr = 1):  # fmt: skip
+                  OPTS: gl.constexpr, J0: gl.constexpr = 0, J_STEP: gl.constexpr = 1,
+                  AHEAD: gl.constexpr = False):  # fmt: skip
         """The producer warpgroup: the cache format's gather (OPTS: the private variants' bits) of tiles ``J0, J0 +
-        J_STEP, ...``."""
+        J_STEP, ...`` (AHEAD: fp8_ds_mla slots a tile ahead, ``_gather_fp8``)."""
         if FMT == 0:
             _gather_bf16(kv, ekv, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
                          stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N,
@@ -590,7 +607,7 @@ if GLUON_AVAILABLE:
         elif FMT == 1:
             _gather_fp8(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1,
                         n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE,
-                        E_PAGE, BLOCK_N, STAGES, PASSES, HAS_EXTRA, (OPTS & 1) != 0, J0, J_STEP)  # fmt: skip
+                        E_PAGE, BLOCK_N, STAGES, PASSES, HAS_EXTRA, (OPTS & 1) != 0, J0, J_STEP, AHEAD)  # fmt: skip
         else:
             _gather_v4(kv, kv_b16, ekv, ekv_b16, p_idx, p_eidx, lat, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
                        stride_ekv_b, num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N, STAGES, PASSES, HAS_EXTRA, J0,

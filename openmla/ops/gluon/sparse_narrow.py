@@ -12,9 +12,9 @@ heads as at 128 (docs/sparse_mla.md). Here the heads are the N of both products,
 So the MMA work scales with HB and the accumulator ``O^T [512, HB]`` is 32-128 fp32 registers a thread: one
 consumer warpgroup holds it. The producers are the 64-head kernel's (``_producer``: bf16 rows by ``cp.async``,
 ``fp8_ds_mla`` and ``fp8_v4`` rows loaded and dequantised into the bf16 ring), two warpgroups, each filling one of
-the two stages (tiles 0, 2, 4, ... and 1, 3, 5, ...) and issuing a whole fp8 tile's loads before it waits for its
-stage: at narrow heads the gather's latency and the dequantisation, not the MMA, are a tile's cost (one producer of
-two 32-row passes kept 21 KB in flight an SM: 3.75 us a tile at h16 b128 on the H200).
+the two stages (tiles 0, 2, 4, ... and 1, 3, 5, ...), issuing a whole fp8 tile's loads before it waits for its
+stage, with the tile's slots loaded while the previous tile was in flight (``AHEAD``): at narrow heads the gather's
+latency, not the MMA, is a tile's cost (docs/sparse_mla.md, "Narrow heads").
 
 One program per (query row, split of its key list); the contract, split rule, validity rules, epilogue and outputs
 are the 64-head kernel's (one split writes ``out`` and the sink-free natural-log ``lse``, several write the fp32
@@ -47,7 +47,8 @@ STAGES = 2  # bf16 tiles in the ring
 NUM_WARPS = 4  # the consumer warpgroup (the default partition)
 # registers of a producer thread (setmaxnreg) by cache format: each of the two producer warpgroups loads a whole fp8
 # tile into registers before dequantising it (FP8_PASSES 1); the consumer warpgroup gets the rest of the file
-PRODUCER_REGS = {0: 56, 1: 128, 2: 128}  # sm90 offline: no spill in either partition (at 136 fp8_v4 spills)
+PRODUCER_REGS = {0: 56, 1: 136, 2: 128}  # sm90 offline: no spill in either partition (at 136 fp8_v4 spills; at
+# 128 fp8_ds_mla with its slots a tile ahead spills 16 bytes)
 FP8_PASSES = 1  # row blocks of a tile the fp8 producers load and dequantise in turn
 
 
@@ -288,10 +289,12 @@ if GLUON_AVAILABLE:
                                 HAS_ROPE, ROPE, FMT == 0)),
             (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi,
                          n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
-                         PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA, OPTS, 0, STAGES)),
+                         PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA, OPTS, 0, STAGES,
+                         True)),
             (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi,
                          n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
-                         PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA, OPTS, 1, STAGES)),
+                         PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA, OPTS, 1, STAGES,
+                         True)),
         ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])  # fmt: skip
 
         for st in gl.static_range(STAGES):
