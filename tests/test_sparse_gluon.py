@@ -74,26 +74,18 @@ OPTS_VARIANTS = [
     (1, 576, 4, False, True, 1, False, False, 1, False, 7),  # staged + nanpack + lazy
 ]
 
-_COMPILE_SCRIPT = r"""
-import json, sys
+# the head of both offline compile scripts: compile_sm90(fn, cons, views) builds the sparse kernels' signature
+# (pointer types by argument name, cache views by format, 16-divisible pointers and strides, as the JIT specialises
+# them) and compiles it for sm90
+_COMPILE_PRELUDE = r"""
+import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from openmla.utils.sm90_report import resource_report
-from openmla.ops.gluon import sparse as gs
 
-report = []
-for v in json.loads(sys.argv[1]):
-    fmt, d_qk, splits, has_len, has_sink, page, extra, e_len, e_page, rope = v[:10]
-    opts = v[10] if len(v) > 10 else 0
-    fn = gs._sparse_mla_gluon_fwd_kernel
-    cons = dict(PAGE=page, E_PAGE=e_page, FMT=fmt, D_QK=d_qk, N_HB=2, NUM_SPLITS=splits, HAS_LEN=has_len,
-                HAS_EXTRA=extra, E_HAS_LEN=e_len, HAS_SINK=has_sink, HAS_ROPE=rope, ROPE=64 if rope else 2,
-                BLOCK_N=gs.BLOCK_N, STAGES=gs.STAGES, FP8_PASSES=gs.FP8_PASSES,
-                PRODUCER_REGS=gs.producer_regs(fmt, d_qk, opts), num_warps=gs.NUM_WARPS, OPTS=opts)
-    kvt = "*bf16" if fmt == 0 else "*u8"
-    f32 = {0: kvt, 1: "*fp32", 2: "*fp32" if opts & 4 else kvt}[fmt]  # staged fp8_v4: the exponent words
-    views = {"": kvt, "_f32": f32, "_b16": "*bf16" if fmt else kvt}
+
+def compile_sm90(fn, cons, views, num_warps):
     ptr = {"q": "*bf16", "idx": "*i32", "lens": "*i32", "eidx": "*i32", "elens": "*i32", "sink": "*fp32",
            "out": "*bf16", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32", "rope_pos": "*i32",
            "cos_sin": "*fp32"}
@@ -108,12 +100,32 @@ for v in json.loads(sys.argv[1]):
         elif name == "scale_log2":
             sig[name] = "fp32"
         elif name.startswith("stride_") and name not in ("stride_i_t", "stride_ei_t", "stride_cs"):
-            sig[name] = "i32"  # as the JIT specialises multiples of 16
+            sig[name] = "i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "i32"
-    k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=gs.NUM_WARPS))
+    return triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps))
+"""
+
+_COMPILE_SCRIPT = (
+    _COMPILE_PRELUDE
+    + r"""
+from openmla.ops.gluon import sparse as gs
+
+report = []
+for v in json.loads(sys.argv[1]):
+    fmt, d_qk, splits, has_len, has_sink, page, extra, e_len, e_page, rope = v[:10]
+    opts = v[10] if len(v) > 10 else 0
+    fn = gs._sparse_mla_gluon_fwd_kernel
+    cons = dict(PAGE=page, E_PAGE=e_page, FMT=fmt, D_QK=d_qk, N_HB=2, NUM_SPLITS=splits, HAS_LEN=has_len,
+                HAS_EXTRA=extra, E_HAS_LEN=e_len, HAS_SINK=has_sink, HAS_ROPE=rope, ROPE=64 if rope else 2,
+                BLOCK_N=gs.BLOCK_N, STAGES=gs.STAGES, FP8_PASSES=gs.FP8_PASSES,
+                PRODUCER_REGS=gs.producer_regs(fmt, d_qk, opts), num_warps=gs.NUM_WARPS, OPTS=opts)
+    kvt = "*bf16" if fmt == 0 else "*u8"
+    f32 = {0: kvt, 1: "*fp32", 2: "*fp32" if opts & 4 else kvt}[fmt]  # staged fp8_v4: the exponent words
+    views = {"": kvt, "_f32": f32, "_b16": "*bf16" if fmt else kvt}
+    k = compile_sm90(fn, cons, views, gs.NUM_WARPS)
     ptx = k.asm["ptx"]
     r = resource_report(k)
     r.update(variant=v, qk=ptx.count("wgmma.mma_async.sync.aligned.m64n32k16"),
@@ -122,6 +134,7 @@ for v in json.loads(sys.argv[1]):
     report.append(r)
 print("REPORT" + json.dumps(report))
 """
+)
 
 
 @pytest.mark.skipif(not gs.GLUON_AVAILABLE or not HAS_NVIDIA_BACKEND, reason="needs triton's Gluon and NVIDIA backend")
@@ -666,12 +679,9 @@ def test_sparse_gluon_v4_matches_triton(kv_cache_dtype, device):
 
 NARROW_HEADS = [1, 6, 8, 16, 20, 32]
 
-_NARROW_COMPILE_SCRIPT = r"""
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from openmla.utils.sm90_report import resource_report
+_NARROW_COMPILE_SCRIPT = (
+    _COMPILE_PRELUDE
+    + r"""
 from openmla.ops.gluon import sparse_narrow as gn
 
 report = []
@@ -684,31 +694,13 @@ for v in json.loads(sys.argv[1]):
                 PRODUCER_REGS=gn.PRODUCER_REGS[fmt], num_warps=gn.NUM_WARPS, NANPACK=fmt == 1)
     kvt = "*bf16" if fmt == 0 else "*u8"
     views = {"": kvt, "_f32": "*fp32" if fmt == 1 else kvt, "_b16": "*bf16" if fmt else kvt}
-    ptr = {"q": "*bf16", "idx": "*i32", "lens": "*i32", "eidx": "*i32", "elens": "*i32", "sink": "*fp32",
-           "out": "*bf16", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32", "rope_pos": "*i32",
-           "cos_sin": "*fp32"}
-    ptr.update({f"{src}kv{k}": t for src in ("", "e") for k, t in views.items()})
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in cons:
-            sig[name] = "constexpr"
-        elif name in ptr:
-            sig[name] = ptr[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "scale_log2":
-            sig[name] = "fp32"
-        elif name.startswith("stride_") and name not in ("stride_i_t", "stride_ei_t", "stride_cs"):
-            sig[name] = "i32"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
-    k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=gn.NUM_WARPS))
+    k = compile_sm90(fn, cons, views, gn.NUM_WARPS)
     r = resource_report(k)
     r.update(variant=v, shapes=sorted(set(re.findall(r"wgmma.mma_async.sync.aligned.(m\d+n\d+k\d+)", k.asm["ptx"]))))
     report.append(r)
 print("REPORT" + json.dumps(report))
 """
+)
 # (FMT, D_QK, HB, NUM_SPLITS, HAS_LEN, HAS_SINK, PAGE, HAS_EXTRA, E_HAS_LEN, E_PAGE, HAS_ROPE): V3.2 bf16 / fp8_ds_mla
 # rows at each N, split or not; V4 fp8_v4 / bf16 with the extra source and the fused inverse RoPE
 NARROW_COMPILE_VARIANTS = [

@@ -100,7 +100,7 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 # "wide" (H <= NARROW_MAX_H): the 64-head kernel instead of the narrow one (openmla/ops/gluon/sparse_narrow.py), which
 #   takes "nanpack" only
 GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4, "wide": 8}
-_WIDE = 8
+_WIDE = GLUON_OPTS["wide"]
 _FP8_ONLY_OPTS = 1 | 4
 _STAGED = 4
 # the staged producers only compute addresses, by format (fp8_ds_mla 56: consumers 224, as with bf16 rows; fp8_v4
@@ -205,6 +205,31 @@ if GLUON_AVAILABLE:
         e_slot = gl.load(p_eidx + (o_n - n1), mask=m_b, other=-1)
         e_ok = m_b & (e_slot >= 0) & (e_slot < e_num_slots)
         return gl.where(ok, slot, 0), ok, gl.where(e_ok, e_slot, 0), e_ok
+
+    @gluon.jit
+    def _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t, K, EK, HAS_LEN: gl.constexpr,
+                   HAS_EXTRA: gl.constexpr, E_HAS_LEN: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                   BLOCK_N: gl.constexpr):  # fmt: skip
+        """Row i_t's index lists and split i_s of them (the Triton kernel's split rule: the extra entries follow the
+        main ones in one list, splits of whole BLOCK_N tiles): (main and extra index rows, main entries n1, the
+        split's entries ``[lo, hi)``, its tiles)."""
+        p_idx = idx + i_t * stride_i_t
+        n1 = K
+        if HAS_LEN:
+            n1 = gl.minimum(gl.maximum(gl.load(lens + i_t), 0), K)
+        n = n1
+        p_eidx = p_idx
+        if HAS_EXTRA:
+            p_eidx = eidx + i_t * stride_ei_t
+            n2 = EK
+            if E_HAS_LEN:
+                n2 = gl.minimum(gl.maximum(gl.load(elens + i_t), 0), EK)
+            n = n1 + n2
+        chunk = gl.cdiv(gl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = i_s * chunk
+        hi = gl.minimum(lo + chunk, n)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        return p_idx, p_eidx, n1, lo, hi, n_tiles
 
     @gluon.jit
     def _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE: gl.constexpr):
@@ -879,22 +904,9 @@ if GLUON_AVAILABLE:
         i_hb = gl.program_id(0) % N_HB
         i_t = (gl.program_id(0) // N_HB).to(gl.int64)
         i_s = gl.program_id(1)
-        p_idx = idx + i_t * stride_i_t
-        n1 = K
-        if HAS_LEN:
-            n1 = gl.minimum(gl.maximum(gl.load(lens + i_t), 0), K)
-        n = n1
-        p_eidx = p_idx
-        if HAS_EXTRA:  # the extra entries follow the main ones in one list (the Triton kernel's split rule)
-            p_eidx = eidx + i_t * stride_ei_t
-            n2 = EK
-            if E_HAS_LEN:
-                n2 = gl.minimum(gl.maximum(gl.load(elens + i_t), 0), EK)
-            n = n1 + n2
-        chunk = gl.cdiv(gl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = i_s * chunk
-        hi = gl.minimum(lo + chunk, n)
-        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        p_idx, p_eidx, n1, lo, hi, n_tiles = _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t, K,
+                                                        EK, HAS_LEN, HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
+                                                        BLOCK_N)  # fmt: skip
 
         SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.bfloat16)

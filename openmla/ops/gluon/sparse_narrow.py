@@ -63,7 +63,7 @@ def _smem_bytes(d_qk: int, hb: int) -> int:
 
 
 if GLUON_AVAILABLE:
-    from openmla.ops.gluon.sparse import _producer, _tile_ok
+    from openmla.ops.gluon.sparse import _producer, _row_split, _tile_ok
 
     @gluon.jit
     def _lane_xor4(x):
@@ -246,22 +246,9 @@ if GLUON_AVAILABLE:
         gl.static_assert((D_QK == 576 and FMT != 2) or (D_QK == 512 and FMT != 1), "V3.2 rows or V4 rows")
         i_t = gl.program_id(0).to(gl.int64)
         i_s = gl.program_id(1)
-        p_idx = idx + i_t * stride_i_t
-        n1 = K
-        if HAS_LEN:
-            n1 = gl.minimum(gl.maximum(gl.load(lens + i_t), 0), K)
-        n = n1
-        p_eidx = p_idx
-        if HAS_EXTRA:  # the extra entries follow the main ones in one list (the Triton kernel's split rule)
-            p_eidx = eidx + i_t * stride_ei_t
-            n2 = EK
-            if E_HAS_LEN:
-                n2 = gl.minimum(gl.maximum(gl.load(elens + i_t), 0), EK)
-            n = n1 + n2
-        chunk = gl.cdiv(gl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = i_s * chunk
-        hi = gl.minimum(lo + chunk, n)
-        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        p_idx, p_eidx, n1, lo, hi, n_tiles = _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t, K,
+                                                        EK, HAS_LEN, HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
+                                                        BLOCK_N)  # fmt: skip
 
         SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, HB, 64], SW)
