@@ -31,12 +31,13 @@ COMPILE_VARIANTS = [
 ]
 
 _COMPILE_SCRIPT = r"""
-import json, sys
+import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from openmla.utils.sm90_report import resource_report
 from openmla.ops.gluon import decode as g
+from openmla.ops.gluon import decode_narrow as gn
 from openmla.ops.gluon import decode_seesaw as gs
 
 def nvmma(swizzle, bits):
@@ -49,7 +50,12 @@ report = []
 for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
     box = 32
     seesaw = str(block_n).split("+")[0] in ("seesaw", "pair")
-    if seesaw:  # "seesaw|pair[+box64][+spans[+staged]]"
+    if block_n == "narrow":  # the narrow fp8 kernel: BLOCK_H block_h, Q_PER in the stages field
+        fn = gn._mla_decode_gluon_narrow_kernel
+        cons = dict(PAGE=64, MAX_QLEN=4, BLOCK_H=block_h, Q_PER=stages, CAUSAL=causal,
+                    RAW=gn.raw_stages(block_h * stages), WIDEN_REGS=gn.WIDEN_REGS, TMA_REGS=gn.TMA_REGS, N_QB=2,
+                    num_warps=gn.NUM_WARPS)
+    elif seesaw:  # "seesaw|pair[+box64][+spans[+staged]]"
         fn = gs._mla_decode_gluon_seesaw_kernel
         name, *opts = block_n.split("+")
         box = 64 if "box64" in opts else 32
@@ -91,7 +97,9 @@ for block_n, stages, causal, block_h, fp8 in json.loads(sys.argv[1]):
             sig[name] = "i32"
     k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cons["num_warps"]))
-    report.append(dict(variant=[block_n, stages, causal, block_h, fp8], **resource_report(k)))
+    r = resource_report(k)
+    r["shapes"] = sorted(set(re.findall(r"wgmma.mma_async.sync.aligned.(m\d+n\d+k\d+)", k.asm["ptx"])))
+    report.append(dict(variant=[block_n, stages, causal, block_h, fp8], **r))
 print("REPORT" + json.dumps(report))
 """
 
@@ -110,6 +118,25 @@ def test_gluon_decode_compiles_for_sm90():
         assert r["shared"] + r["static_shared"] <= dg.SMEM_LIMIT, f"{name}: shared memory {r}"
         # 8 consumer warps + the producer warp's warpgroup, registers moved by setmaxnreg
         assert r["num_warps"] == 12 and r["setmaxnreg"], f"{name}: {r}"
+
+
+@pytest.mark.skipif(not dg.GLUON_AVAILABLE, reason="triton.experimental.gluon is not installed")
+def test_gluon_narrow_compiles_for_sm90():
+    # the narrow fp8 kernel at HB 8 / 16 / 32 rows (BLOCK_H x Q_PER): no spill, fits the shared memory, 12 warps (the
+    # consumer and widening warpgroups, the TMA warp's warpgroup) with setmaxnreg; every MMA m64n<HB>k16 (S^T 9 chunks
+    # x 4 k-steps, O^T 8 M-repeats x 4); five TMA messages a 32-key box pair (four 128-byte latent ones, the rope)
+    from openmla.ops.gluon import decode_narrow as gn
+
+    for r in _compile_report([["narrow", 1, True, 16, True], ["narrow", 2, False, 16, True],
+                              ["narrow", 1, True, 8, True], ["narrow", 4, True, 8, True],
+                              ["narrow", 1, False, 32, True]]):  # fmt: skip
+        _, q_per, _, block_h, _ = r["variant"]
+        hb = block_h * q_per
+        assert r["regs"] <= 255 and r["stack"] <= 8 and r["local"] == 0, f"{r['variant']}: spills {r}"
+        smem = hb * 576 * 2 + 2 * 64 * 576 * 2 + gn.raw_stages(hb) * 32 * 576 + hb * 64 * 2 + gn._SCRATCH
+        assert r["shared"] + r["static_shared"] <= min(dg.SMEM_LIMIT, smem), f"{r['variant']}: {r}"
+        assert r["num_warps"] == 12 and r["setmaxnreg"], f"{r['variant']}: {r}"
+        assert r["shapes"] == [f"m64n{hb}k16"] and r["wgmma"] == 9 * 4 + 32 and r["tma"] == 5, f"{r['variant']}: {r}"
 
 
 @pytest.mark.skipif(not dg.GLUON_AVAILABLE, reason="triton.experimental.gluon is not installed")
@@ -173,6 +200,29 @@ def test_gluon_decode_unsupported_on_cpu():
         )
 
 
+def test_gluon_narrow_rules():
+    # which fp8 calls take the narrow kernel (heads x max query length <= 32), its row foldings and raw stages, and
+    # the refusals of variant="narrow" before any launch
+    from types import SimpleNamespace
+
+    from openmla.ops import decode as dec
+    from openmla.ops.gluon import decode_narrow as gn
+
+    assert [dec._gluon_variant("fp8", h, ql, 128, 132) for h, ql in ((16, 1), (16, 2), (32, 1), (33, 1), (16, 3))] == [
+        "narrow", "narrow", "narrow", "ws", "ws"]  # fmt: skip
+    assert dec._gluon_variant("auto", 16, 1, 128, 132) == "seesaw"
+    assert [gn.narrow_config(h, ql) for h, ql in ((1, 1), (6, 5), (8, 4), (16, 1), (16, 2), (20, 1), (32, 1))] == [
+        (1, 8), (8, 4), (8, 4), (16, 1), (16, 2), (32, 1), (32, 1)]  # fmt: skip
+    assert [gn.raw_stages(hb) for hb in (8, 16, 32)] == [3, 3, 2]
+    q = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
+    cache8 = torch.zeros(2, 64, 576, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    args = (None, None, None, SimpleNamespace(max_query_len=4), None, None, 1.0, 1.0, True, 512)
+    with pytest.raises(ValueError, match="narrow"):  # 16 heads x 4 rows
+        dg.mla_decode_split_gluon(q, cache8, *args, variant="narrow")
+    with pytest.raises(ValueError, match="narrow"):  # a bf16 cache
+        dg.mla_decode_split_gluon(q[:, :4], cache8.to(torch.bfloat16), *args, variant="narrow")
+
+
 def test_gluon_q_copyable():
     # the seesaw kernels copy q's rows 16 bytes a thread (cp.async): last dim contiguous, token and head strides in
     # multiples of 16 elements, a 16-byte-aligned base; gluon_decode_supported sends any other q to the portable tier
@@ -216,6 +266,7 @@ KERNEL_KW = {
     "ws": {},
     "ws-n32": {"block_n": 32, "stages": 3},
     "fp8": {},
+    "fp8-narrow": {"variant": "narrow"},
     "seesaw": {"variant": "seesaw"},
     "pair": {"variant": "pair"},
     "seesaw+box32": {"variant": "seesaw", "box_rows": 32},
@@ -323,7 +374,8 @@ def test_gluon_decode_splits(num_sms, variant, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel", ["ws", "ws-n32", "seesaw", "pair", "fp8"])  # (32-row boxes: 32-token splits)
+@pytest.mark.parametrize("kernel", ["ws", "ws-n32", "seesaw", "pair", "fp8", "fp8-narrow"])  # (32-row boxes: 32-token
+# splits)
 def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
     # splits of 32-token granularity start at multiples of 32 that are not multiples of the 64-token page:
     # a 64-key tile is then two boxes on two pages, and a split's last tile can be half empty. The GPU
@@ -335,7 +387,7 @@ def test_gluon_decode_split_starts_inside_pages(kernel, device, monkeypatch):
     tiling = plan_mod.choose_tiling
     monkeypatch.setattr(plan_mod, "choose_tiling", lambda *a, **kw: dataclasses.replace(
         tiling(*a, **kw), block_n=32, num_warps=4, num_stages=2, tma=False))  # fmt: skip
-    fp8 = kernel == "fp8"
+    fp8 = kernel.startswith("fp8")
     kv_dtype = "fp8" if fp8 else "auto"
     lens = [30001, 9001, 12345]
     q, cache, bt, sl, qsl = _batch(device, 16, [1, 2, 1], lens, 64, bad_tail=True, fp8=fp8)
@@ -392,13 +444,14 @@ def test_gluon_decode_empty_rows(kernel, device):
 
 
 @_gpu_test
-@pytest.mark.parametrize("kernel,heads", [("ws", 32), ("fp8", 32), ("seesaw", 32), ("pair", 32), ("pair", 128)])
+@pytest.mark.parametrize("kernel,heads", [("ws", 32), ("fp8", 32), ("fp8-narrow", 16), ("seesaw", 32), ("pair", 32),
+                                          ("pair", 128)])  # fmt: skip
 def test_gluon_decode_rows_outside(kernel, heads, device):
     # unchecked (validate=False), a query_start_loc that starts below 0 and ends past T (its last request then has 3
     # rows where the plan allows 2): the Gluon kernels touch no row of the request starting below 0 and none past T,
     # and the other rows come out as for the checked batch. Every request split (num_sms 8), so the reduce runs too;
     # at h128 the pair kernel runs the request-spanning schedule and merges the pieces itself
-    fp8 = kernel == "fp8"
+    fp8 = kernel.startswith("fp8")
     lens = [3000, 8191, 77, 5000]
     q, cache, bt, sl, qsl = _batch(device, heads, [1, 2, 2, 1], lens, 64, fp8=fp8)
     T = q.shape[0]
@@ -412,7 +465,7 @@ def test_gluon_decode_rows_outside(kernel, heads, device):
     lse = torch.full((T, heads), 7.0, device=device)
     kv = {"kv_cache_dtype": "fp8", "kv_scale": KV_SCALE} if fp8 else {}
     openmla.mla_decode(q, cache, bt, sl, bad, SCALE, plan=plan, out=out, lse=lse, backend="gluon", validate=False,
-                       _gluon_kernel="ws" if fp8 else kernel, **kv)  # fmt: skip
+                       _gluon_kernel={"fp8": "ws", "fp8-narrow": "narrow"}.get(kernel, kernel), **kv)  # fmt: skip
     torch.cuda.synchronize()
     assert bool((out[0] == 7.0).all()) and bool((lse[0] == 7.0).all()), "a request starting below 0 wrote row 0"
     ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True, kv_scale=KV_SCALE if fp8 else None)
@@ -535,9 +588,69 @@ def test_gluon_decode_fp8_splits(num_sms, device):
     assert int(plan.num_splits.max()) > 1
 
 
+# the narrow fp8 kernel (heads x query rows <= 32): N = HB = BLOCK_H x Q_PER of 8, 16 or 32 rows
+NARROW_CASES = [(1, "1"), (6, "varlen"), (8, "4"), (16, "1"), (16, "2"), (20, "1"), (32, "1"), (3, "varlen")]
+
+
+@_gpu_test
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads,qlen", NARROW_CASES)
+def test_gluon_decode_narrow(heads, qlen, causal, device):
+    # ragged lengths, an empty request, tails inside pages, NaN bytes in every unused row; h6 x 5 rows: 2 query
+    # blocks of 4 tokens (N_QB 2); against the reference and against the ws kernel on the same inputs (both fp16)
+    from openmla.ops.gluon import decode_narrow as gn
+
+    lens = [4096, 0, 3, 8191, 1000, 33, 2048, 17]
+    q, cache, bt, sl, qsl = _batch(device, heads, _qlens(qlen, len(lens)), lens, 64, fp8=True)
+    block_h, q_per = gn.narrow_config(heads, int((qsl[1:] - qsl[:-1]).max()))
+    assert block_h * q_per in (8, 16, 32)
+    out, lse, _ = _check(q, cache, bt, sl, qsl, causal, variant="narrow")
+    ws_out, ws_lse, _ = _gluon_decode(q, cache, bt, sl, qsl, causal, variant="ws")
+    assert_close("out", ws_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ws_lse, lse, 1e-4, 1e-4, 1e-6)
+
+
+@_gpu_test
+@pytest.mark.parametrize("page", [32, 64, 256])
+@pytest.mark.parametrize("heads,qlen", [(16, 1), (8, 4)])
+def test_gluon_decode_narrow_tile_counts(heads, qlen, page, device):
+    # 0 to 5 tiles per work item: one box pair per 64-key tile through a 2- or 3-stage raw ring (every lap of its
+    # parities), page 32: a tile's two boxes on two pages, block ids past the sequence invalid, the sequence end at
+    # every offset of a tile
+    lens = [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 192, 193, 256, 257, 320]
+    q, cache, bt, sl, qsl = _batch(device, heads, [qlen] * len(lens), lens, page, bad_tail=True, fp8=True)
+    for causal in (True, False):
+        _, _, plan = _check(q, cache, bt, sl, qsl, causal, variant="narrow")
+    # (the fp8 plan cuts the two longest into 2 splits of 3 and 2 tiles)
+    assert int(plan.num_splits.max()) <= 2, "the planner split a short request further: tile counts not as listed"
+
+
+@_gpu_test
+@pytest.mark.parametrize("num_sms", [4, 132])
+def test_gluon_decode_narrow_splits(num_sms, device):
+    # many splits (partials + the reduce), block ids past the sequence invalid, up to 3 query rows (h8: 24 rows)
+    lens = [30001, 9001, 12345, 64, 0]
+    q, cache, bt, sl, qsl = _batch(device, 8, [1, 2, 1, 3, 1], lens, 64, bad_tail=True, fp8=True)
+    _, _, plan = _check(q, cache, bt, sl, qsl, True, num_sms=num_sms, variant="narrow")
+    assert int(plan.num_splits.max()) > 1
+
+
+@_gpu_test
+def test_gluon_decode_narrow_empty_rows(device):
+    # causal rows that see no key (seq_len < qlen) give out 0 and lse -inf, never NaN
+    lens = [2, 0, 40]
+    q, cache, bt, sl, qsl = _batch(device, 8, [4, 3, 1], lens, 64, fp8=True)
+    out, lse, _ = _gluon_decode(q, cache, bt, sl, qsl, True, variant="narrow")
+    ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, SCALE, causal=True, kv_scale=KV_SCALE)
+    assert bool(torch.isneginf(lse[:2]).all()) and float(out[:2].abs().max()) == 0.0
+    assert math.isinf(float(lse[4, 0])) and not torch.isnan(out).any()
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+
+
 @_gpu_test
 @pytest.mark.parametrize("backend", ["gluon", "auto"])
-@pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4), (16, 1)])
+@pytest.mark.parametrize("heads,qlen", [(128, 1), (16, 4), (16, 1), (16, 2)])
 def test_mla_decode_fp8_backend(heads, qlen, backend, device):
     # the public entry point with an fp8 cache ("auto" runs it on the Gluon tier on sm90), and the portable
     # kernel forced on the same plan (on sm90 its tiles are the ones sized for the Gluon tier)

@@ -12,14 +12,14 @@ the same q, block table and lengths on the bf16 cache (fp8 points too: an fp8 po
 bf16 decode); ``check`` is the cosine similarity of the two outputs.
 
 Tuning (issue 34): any further field is a variant, timed as its own provider (named by the field) beside the default
-in the same rounds, on the same inputs, into its own buffers, its ``check`` the cosine against the default's output.
-A variant is settings joined by ``+``: ``triton`` / ``gluon`` (``mla_decode``'s backend), ``seesaw`` / ``pair`` (that
-Gluon kernel, forced), ``spans0`` / ``spans1`` (``plan_decode``'s ``_spans``: pair runs the spanning schedule where the
-plan has one), ``spanscut`` / ``spanssnap`` (``_spans_mode``: that schedule always cut / snapped), ``cutcost<N>``
-(``_span_cut``: "auto"'s cut cost in units for ``SPAN_CUT``), ``minsplit<N>``, ``maxsplit<N>``, ``split<N>`` (both),
-``itemcost<N>``, ``slots<N>`` (the planner's constants for this variant's plan: ``plan_decode``'s ``_min_split``
-etc.), ``reduce`` (the reduce kernel alone, on that variant's plan, after one full call: meaningful where the default
-path runs a reduce). Example: ``h128 b32 s4096 q1 pair pair+spans1 reduce``.
+in the same rounds, on the same inputs, into its own buffers, its ``check`` the cosine against the default's output. A
+variant is settings joined by ``+``: ``triton`` / ``gluon`` (``mla_decode``'s backend), ``seesaw`` / ``pair`` (that
+Gluon kernel, forced; ``ws`` / ``narrow`` the fp8-cache ones), ``spans0`` / ``spans1`` (``plan_decode``'s ``_spans``:
+pair runs the spanning schedule where the plan has one), ``spanscut`` / ``spanssnap`` (``_spans_mode``: that schedule
+always cut / snapped), ``cutcost<N>`` (``_span_cut``: "auto"'s cut cost in units for ``SPAN_CUT``), ``minsplit<N>``,
+``maxsplit<N>``, ``split<N>`` (both), ``itemcost<N>``, ``slots<N>`` (the planner's constants for this variant's plan:
+``plan_decode``'s ``_min_split`` etc.), ``reduce`` (the reduce kernel alone, on that variant's plan, after one full
+call: meaningful where the default path runs a reduce). Example: ``h128 b32 s4096 q1 pair pair+spans1 reduce``.
 """
 
 from __future__ import annotations
@@ -79,6 +79,12 @@ PRESETS = {
                "h16 b8 s4096 q1 minsplit1024 gluon", "h128 b1 s32768 q1 maxsplit2048 maxsplit8192",
                # the fp8 cache (half the bytes) beside the bf16 points above: ws against the portable kernel
                "h16 b128 s8192 q1 fp8 triton", "h64 b128 s8192 q1 fp8 triton", "h128 b128 s8192 q1 fp8"],
+    # the fp8 cache (half the bytes) at narrow tiles: the narrow kernel (the default up to 32 rows) against ws, beside
+    # the bf16 cache on the same shapes (FlashMLA reads bf16 at every point)
+    "fp8": ["h16 b128 s8192 q1 fp8 ws", "h16 b128 s8192 q1", "h16 b128 s8192 q2 fp8 ws", "h16 b128 s8192 q2",
+            "h32 b128 s8192 q1 fp8 ws", "h32 b128 s8192 q1", "h8 b128 s8192 q1 fp8 ws", "h16 b64 s8192 q1 fp8 ws",
+            "h16 b128 s8192~4096 q1 fp8 ws", "h16 b1 s32768 q1 fp8 ws", "h16 b32 s4096 q1 fp8 ws",
+            "h64 b128 s8192 q1 fp8", "h128 b128 s8192 q1 fp8"],
 }  # fmt: skip
 
 # variant settings: (pattern, what it sets); plan settings become plan_decode's private keywords
@@ -127,7 +133,7 @@ def parse_variant(tok: str) -> dict:
         name, num = (m.group(1), m.group(2)) if m else ("", "")
         if part in ("triton", "gluon"):
             key, val = "backend", part
-        elif part in ("seesaw", "pair"):
+        elif part in ("seesaw", "pair", "ws", "narrow"):
             key, val = "variant", part
         elif part in _PLAN_FLAGS:
             key, val = _PLAN_FLAGS[part]

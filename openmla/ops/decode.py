@@ -29,11 +29,13 @@ from openmla.ops._validate import (
     scalar_scale,
 )
 from openmla.ops.cache import check_block_table
+from openmla.ops.gluon.decode import VARIANTS as GLUON_VARIANTS
 from openmla.ops.gluon.decode import (
     gluon_decode_config,
     gluon_decode_supported,
     mla_decode_split_gluon,
 )
+from openmla.ops.gluon.decode_narrow import NARROW_MAX_ROWS
 from openmla.ops.plan import DecodePlan, pair_wanted, plan_decode
 
 __all__ = ["mla_decode"]
@@ -572,11 +574,12 @@ def _gluon_auto(kv_cache_dtype: str, rows: int, batch_size: int) -> bool:
 
 
 def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int, batch_size: int, num_sms: int) -> str:
-    """The Gluon kernel: ``ws`` for fp8 caches (the seesaw kernels take bf16 caches only); ``pair`` (on the plan's
-    request-spanning schedule) where :func:`openmla.ops.plan.pair_wanted` says the batch fills the SMs with
-    64-head programs; ``seesaw`` otherwise (it hides HBM latency better)."""
+    """The Gluon kernel: for fp8 caches ``narrow`` up to 32 rows (heads x max query length), ``ws`` above (the seesaw
+    kernels take bf16 caches only); ``pair`` (on the plan's request-spanning schedule) where
+    :func:`openmla.ops.plan.pair_wanted` says the batch fills the SMs with 64-head programs; ``seesaw`` otherwise (it
+    hides HBM latency better)."""
     if kv_cache_dtype == "fp8":
-        return "ws"
+        return "narrow" if num_heads * max_query_len <= NARROW_MAX_ROWS else "ws"
     block_h, q_per = gluon_decode_config(num_heads, max_query_len)
     readers = triton.cdiv(num_heads, block_h) * triton.cdiv(max_query_len, q_per)
     return "pair" if pair_wanted(num_heads, readers, batch_size, num_sms) else "seesaw"
@@ -729,9 +732,9 @@ def mla_decode(
     if T and B:
         scale_log2 = sm_scale * q_s * kv_s * _LOG2E
         variant = _gluon_variant(kv_cache_dtype, H, plan.max_query_len, B, plan.num_sms)
-        if _gluon_kernel is not None:  # private, for the benchmark: "seesaw" / "pair" / "ws" instead of the pick
-            if _gluon_kernel not in ("seesaw", "pair", "ws"):
-                raise ValueError(f"_gluon_kernel must be 'seesaw', 'pair' or 'ws'; got {_gluon_kernel!r}")
+        if _gluon_kernel is not None:  # private, for the benchmark: one of the Gluon kernels instead of the pick
+            if _gluon_kernel not in GLUON_VARIANTS:
+                raise ValueError(f"_gluon_kernel must be one of {GLUON_VARIANTS}; got {_gluon_kernel!r}")
             variant = _gluon_kernel
         spans = None
         if _use_gluon(backend, q, kv_cache, plan, kv_cache_dtype):

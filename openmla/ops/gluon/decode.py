@@ -89,10 +89,10 @@ from openmla.ops.gluon._lang import (
     gl,
     gluon,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from openmla.ops.gluon.decode_narrow import NARROW_MAX_ROWS, launch_decode_narrow
 
 D_V = 512
 D_R = 64
@@ -106,25 +106,22 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm90
 WS_PRODUCER_REGS = 32
 # registers of the second warpgroup (the worker partition) of the seesaw kernels
 SEESAW_WG_REGS = 240
-# the kernels: "ws" (fp8 caches), "seesaw" (hides HBM latency better), "pair" (the faster schedule once the KV
-# tiles come from L2; the only one that runs the request-spanning schedule)
-VARIANTS = ("ws", "seesaw", "pair")
+# the kernels: "ws" (fp8 caches of 64-row tiles), "narrow" (fp8 caches, heads x query rows <= 32:
+# :mod:`openmla.ops.gluon.decode_narrow`), "seesaw" (hides HBM latency better), "pair" (the faster schedule once the
+# KV tiles come from L2; the only one that runs the request-spanning schedule)
+VARIANTS = ("ws", "narrow", "seesaw", "pair")
 
 
 if GLUON_AVAILABLE:
     from openmla.ops.gluon.decode_seesaw import _mla_decode_gluon_seesaw_kernel
-    from openmla.ops.gluon.decode_tiles import _box_ok, _kv_rows, _row_count, _store_result, _zero_tail
-
-    @gluon.jit
-    def _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, bars, stage, row0, row1, NSUB: gl.constexpr,
-                  ELEM_BYTES: gl.constexpr = 2):  # fmt: skip
-        """Start the TMA loads of one KV tile (NSUB boxes of 32 keys: [32, 512] latent + [32, 64] rope)."""
-        bar = bars.index(stage)
-        mbarrier.expect(bar, NSUB * 32 * 576 * ELEM_BYTES)
-        for h in gl.static_range(NSUB):
-            row = row0 if h == 0 else row1
-            tma.async_copy_global_to_shared(lat_desc, [row, 0], bar, lat_smem.index(stage).slice(h * 32, 32, dim=0))
-            tma.async_copy_global_to_shared(rope_desc, [row, 512], bar, rope_smem.index(stage).slice(h * 32, 32, dim=0))
+    from openmla.ops.gluon.decode_tiles import (
+        _box_ok,
+        _issue_kv,
+        _kv_rows,
+        _row_count,
+        _store_result,
+        _zero_tail,
+    )
 
     @gluon.jit
     def _qk(q_smem, lat, rope, s_init):
@@ -464,8 +461,9 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
         block_n (int): keys per KV tile, 64 or 32 (keyword-only tuning knob; 64 measured faster).
         stages (int | None): KV ring depth (default: 2 for 64-key tiles, 3 for 32). The fp8 path needs
             64-key tiles and fits 2 fp8 stages next to its fp16 tile.
-        variant (str): ``"ws"`` (``_mla_decode_gluon_ws_kernel``), ``"seesaw"`` or ``"pair"``
-            (``_mla_decode_gluon_seesaw_kernel``: bf16 cache, 64-key tiles, 2 stages; ``block_n``/``stages``
+        variant (str): ``"ws"`` (``_mla_decode_gluon_ws_kernel``), ``"narrow"`` (fp8 cache, heads x
+            ``plan.max_query_len`` <= 32: :mod:`openmla.ops.gluon.decode_narrow`, default tiles), ``"seesaw"`` or
+            ``"pair"`` (``_mla_decode_gluon_seesaw_kernel``: bf16 cache, 64-key tiles, 2 stages; ``block_n``/``stages``
             must keep their defaults); see the module docstring.
         box_rows (int | None): seesaw kernels: rows of a TMA box, 32 or 64 (one box per 64-key tile: needs a page
             size and split lengths that are multiples of 64, so a tile never crosses a page; half the copies).
@@ -478,7 +476,12 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
-    seesaw = variant != "ws"
+    if variant == "narrow" and (not fp8 or q.shape[1] * plan.max_query_len > NARROW_MAX_ROWS or block_n != 64
+                                or stages is not None):  # fmt: skip
+        raise ValueError(f"variant='narrow' takes an fp8 cache, heads x max_query_len <= {NARROW_MAX_ROWS} and the "
+                         f"default tiles; got {kv_cache.dtype}, {q.shape[1]} x {plan.max_query_len}, "
+                         f"block_n={block_n}, stages={stages}")  # fmt: skip
+    seesaw = variant in ("seesaw", "pair")
     if seesaw and not _q_copyable(q):
         raise ValueError(f"the seesaw kernels copy q's rows 16 bytes at a time: q needs a contiguous last dim, token "
                          f"and head strides that are multiples of 16 and a 16-byte-aligned base; got strides "
@@ -558,6 +561,9 @@ def mla_decode_split_gluon(q, kv_cache, block_table, seq_lens, query_start_loc, 
                                               part_desc=part_desc, MERGE_TMA=part_desc is not None,
                                               PAIR=variant == "pair", SPANS=spans is not None,
                                               OUT_TMA=out_desc is not None, **kw)  # fmt: skip
+        return
+    if variant == "narrow":
+        launch_decode_narrow(args, plan.capacity, page, plan.max_query_len, H, causal)
         return
     _mla_decode_gluon_ws_kernel[grid](
         *args, PAGE=page, MAX_QLEN=plan.max_query_len, BLOCK_H=block_h, Q_PER=q_per, BLOCK_N=block_n,

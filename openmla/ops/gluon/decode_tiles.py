@@ -5,7 +5,7 @@ rows and LSE."""
 
 from __future__ import annotations
 
-from openmla.ops.gluon._lang import GLUON_AVAILABLE, fence_async_shared, gl, gluon
+from openmla.ops.gluon._lang import GLUON_AVAILABLE, fence_async_shared, gl, gluon, mbarrier, tma
 
 if GLUON_AVAILABLE:
 
@@ -36,6 +36,17 @@ if GLUON_AVAILABLE:
         ok = (n < kv_hi) & (blk >= 0) & (blk < num_blocks)
         # a box wholly outside the descriptor's rows: TMA writes zeros, reads nothing, counts the bytes
         return gl.where(ok, blk * PAGE + n % PAGE, num_blocks * PAGE)
+
+    @gluon.jit
+    def _issue_kv(lat_desc, rope_desc, lat_smem, rope_smem, bars, stage, row0, row1, NSUB: gl.constexpr,
+                  ELEM_BYTES: gl.constexpr = 2):  # fmt: skip
+        """Start the TMA loads of one KV tile (NSUB boxes of 32 keys: [32, 512] latent + [32, 64] rope)."""
+        bar = bars.index(stage)
+        mbarrier.expect(bar, NSUB * 32 * 576 * ELEM_BYTES)
+        for h in gl.static_range(NSUB):
+            row = row0 if h == 0 else row1
+            tma.async_copy_global_to_shared(lat_desc, [row, 0], bar, lat_smem.index(stage).slice(h * 32, 32, dim=0))
+            tma.async_copy_global_to_shared(rope_desc, [row, 512], bar, rope_smem.index(stage).slice(h * 32, 32, dim=0))
 
     @gluon.jit
     def _zero_tail(lat, n0, L, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
