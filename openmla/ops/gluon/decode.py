@@ -7,12 +7,13 @@ block of 64 rows (``BLOCK_H`` heads x ``Q_PER`` query tokens folded, row ``m`` -
 final rows in ``out``/``lse``; the others get a normalised fp32 partial and its natural-log LSE in
 ``plan.o_part``/``plan.lse_part``, merged afterwards by the existing reduce kernel (not run here).
 
-Three kernels (``variant=``; the design and the measurements behind it: ``docs/kernels.md``):
+Four kernels (``variant=``; the design and the measurements behind it: ``docs/kernels.md``); ``"narrow"`` (fp8 caches
+at heads x qlen <= 32) lives in :mod:`openmla.ops.gluon.decode_narrow`, the other three here:
 
 * ``"ws"``: ``_mla_decode_gluon_ws_kernel`` (warp-specialised), 12 warps in two partitions, ``mla_decode``'s
-  kernel for fp8 caches. A 1-warp producer (32 registers) does the page lookups and issues every TMA load into a
-  ring of ``STAGES`` buffers, waiting on per-stage "empty" mbarriers; the two consumer warpgroups (232 registers
-  after ``setmaxnreg``) wait on per-stage "ready" mbarriers, compute, and release a stage with one
+  kernel for fp8 caches above 32 rows. A 1-warp producer (32 registers) does the page lookups and issues every TMA
+  load into a ring of ``STAGES`` buffers, waiting on per-stage "empty" mbarriers; the two consumer warpgroups (232
+  registers after ``setmaxnreg``) wait on per-stage "ready" mbarriers, compute, and release a stage with one
   ``mbarrier.arrive`` after its P V. CTA-wide barriers per 64-key tile: 5 (loop top, row max x 2, P, after P V).
 * ``Q [64, 576]`` is loaded once (masked ``gl.load``, so any head count / query length / stride works)
   into shared memory as 9 chunks ``[64, 64]`` with the 128-byte-swizzled NVMMA layout.

@@ -2,16 +2,17 @@
 
 The ``ws`` kernel (:mod:`openmla.ops.gluon.decode`) puts 64 rows on the wgmma's M whatever the head count, widens
 each fp8 tile to fp16 in its consumer warpgroups and only then runs the products: at 16 heads three quarters of its
-tensor work is padding and the widening sits in series with the MMAs, so h16 b128 s8k took 436 us against the bf16
-kernel's 296 although it reads half the bytes (docs/kernels.md, "fp8 cache, narrow tiles"). Here:
+tensor work is padding and the widening sits in series with the MMAs, so h16 b128 s8k took 432 us against the bf16
+kernel's 287 although it reads half the bytes (docs/kernels.md, "The fp8 cache at 16 heads"). Here:
 
 * the products are transposed so the ``HB`` rows (8, 16 or 32: ``BLOCK_H`` heads x ``Q_PER`` query tokens, heads
   first) are the N: ``S^T = K Q^T`` (M = the tile's 64 keys; A = the fp16 key tile, K-major; B = Q^T) and
   ``O^T = V^T P^T`` (M = the 512 output columns in 8 repeats; A = the same tile seen MN-major; B = P^T);
 * three partitions: a TMA warp (page lookups, 32-key e4m3 boxes into a ring of ``RAW`` raw stages), a widening
-  warpgroup (a raw stage to registers, hands it back at once, widens ``cvt.rn.f16x2.e4m3x2`` (exact) into one of two
-  fp16 tiles, zeroing keys >= the sequence length, whose bytes may be NaN) and the consumer warpgroup (the products,
-  the online softmax down the columns of ``S^T``, the epilogue). Widening tile j+1 overlaps the products of tile j.
+  warpgroup (a raw stage widened to fp16 registers by ``cvt.rn.f16x2.e4m3x2`` (exact), keys >= the sequence length
+  zeroed in the stage that holds them (their bytes may be NaN), the stage fenced and handed back, the values stored
+  into one of two fp16 tiles) and the consumer warpgroup (the products, the online softmax down the columns of
+  ``S^T``, the epilogue). Widening tile j+1 overlaps the products of tile j.
 
 Contract: ``_mla_decode_gluon_ws_kernel``'s (one program per plan work item and query block, the final rows of a
 single-split request in ``out``/``lse``, else the normalised fp32 partial and its natural-log LSE for the reduce;
@@ -111,12 +112,18 @@ if GLUON_AVAILABLE:
         r = u % RAW
         mbarrier.wait(raw_ready.index(r), (u // RAW) & 1)
         src = raw_lat.index(r)
-        keep = (n0 + o_rl) < L
-        x0 = gl.where(keep, src.slice(0, 128, dim=1).load(LAT_W).to(gl.float16), 0.0)
-        x1 = gl.where(keep, src.slice(128, 128, dim=1).load(LAT_W).to(gl.float16), 0.0)
-        x2 = gl.where(keep, src.slice(256, 128, dim=1).load(LAT_W).to(gl.float16), 0.0)
-        x3 = gl.where(keep, src.slice(384, 128, dim=1).load(LAT_W).to(gl.float16), 0.0)
-        xr = gl.where((n0 + o_rr) < L, raw_rope.index(r).load(ROPE_W).to(gl.float16), 0.0)
+        x0 = src.slice(0, 128, dim=1).load(LAT_W).to(gl.float16)
+        x1 = src.slice(128, 128, dim=1).load(LAT_W).to(gl.float16)
+        x2 = src.slice(256, 128, dim=1).load(LAT_W).to(gl.float16)
+        x3 = src.slice(384, 128, dim=1).load(LAT_W).to(gl.float16)
+        xr = raw_rope.index(r).load(ROPE_W).to(gl.float16)
+        if n0 + _SUB_N > L:  # the stage holds the sequence end: rows past it are zeros (only there, selects cost)
+            keep = (n0 + o_rl) < L
+            x0 = gl.where(keep, x0, 0.0)
+            x1 = gl.where(keep, x1, 0.0)
+            x2 = gl.where(keep, x2, 0.0)
+            x3 = gl.where(keep, x3, 0.0)
+            xr = gl.where((n0 + o_rr) < L, xr, 0.0)
         # the widened values depend on the loads, so they have landed; the fence orders these generic reads before
         # the TMA warp's next (async-proxy) copy into the stage
         fence_async_shared()
