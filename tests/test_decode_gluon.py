@@ -132,7 +132,7 @@ def test_gluon_narrow_compiles_for_sm90():
                               ["narrow", 1, False, 32, True]]):  # fmt: skip
         _, q_per, _, block_h, _ = r["variant"]
         hb = block_h * q_per
-        assert r["regs"] <= 255 and r["stack"] <= 8 and r["local"] == 0, f"{r['variant']}: spills {r}"
+        assert r["regs"] <= 255 and r["stack"] == 0 and r["local"] == 0, f"{r['variant']}: spills {r}"
         smem = hb * 576 * 2 + 2 * 64 * 576 * 2 + gn.raw_stages(hb) * 32 * 576 + hb * 64 * 2 + gn._SCRATCH
         assert r["shared"] + r["static_shared"] <= min(dg.SMEM_LIMIT, smem), f"{r['variant']}: {r}"
         assert r["num_warps"] == 12 and r["setmaxnreg"], f"{r['variant']}: {r}"

@@ -118,7 +118,9 @@ if GLUON_AVAILABLE:
     from openmla.ops.gluon.decode_tiles import (
         _box_ok,
         _issue_kv,
+        _key_limit,
         _kv_rows,
+        _q_to_smem,
         _row_count,
         _store_result,
         _zero_tail,
@@ -201,30 +203,10 @@ if GLUON_AVAILABLE:
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
         COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        LD_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-        ROW_LD: gl.constexpr = gl.SliceLayout(1, LD_LAYOUT)
-        COL_LD: gl.constexpr = gl.SliceLayout(0, LD_LAYOUT)
 
         # ---- Q rows -> shared memory while the producer starts the first tiles
-        o_m = gl.arange(0, BLOCK_M, layout=ROW_LD)
-        o_t = i_q * Q_PER + o_m // BLOCK_H
-        o_h = i_h * BLOCK_H + o_m % BLOCK_H
-        m_ld = gl.expand_dims((o_t < qlen) & (o_h < H), 1)
-        p_q = q + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_q_t + o_h * stride_q_h, 1)
-        o_c = gl.expand_dims(gl.arange(0, 64, layout=COL_LD), 0)
-        for c in gl.static_range(9):
-            b_q = gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0)
-            q_smem.index(c).store(b_q.to(q_smem.dtype))  # fp16 with an fp8 cache (like the portable kernel)
-        fence_async_shared()
-        gl.thread_barrier()
-
-        o_ms = gl.arange(0, BLOCK_M, layout=ROW_S)
-        o_ts = i_q * Q_PER + o_ms // BLOCK_H
-        if CAUSAL:
-            limit = L - qlen + o_ts + 1
-        else:
-            limit = gl.full([BLOCK_M], 0, gl.int32, ROW_S) + L
-        limit = gl.expand_dims(gl.minimum(limit, kv_hi), 1)
+        _q_to_smem(q, q_smem, q_start, qlen, i_h, i_q, H, stride_q_t, stride_q_h, BLOCK_H, Q_PER, NW)
+        limit = gl.expand_dims(_key_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL), 1)
         o_ns = gl.arange(0, BLOCK_N, layout=COL_S)
         b_m = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
         # the row sums stay per key column (each thread its own keys) until the epilogue: no cross-warpgroup

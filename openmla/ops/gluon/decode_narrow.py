@@ -26,15 +26,7 @@ from __future__ import annotations
 
 import triton
 
-from openmla.ops.gluon._lang import (
-    GLUON_AVAILABLE,
-    fence_async_shared,
-    gl,
-    gluon,
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from openmla.ops.gluon._lang import GLUON_AVAILABLE, fence_async_shared, gl, gluon, mbarrier
 
 __all__ = ["NARROW_MAX_ROWS", "launch_decode_narrow", "narrow_config", "raw_stages"]
 
@@ -64,7 +56,8 @@ def raw_stages(hb: int) -> int:
 
 
 if GLUON_AVAILABLE:
-    from openmla.ops.gluon.decode_tiles import _box_ok, _issue_kv, _kv_rows, _row_count
+    from openmla.ops.gluon.decode_tiles import _box_ok, _issue_kv, _key_limit, _kv_rows, _q_to_smem, _row_count
+    from openmla.ops.gluon.transposed import _finish_t, _scores_t, _softmax_pv_t
 
     _BLOCK_N = gl.constexpr(BLOCK_N)
     _SUB_N = gl.constexpr(SUB_N)
@@ -155,27 +148,10 @@ if GLUON_AVAILABLE:
         KEY: gl.constexpr = gl.SliceLayout(1, S_L)
         ROW: gl.constexpr = gl.SliceLayout(0, S_L)  # a column of S^T / O^T: one (token, head) row of the output
         DIM: gl.constexpr = gl.SliceLayout(1, S_L)
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
         # Q [HB, 576] -> 9 swizzled fp16 chunks (rows past the request's tokens or H are zeros, never stored)
-        o_m = gl.arange(0, HB, layout=gl.SliceLayout(1, LD))
-        o_t = i_q * Q_PER + o_m // BLOCK_H
-        o_h = i_h * BLOCK_H + o_m % BLOCK_H
-        m_ld = gl.expand_dims((o_t < qlen) & (o_h < H), 1)
-        p_q = q + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_q_t + o_h * stride_q_h, 1)
-        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
-        for c in gl.static_range(9):
-            q_smem.index(c).store(gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0).to(gl.float16))
-        fence_async_shared()
-        gl.thread_barrier()
-
-        o_ms = gl.arange(0, HB, layout=ROW)
-        o_ts = i_q * Q_PER + o_ms // BLOCK_H
-        if CAUSAL:
-            limit = L - qlen + o_ts + 1
-        else:
-            limit = gl.full([HB], 0, gl.int32, ROW) + L
-        limit = gl.expand_dims(gl.minimum(limit, kv_hi), 0)
+        _q_to_smem(q, q_smem, q_start, qlen, i_h, i_q, H, stride_q_t, stride_q_h, BLOCK_H, Q_PER, 4)
+        limit = gl.expand_dims(_key_limit(i_q, qlen, L, kv_hi, ROW, HB, Q_PER, CAUSAL), 0)
         o_n = gl.arange(0, _BLOCK_N, layout=KEY)
         b_m = gl.full([HB], float("-inf"), gl.float32, ROW)
         b_lv = gl.zeros([_BLOCK_N, HB], gl.float32, S_L)  # column sums per key row until the epilogue
@@ -192,36 +168,16 @@ if GLUON_AVAILABLE:
             ok1 = _box_ok(p_bt, n0 + _BLOCK_N + _SUB_N, kv_hi, max_blocks, num_blocks, PAGE)
             mbarrier.wait(ready.index(stage), (j // _STAGES) & 1)
             k_lat = lat16.index(stage)
-            b_s = warpgroup_mma(k_lat.slice(0, 64, dim=1), q_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
-                                is_async=True)  # fmt: skip
-            for c in gl.static_range(1, 8):
-                b_s = warpgroup_mma(k_lat.slice(c * 64, 64, dim=1), q_smem.index(c).permute((1, 0)), b_s,
-                                    is_async=True)  # fmt: skip
-            b_s = warpgroup_mma(rope16.index(stage), q_smem.index(8).permute((1, 0)), b_s, is_async=True)
-            b_s = warpgroup_mma_wait(0, deps=(b_s,))
-
+            b_s = _scores_t(k_lat, rope16.index(stage), q_smem, s_zero, True)
             b_s = gl.where(m_n, b_s * scale_log2, float("-inf"))
-            b_m_new = gl.maximum(b_m, gl.max(b_s, axis=0))
-            b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-            b_alpha = gl.exp2(b_m - b_m_use)
-            b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 0))
-            b_lv = b_lv * gl.expand_dims(b_alpha, 0) + b_p
-            b_m = b_m_new
-            p_smem.store(gl.permute(b_p.to(gl.float16), (1, 0)))  # P [HB, 64]: K-major B of O^T
-            fence_async_shared()
-            gl.thread_barrier()  # all of P is written
-
-            acc = acc * gl.expand_dims(b_alpha, 0)
-            acc = warpgroup_mma(k_lat.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            gl.thread_barrier()  # every warp is done with this fp16 tile and with P
-            mbarrier.arrive(empty.index(stage), count=1)  # the widening warpgroup may refill it
+            b_m, b_lv, acc = _softmax_pv_t(b_s, b_m, b_lv, acc, k_lat, p_smem)
+            mbarrier.arrive(empty.index(stage), count=1)  # the widening warpgroup may refill this fp16 tile
 
         # epilogue: natural-log LSE (base-2 running max), -inf and zeros for a row that saw no key
-        b_l = gl.sum(b_lv, axis=0)
-        empty_r = b_l == 0.0
-        b_lse = gl.where(empty_r, float("-inf"), (b_m + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)
-        b_o = acc * gl.expand_dims(gl.where(empty_r, 0.0, v_scale / gl.where(empty_r, 1.0, b_l)), 0)
+        _, b_lse, b_r = _finish_t(b_lv, b_m, v_scale)
+        b_o = acc * gl.expand_dims(b_r, 0)
+        o_ms = gl.arange(0, HB, layout=ROW)
+        o_ts = i_q * Q_PER + o_ms // BLOCK_H
         o_hs = i_h * BLOCK_H + o_ms % BLOCK_H
         m_s = (o_ts < qlen) & (o_hs < H)
         m_o = gl.expand_dims(m_s, 0)

@@ -37,7 +37,15 @@ RESCALE_ASM = gl.constexpr(
 RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 128 + [str(i) for i in range(128)] + ["r"] * 128 + ["f"] * 128))
 
 if GLUON_AVAILABLE:
-    from openmla.ops.gluon.decode_tiles import _box_ok, _kv_rows, _row_count, _store_result, _zero_tail
+    from openmla.ops.gluon.decode_tiles import (
+        _box_ok,
+        _key_limit,
+        _kv_rows,
+        _q_ptrs,
+        _row_count,
+        _store_result,
+        _zero_tail,
+    )
 
     # ---- "seesaw" kernel: two 4-warp partitions (warpgroup 0 = the default partition, warpgroup 1 a worker),
     # no producer warp. Tile t of a work item lives in stage t % 2 and belongs to warpgroup t % 2, which loads it
@@ -88,14 +96,8 @@ if GLUON_AVAILABLE:
         """Start copying Q [64, 576] into 9 swizzled chunks (cp.async, 16 bytes a thread; rows past the query or
         the heads are zero-filled): each warpgroup copies alternate chunks; ``_seesaw_wait_q`` completes it. Issued
         before the first tiles' block ids are looked up, so that the two latencies overlap."""
-        BLOCK_M: gl.constexpr = BLOCK_H * Q_PER
         LD_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD_LAYOUT))
-        o_t = i_q * Q_PER + o_m // BLOCK_H
-        o_h = i_h * BLOCK_H + o_m % BLOCK_H
-        m_ld = gl.expand_dims((o_t < qlen) & (o_h < H), 1)
-        p_q = q + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_q_t + o_h * stride_q_h, 1)
-        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD_LAYOUT)), 0)
+        p_q, m_ld, o_c = _q_ptrs(q, q_start, qlen, i_h, i_q, H, stride_q_t, stride_q_h, BLOCK_H, Q_PER, LD_LAYOUT)
         for c in gl.static_range(9):
             if c % 2 == WG:
                 async_copy.async_copy_global_to_shared(q_smem.index(c), p_q + (c * 64 + o_c), mask=m_ld)
@@ -110,17 +112,6 @@ if GLUON_AVAILABLE:
         gl.thread_barrier()
         mbarrier.arrive(qbar, count=1)
         mbarrier.wait(qbar, ph)
-
-    @gluon.jit
-    def _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S: gl.constexpr, BLOCK_M: gl.constexpr, Q_PER: gl.constexpr,
-                      CAUSAL: gl.constexpr):  # fmt: skip
-        """``[BLOCK_M, 1]``: the first key each row does not see."""
-        o_ts = i_q * Q_PER + gl.arange(0, BLOCK_M, layout=ROW_S) // (BLOCK_M // Q_PER)
-        if CAUSAL:
-            limit = L - qlen + o_ts + 1
-        else:
-            limit = gl.full([BLOCK_M], 0, gl.int32, ROW_S) + L
-        return gl.expand_dims(gl.minimum(limit, kv_hi), 1)
 
     @gluon.jit
     def _sum_row_sums(b_l, l_smem, lbar, ph, WG: gl.constexpr):
@@ -555,7 +546,7 @@ if GLUON_AVAILABLE:
             _seesaw_issue(lat_desc, rope_desc, lat_smem, rope_smem, ready_y.index(OWN), OWN, r0, r1, OTH, True)
 
         _seesaw_wait_q(qbar, 0)
-        limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
+        limit = gl.expand_dims(_key_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL), 1)
         m_prev = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
         b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
         acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_LAYOUT)
@@ -912,7 +903,7 @@ if GLUON_AVAILABLE:
                              max_blocks, num_blocks, 1, WG, WG == 0, PAGE)  # fmt: skip
 
         _seesaw_wait_q(qbar, sph)
-        limit = _seesaw_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL)
+        limit = gl.expand_dims(_key_limit(i_q, qlen, L, kv_hi, ROW_S, BLOCK_M, Q_PER, CAUSAL), 1)
         m_run = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
         b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
         acc = gl.zeros([BLOCK_M, 256], gl.float32, O_LAYOUT)

@@ -21,6 +21,45 @@ if GLUON_AVAILABLE:
         return q_start, n
 
     @gluon.jit
+    def _q_ptrs(q, q_start, qlen, i_h, i_q, H, stride_q_t, stride_q_h, BLOCK_H: gl.constexpr, Q_PER: gl.constexpr,
+                LD: gl.constexpr):  # fmt: skip
+        """A program's q rows in layout ``LD``: row pointers ``[BLOCK_H * Q_PER, 1]`` (row m: token
+        ``i_q * Q_PER + m // BLOCK_H``, head ``i_h * BLOCK_H + m % BLOCK_H``), their mask (the rows that exist) and
+        the column offsets ``[1, 64]`` of a 64-column chunk."""
+        o_m = gl.arange(0, BLOCK_H * Q_PER, layout=gl.SliceLayout(1, LD))
+        o_t = i_q * Q_PER + o_m // BLOCK_H
+        o_h = i_h * BLOCK_H + o_m % BLOCK_H
+        m_ld = gl.expand_dims((o_t < qlen) & (o_h < H), 1)
+        p_q = q + gl.expand_dims((q_start + o_t).to(gl.int64) * stride_q_t + o_h * stride_q_h, 1)
+        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
+        return p_q, m_ld, o_c
+
+    @gluon.jit
+    def _q_to_smem(q, q_smem, q_start, qlen, i_h, i_q, H, stride_q_t, stride_q_h, BLOCK_H: gl.constexpr,
+                   Q_PER: gl.constexpr, NUM_WARPS: gl.constexpr):  # fmt: skip
+        """Load a program's q rows into the 9 swizzled 64-column chunks of ``q_smem`` (in its dtype; rows that do not
+        exist are zeros), fenced for the wgmma reads and followed by a barrier of the ``NUM_WARPS`` warps."""
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+        p_q, m_ld, o_c = _q_ptrs(q, q_start, qlen, i_h, i_q, H, stride_q_t, stride_q_h, BLOCK_H, Q_PER, LD)
+        for c in gl.static_range(9):
+            b_q = gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0)
+            q_smem.index(c).store(b_q.to(q_smem.dtype))  # fp16 with an fp8 cache (like the portable kernel)
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _key_limit(i_q, qlen, L, kv_hi, LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, Q_PER: gl.constexpr,
+                   CAUSAL: gl.constexpr):  # fmt: skip
+        """``[BLOCK_M]`` in ``LAYOUT``: the first key each of a program's rows does not see (causal: query t of the
+        request's qlen sees keys ``< L - qlen + t + 1``), at most ``kv_hi``."""
+        o_ts = i_q * Q_PER + gl.arange(0, BLOCK_M, layout=LAYOUT) // (BLOCK_M // Q_PER)
+        if CAUSAL:
+            limit = L - qlen + o_ts + 1
+        else:
+            limit = gl.full([BLOCK_M], 0, gl.int32, LAYOUT) + L
+        return gl.minimum(limit, kv_hi)
+
+    @gluon.jit
     def _box_ok(p_bt, n, kv_hi, max_blocks, num_blocks, PAGE: gl.constexpr):
         """Whether the 32-key box starting at key ``n`` is in the split and has a valid block id."""
         i_pg = n // PAGE

@@ -35,8 +35,6 @@ from openmla.ops.gluon._lang import (
     gl,
     gluon,
     mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 from openmla.ops.gluon.sparse import NARROW_MAX_H
 
@@ -64,6 +62,7 @@ def _smem_bytes(d_qk: int, hb: int) -> int:
 
 if GLUON_AVAILABLE:
     from openmla.ops.gluon.sparse import _producer, _row_split, _tile_ok
+    from openmla.ops.gluon.transposed import _finish_t, _scores_t, _softmax_pv_t
 
     @gluon.jit
     def _lane_xor4(x):
@@ -128,37 +127,13 @@ if GLUON_AVAILABLE:
             if FENCE:  # cp.async wrote the stage (generic proxy): order it before the wgmma reads
                 fence_async_shared()
             k_lat = lat.index(stage)
-            b_s = warpgroup_mma(k_lat.slice(0, 64, dim=1), q_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
-                                is_async=True)  # fmt: skip
-            for c in gl.static_range(1, 8):
-                b_s = warpgroup_mma(k_lat.slice(c * 64, 64, dim=1), q_smem.index(c).permute((1, 0)), b_s,
-                                    is_async=True)  # fmt: skip
-            if D_QK > 512:
-                b_s = warpgroup_mma(rope.index(stage), q_smem.index(8).permute((1, 0)), b_s, is_async=True)
-            b_s = warpgroup_mma_wait(0, deps=(b_s,))
-
+            b_s = _scores_t(k_lat, rope.index(stage), q_smem, s_zero, D_QK > 512)
             b_s = gl.where(gl.expand_dims(ok, 1), b_s * scale_log2, float("-inf"))
-            b_m_new = gl.maximum(b_m, gl.max(b_s, axis=0))
-            b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-            b_alpha = gl.exp2(b_m - b_m_use)
-            b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 0))
-            b_lv = b_lv * gl.expand_dims(b_alpha, 0) + b_p
-            b_m = b_m_new
-            p_smem.store(gl.permute(b_p.to(gl.bfloat16), (1, 0)))  # P [HB, 64]: K-major B of O^T
-            fence_async_shared()
-            gl.thread_barrier()  # all of P is written
-
-            acc = acc * gl.expand_dims(gl.convert_layout(b_alpha, HEAD_O), 0)
-            acc = warpgroup_mma(k_lat.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            gl.thread_barrier()  # every warp is done with this stage and with P
+            b_m, b_lv, acc = _softmax_pv_t(b_s, b_m, b_lv, acc, k_lat, p_smem)
             mbarrier.arrive(empty.index(stage), count=1)  # the producers may refill it
 
         # epilogue: natural-log LSE of the scaled scores (sink-free), -inf and zeros for a head with no key
-        b_l = gl.sum(b_lv, axis=0)
-        empty_h = b_l == 0.0
-        b_lse = gl.where(empty_h, float("-inf"), (b_m + gl.log2(gl.where(empty_h, 1.0, b_l))) * 0.6931471805599453)
-        b_r = gl.where(empty_h, 0.0, 1.0 / gl.where(empty_h, 1.0, b_l))
+        empty_h, b_lse, b_r = _finish_t(b_lv, b_m, 1.0)
         o_hs = gl.arange(0, HB, layout=HEAD_S)
         m_hs = o_hs < H
         o_ho = gl.arange(0, HB, layout=HEAD_O)
