@@ -396,11 +396,9 @@ def test_sparse_gluon_splits_and_sinks(splits, kv_cache_dtype, opts, device):
     assert bool((out[:, 1] == 0).all())  # a sink of +inf gives 0
 
 
-@_gpu_test
-@pytest.mark.parametrize("opts", GLUON_OPTS, ids=_opts_id)
-def test_sparse_gluon_nan_in_selected_fp8_rows(opts, device):
-    # fp8_ds_mla: a NaN e4m3 byte, a NaN scale (its whole group of 128) and a NaN rope value in selected rows count
-    # as 0
+def _nan_in_selected_fp8_rows(device):
+    """An fp8_ds_mla cache (4 blocks of 16) and index rows [3, 24] whose first row selects a slot with a NaN e4m3
+    byte, one with a NaN scale and one with a NaN rope value."""
     cache = _cache(device, 4, 16, "fp8_ds_mla")
     g = torch.Generator().manual_seed(5)
     idx = torch.randint(0, 64, (3, 24), generator=g, dtype=torch.int32).to(device)
@@ -409,6 +407,15 @@ def test_sparse_gluon_nan_in_selected_fp8_rows(opts, device):
     flat[s0, 5] = 0x7F
     flat[s1, 512:516] = 0xFF
     flat[s2, 600:602] = 0xFF
+    return cache, idx
+
+
+@_gpu_test
+@pytest.mark.parametrize("opts", GLUON_OPTS, ids=_opts_id)
+def test_sparse_gluon_nan_in_selected_fp8_rows(opts, device):
+    # fp8_ds_mla: a NaN e4m3 byte, a NaN scale (its whole group of 128) and a NaN rope value in selected rows count
+    # as 0
+    cache, idx = _nan_in_selected_fp8_rows(device)
     q = torch.randn(3, 64, 576, device=device).bfloat16()
     _check(q, cache, idx, "fp8_ds_mla", **_opts_kw(opts, "fp8_ds_mla"))
 
@@ -782,14 +789,7 @@ def test_sparse_gluon_narrow_splits_and_sinks(heads, splits, kv_cache_dtype, dev
 @_gpu_test
 def test_sparse_gluon_narrow_nan_in_selected_fp8_rows(device):
     # a NaN e4m3 byte, a NaN scale and a NaN rope value in selected rows count as 0 (with and without nanpack)
-    cache = _cache(device, 4, 16, "fp8_ds_mla")
-    g = torch.Generator().manual_seed(5)
-    idx = torch.randint(0, 64, (3, 24), generator=g, dtype=torch.int32).to(device)
-    flat = cache.view(64, 656)
-    s0, s1, s2 = (int(v) for v in idx[0, :3])
-    flat[s0, 5] = 0x7F
-    flat[s1, 512:516] = 0xFF
-    flat[s2, 600:602] = 0xFF
+    cache, idx = _nan_in_selected_fp8_rows(device)
     q = torch.randn(3, 16, 576, device=device).bfloat16()
     for opts in (None, ()):
         _check(q, cache, idx, "fp8_ds_mla", **({} if opts is None else {"_gluon_opts": opts}))
