@@ -121,14 +121,16 @@ for v in json.loads(sys.argv[1]):
     cons = dict(PAGE=page, E_PAGE=e_page, FMT=fmt, D_QK=d_qk, N_HB=2, NUM_SPLITS=splits, HAS_LEN=has_len,
                 HAS_EXTRA=extra, E_HAS_LEN=e_len, HAS_SINK=has_sink, HAS_ROPE=rope, ROPE=64 if rope else 2,
                 BLOCK_N=gs.BLOCK_N, STAGES=gs.STAGES, FP8_PASSES=gs.FP8_PASSES,
-                PRODUCER_REGS=gs.producer_regs(fmt, d_qk, opts), num_warps=gs.NUM_WARPS, OPTS=opts)
+                PRODUCER_REGS=gs.producer_regs(fmt, d_qk, opts), num_warps=4 if opts & 16 else gs.NUM_WARPS,
+                OPTS=opts)
     kvt = "*bf16" if fmt == 0 else "*u8"
     f32 = {0: kvt, 1: "*fp32", 2: "*fp32" if opts & 4 else kvt}[fmt]  # staged fp8_v4: the exponent words
     views = {"": kvt, "_f32": f32, "_b16": "*bf16" if fmt else kvt}
-    k = compile_sm90(fn, cons, views, gs.NUM_WARPS)
+    k = compile_sm90(fn, cons, views, cons["num_warps"])
     ptx = k.asm["ptx"]
     r = resource_report(k)
     r.update(variant=v, qk=ptx.count("wgmma.mma_async.sync.aligned.m64n32k16"),
+             qk64=ptx.count("wgmma.mma_async.sync.aligned.m64n64k16"),
              pv=ptx.count("wgmma.mma_async.sync.aligned.m64n256k16"), cp_async=ptx.count("cp.async.cg.shared.global"),
              cp_async4=ptx.count("cp.async.ca.shared.global"), noinc=ptx.count("cp.async.mbarrier.arrive.noinc"))
     report.append(r)
@@ -166,29 +168,59 @@ def test_sparse_gluon_compiles_for_sm90():
             assert r["cp_async"] == 0, f"{name}: {r}"
 
 
+# "asym" (OPTS 16): bf16 / fp8_ds_mla / fp8_v4 rows, splits, two sources, the inverse RoPE; the scoring warpgroup (at
+# the 256-register limit) keeps a few loop values in local memory: this many bytes at most (sm90 offline, Triton 3.6)
+ASYM_VARIANTS = [
+    (0, 576, 1, True, True, 64, False, False, 64, False, 18),
+    (0, 576, 4, True, False, 1, False, False, 1, False, 16),
+    (1, 576, 1, True, True, 64, False, False, 64, False, 19),
+    (2, 512, 1, True, True, 256, True, True, 64, True, 18),
+    (0, 512, 4, True, True, 256, True, True, 64, True, 16),
+]
+ASYM_SPILL_BOUND = 56
+
+
+@pytest.mark.skipif(not gs.GLUON_AVAILABLE or not HAS_NVIDIA_BACKEND, reason="needs triton's Gluon and NVIDIA backend")
+def test_sparse_gluon_asym_compiles_for_sm90():
+    # "asym": 12 warps (the scoring warpgroup, the P V warpgroup, the producer) with setmaxnreg; the whole score tile
+    # m64n64k16 in one warpgroup (9 or 8 chunks x 4 k-steps, at tile 0 and in the loop), P V m64n256k16 (the
+    # scorer's half in the loop and after it, the other warpgroup's half: 3 x 4); within the shared memory
+    for r in run_report_script(_COMPILE_SCRIPT, ASYM_VARIANTS):
+        v, chunks = tuple(r["variant"]), r["variant"][1] // 64
+        assert r["regs"] <= 255 and r["stack"] <= ASYM_SPILL_BOUND and r["local"] == 0, f"{v}: spills {r}"
+        assert r["shared"] + r["static_shared"] <= SMEM_LIMIT, f"{v}: shared memory {r}"
+        assert r["num_warps"] == 12 and str(gs.ASYM_PV_REGS) in r["setmaxnreg"], f"{v}: {r}"
+        assert r["qk"] == 0 and r["qk64"] == 2 * 4 * chunks and r["pv"] == 12, f"{v}: wgmma {r}"
+
+
 def test_sparse_gluon_opts_validation(device):
     # _gluon_opts names -> OPTS bits; unknown names ("onestore": tried and dropped), V4 / two-source calls and the
     # fp8 variants on a bf16 cache are refused
     assert gs.gluon_opts_bits((), "auto", 576, False) == 0
     # the defaults (sparse_mla without _gluon_opts): V3.2 one-source calls only, each a valid variant set
     assert gs.default_opts("fp8_ds_mla", 576, False) == ("staged", "nanpack", "lazy")
-    assert gs.default_opts("auto", 576, False) == ("lazy",)
-    assert gs.default_opts("fp8_v4", 512, False) == gs.default_opts("auto", 512, False) == ()
-    assert gs.default_opts("auto", 576, True) == ()
+    assert gs.default_opts("auto", 576, False) == gs.default_opts("auto", 512, True) == ("asym", "lazy")
+    assert gs.default_opts("fp8_v4", 512, False) == gs.default_opts("fp8_v4", 512, True) == ()
     for fmt, opts in gs.DEFAULT_OPTS.items():
         gs.gluon_opts_bits(opts, fmt, 576, False)
     assert gs.gluon_opts_bits(("nanpack", "lazy"), "fp8_ds_mla", 576, False) == 3
     assert gs.gluon_opts_bits(("lazy",), "auto", 576, False) == 2
+    for d_qk, extra in ((576, False), (512, True)):  # the bf16 default, any row width and sources
+        assert gs.gluon_opts_bits(gs.default_opts("auto", d_qk, extra), "auto", d_qk, extra) == 18
     assert gs.gluon_opts_bits(("staged", "nanpack"), "fp8_ds_mla", 576, False) == 5
     assert gs.gluon_opts_bits(("lazy",), "fp8_v4", 512, True) == gs.gluon_opts_bits(("lazy",), "auto", 576, True) == 2
     assert gs.gluon_opts_bits(("staged", "nanpack", "lazy"), "fp8_v4", 512, True) == 7
     assert gs.gluon_opts_bits(("staged",), "fp8_v4", 512, False) == 4
+    assert gs.gluon_opts_bits(("asym", "lazy"), "fp8_v4", 512, True) == 18
+    assert gs.gluon_opts_bits(("asym", "lazy"), "auto", 576, False) == 18
+    assert gs.gluon_opts_bits(("asym", "nanpack"), "fp8_ds_mla", 576, False) == 17
     for args in [(("prefetch",), "fp8_ds_mla", 576, False), ("lazy", "auto", 576, False),
                  (("nanpack",), "fp8_v4", 512, False), (("nanpack", "lazy"), "fp8_ds_mla", 576, True),
                  (("staged",), "auto", 512, True),
                  (("nanpack",), "auto", 576, False), (("staged",), "auto", 576, False),
                  (("staged",), "fp8_ds_mla", 576, True),
-                 (("onestore",), "fp8_ds_mla", 576, False)]:  # fmt: skip
+                 (("onestore",), "fp8_ds_mla", 576, False),
+                 (("asym", "staged"), "fp8_ds_mla", 576, False)]:  # fmt: skip
         with pytest.raises(ValueError, match="_gluon_opts"):
             gs.gluon_opts_bits(*args)
     q = torch.randn(1, 64, 576, device=device).bfloat16()
@@ -338,7 +370,7 @@ _MAIN = list(itertools.product([64, 128], [64, 100, 2048], [1, 64], CACHE_DTYPES
 # "staged" only with the fp8_ds_mla cache: _opts_kw skips them on bf16 rows)
 # (None: the defaults of gs.DEFAULT_OPTS; (): the plain code; the others cover every bit, bit-identical ones in
 # test_sparse_gluon_staged_matches_default)
-GLUON_OPTS = [None, (), ("nanpack", "lazy"), ("staged", "nanpack", "lazy"), ("staged",)]
+GLUON_OPTS = [None, (), ("nanpack", "lazy"), ("staged", "nanpack", "lazy"), ("staged",), ("asym", "lazy"), ("asym",)]
 _FP8_ONLY = ("nanpack", "staged")
 
 
@@ -540,6 +572,19 @@ def test_sparse_gluon_v4_lazy(heads, rows, splits, kv_cache_dtype, device):
     sink = torch.linspace(-2, 2, heads, device=device)
     kw = {"_num_splits_override": splits} if splits else {}
     _v4_run(heads, rows, kv_cache_dtype, device, sink=sink, seed=rows, _gluon_opts=("lazy",), **kw)
+
+
+@_gpu_test
+@pytest.mark.parametrize("opts", [("asym",), ("asym", "lazy")], ids=lambda v: "+".join(v))
+@pytest.mark.parametrize("kv_cache_dtype", V4_DTYPES)
+@pytest.mark.parametrize("heads,rows,splits,extra", [(64, 1, None, True), (128, 37, None, True), (96, 300, None, True),
+                                                     (128, 37, 3, True), (64, 37, None, False)])  # fmt: skip
+def test_sparse_gluon_v4_asym(opts, heads, rows, splits, extra, kv_cache_dtype, device):
+    # "asym" on V4 calls (two sources or one, lengths, the inverse RoPE in warpgroup 1's half, sinks, splits)
+    kw = dict(extra=extra, sink=torch.linspace(-2, 2, heads, device=device), seed=rows + heads)
+    if splits:
+        kw["_num_splits_override"] = splits
+    _v4_run(heads, rows, kv_cache_dtype, device, _gluon_opts=opts, **kw)
 
 
 @_gpu_test

@@ -70,6 +70,11 @@ PRESETS = {
                + [f"{p} {k}" for p in ("v4decode h64 b128 q2 w128 k512 bf16", "v4prefill h128 t4096 k1024",
                                         "v4prefill h64 t4096 k512 w128 paged gather")
                   for k in ("triton", "g:lazy")],
+    # the asymmetric consumers ("asym": one warpgroup scores, both multiply) beside the default
+    "asym": [f"{p} {k}" for p in ("v4decode h64 b128 q2 w128 k512", "v4decode h128 b128 q2 w128 k1024",
+                                   "v4decode h64 b128 q2 w128 k512 bf16", "v4prefill h128 t4096 k1024",
+                                   "v4prefill h64 t4096 k512 w128 paged", "v4prefill h64 t4096 k512 w128 paged gather")
+             for k in ("g:asym", "g:asym+lazy")],
     # H <= 32: the narrow kernel (the default there) beside the 64-head one ("wide")
     "narrow": [f"v4decode h{h} b{b} q2 w128 k512 g:wide" for h in (8, 16, 32) for b in (1, 128)]
               + ["v4decode h16 b128 q2 w128 k512 eb2 elen g:wide", "v4decode h16 b128 q1 w128 k512 g:wide"],

@@ -30,6 +30,13 @@ warpgroups compute the whole score tile, and it overlaps nothing. Here:
   The consumers recompute each key's validity from the index row(s) (a slot < 0 or >= its source's slots, or past
   the split, scores -inf; its zero-filled row adds nothing to P V).
 
+bf16 rows (the default variant "asym", the consumers above for fp8 rows): warpgroup 0 (the default partition)
+scores the whole 64-key tile (m64n64k16), runs the softmax and ``O[:, :256] += P V``, tile j - 1's P V issued before
+tile j's scores; warpgroup 1 (a worker partition) takes P and the rows' rescale factors from shared memory and runs
+``O[:, 256:] += P V`` beside warpgroup 0's next scores and softmax, then its half of the epilogue with the final
+factors warpgroup 0 leaves in shared memory (mbarriers: P ready, P free, final factors; each stage is released by
+both). The tensor cores then work while warpgroup 0 computes the softmax: 1.08-1.27x at prefill.
+
 One kernel body: ``D_QK`` (576 / 512: the rope chunk and its ring exist or not), ``FMT`` (the producer),
 ``HAS_EXTRA`` and ``HAS_ROPE`` are constexprs; V3.2's one-source specialisations compile to the code they had before
 V4's were added (sm90 offline SASS, the loops' instruction counts unchanged).
@@ -99,7 +106,13 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 #   _smem_bytes); fp8_v4 needs 16-byte aligned blocks (openmla's padded blocks, or an even block size unpadded)
 # "wide" (H <= NARROW_MAX_H): the 64-head kernel instead of the narrow one (openmla/ops/gluon/sparse_narrow.py), which
 #   takes "nanpack" only
-GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4, "wide": 8}
+# "asym" (not with "staged"; the default for bf16 rows): asymmetric consumers: warpgroup 0 scores the whole tile
+#   (m64n64k16), runs the softmax and its half of P V one tile behind the scores; warpgroup 1, a worker partition,
+#   runs the other half of P V from P and the rows' factors in shared memory, beside warpgroup 0's next scores and
+#   softmax (the two-warpgroup consumers run the scores, the softmax and P V in turn, both together)
+GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4, "wide": 8, "asym": 16}
+_ASYM = 16
+ASYM_PV_REGS = 168  # "asym": warpgroup 1's registers (its half of O is 128 a thread)
 _WIDE = GLUON_OPTS["wide"]
 _FP8_ONLY_OPTS = 1 | 4
 _STAGED = 4
@@ -109,10 +122,11 @@ STAGED_PRODUCER_REGS = {1: 56, 2: 48}
 _V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8 exponent bytes after the block's rows
 
 
-# the variants a call runs by default (V3.2, one source), by cache format: measured on the H200 (benchmarks/RESULTS.md,
-# preset "gopts", stop 39): fp8_ds_mla staged + nanpack + lazy 1.12-1.14x the plain code at h16-h128
-# b64-b128 (h128 b1 even), bf16 rows lazy 1.01-1.03x; V4 calls run the plain code (their variants are unmeasured)
-DEFAULT_OPTS = {"fp8_ds_mla": ("staged", "nanpack", "lazy"), "auto": ("lazy",)}
+# the variants a call runs by default, by cache format: measured on the H200 (benchmarks/RESULTS.md): fp8_ds_mla (V3.2,
+# one source) staged + nanpack + lazy 1.12-1.14x the plain code at h16-h128 b64-b128 (preset "gopts", stop 39); bf16
+# rows (V3.2 and V4, one or two sources) asym + lazy 1.08-1.27x the lazy plain code at prefill, 0.98-1.08x at decode
+# (preset "asym", stop 48); fp8_v4 rows the plain code (asym and staged there: slower or within 3%)
+DEFAULT_OPTS = {"fp8_ds_mla": ("staged", "nanpack", "lazy"), "auto": ("asym", "lazy")}
 
 
 def is_narrow(H: int, opts: int = 0) -> bool:
@@ -125,6 +139,8 @@ def default_opts(kv_cache_dtype: str, d_qk: int, has_extra: bool, H: int = BLOCK
     kernel's: "nanpack" for fp8_ds_mla rows)."""
     if is_narrow(H):
         return ("nanpack",) if kv_cache_dtype == "fp8_ds_mla" else ()
+    if kv_cache_dtype == "auto":  # any row width and sources
+        return DEFAULT_OPTS["auto"]
     if d_qk != D_QK or has_extra:
         return ()
     return DEFAULT_OPTS.get(kv_cache_dtype, ())
@@ -155,6 +171,8 @@ def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool, H: in
         raise ValueError("_gluon_opts 'nanpack' / 'staged' cover fp8_ds_mla calls of one source only")
     if bits & 1 and kv_cache_dtype == "fp8_v4" and not bits & _STAGED:
         raise ValueError("_gluon_opts 'nanpack' changes fp8_v4 rows only with 'staged' (its dequantisation)")
+    if bits & _ASYM and bits & _STAGED:
+        raise ValueError("_gluon_opts 'asym' runs on the plain path's bf16 ring; 'staged' has one bf16 tile")
     return bits
 
 
@@ -175,11 +193,14 @@ def _smem_bytes(d_qk: int = D_QK, opts: int = 0) -> int:
     if opts & _STAGED:
         return (BLOCK_H * D_QK * 2 + BLOCK_N * D_V * 2 + STAGES * BLOCK_N * D_R * 2
                 + STAGES * BLOCK_N * (D_V + 16) + 2048)  # fmt: skip
-    return BLOCK_H * d_qk * 2 + STAGES * BLOCK_N * d_qk * 2 + BLOCK_H * BLOCK_N * 2 + 2048
+    asym = 2 * BLOCK_H * 4 if opts & _ASYM else 0  # the rows' factors, per tile and final
+    return BLOCK_H * d_qk * 2 + STAGES * BLOCK_N * d_qk * 2 + BLOCK_H * BLOCK_N * 2 + asym + 2048
 
 
 if GLUON_AVAILABLE:
     from openmla.ops.gluon.decode_seesaw import LAZY_T, RESCALE_ASM, RESCALE_CONSTRAINTS
+
+    _ASYM_PV_REGS = gl.constexpr(ASYM_PV_REGS)
 
     @gluon.jit
     def _tile_slots(p_idx, n0, hi, num_slots, BLOCK_N: gl.constexpr, layout: gl.constexpr):
@@ -839,6 +860,175 @@ if GLUON_AVAILABLE:
             gl.store(o_part + gl.expand_dims(part, 1) + o_v, b_o, mask=m_o)
 
     @gluon.jit
+    def _asym_scorer(q, q_smem, lat, rope, p_smem, a_smem, f_smem, ready, empty, p_ready, p_free, fin, p_idx, p_eidx,
+                     sink, out, lse, o_part, lse_part, scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+                     stride_l_t, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles, num_slots, e_num_slots,
+                     D_QK: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                     HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr, FENCE: gl.constexpr,
+                     LAZY: gl.constexpr):  # fmt: skip
+        """Variant "asym", warpgroup 0 (the default partition): the whole score tile ``S = Q K^T`` (m64n64k16),
+        the softmax, P and the rows' rescale factors to shared memory for warpgroup 1, and ``O[:, :256] += P V[:,
+        :256]`` (P from shared memory too: held in registers as well, it spilled) one tile behind the scores: tile
+        j - 1's P V is issued before tile j's scores, so it runs while tile j lands and its stage goes back before
+        the softmax (issued after the scores, it held each stage a tile longer: 3-12% slower at decode, the same at
+        prefill); the epilogue of the left half, the LSE, and the rows' final factors (1 / l, the sink) for
+        warpgroup 1."""
+        BLOCK_M: gl.constexpr = 64
+        HALF: gl.constexpr = 256
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])  # fmt: skip
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        HAS_TAIL: gl.constexpr = D_QK > 512
+
+        o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
+        o_h = i_hb * BLOCK_M + o_m
+        m_ld = gl.expand_dims(o_h < H, 1)
+        p_q = q + i_t * stride_q_t + gl.expand_dims(o_h.to(gl.int64) * stride_q_h, 1)
+        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
+        for c in gl.static_range(D_QK // 64):
+            q_smem.index(c).store(gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        b_m = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
+        b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
+        acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_LAYOUT)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
+        if n_tiles > 0:
+            # ---- tile 0: scores and softmax (no P V yet)
+            ok = _tile_ok(p_idx, p_eidx, lo, hi, n1, num_slots, e_num_slots, BLOCK_N, COL_S, HAS_EXTRA)
+            mbarrier.wait(ready.index(0), 0)
+            if FENCE:  # cp.async wrote the stage (generic proxy): order it before the wgmma reads
+                fence_async_shared()
+            s_tok = _qk(q_smem, lat.index(0), rope.index(0), s_zero, HAS_TAIL)
+            b_s = warpgroup_mma_wait(0, deps=(s_tok,))
+            b_p, b_alpha, b_m, b_l = _asym_softmax(b_s, ok, b_m, b_l, scale_log2, LAZY)
+            _asym_publish(b_p, b_alpha, p_smem, a_smem, p_ready, p_free, 0)
+            acc = _rescale(acc, b_alpha, ROW_O, LAZY)
+            # ---- steady state: P V of tile j - 1, then the scores and softmax of tile j
+            for j in range(1, n_tiles):
+                stage = j % STAGES
+                pst = (j - 1) % STAGES
+                ok = _tile_ok(p_idx, p_eidx, lo + j * BLOCK_N, hi, n1, num_slots, e_num_slots, BLOCK_N, COL_S,
+                              HAS_EXTRA)  # fmt: skip
+                # P V of tile j - 1 first: it runs while tile j lands, and its stage goes back before the softmax
+                o_tok = warpgroup_mma(p_smem, lat.index(pst).slice(0, HALF, dim=1), acc, is_async=True)
+                mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+                if FENCE:
+                    fence_async_shared()
+                s_tok = _qk(q_smem, lat.index(stage), rope.index(stage), s_zero, HAS_TAIL)
+                acc = warpgroup_mma_wait(1, deps=(o_tok,))  # issued first, so done when one group is left
+                mbarrier.arrive(empty.index(pst), count=1)  # warpgroup 0 is done with tile j - 1's stage
+                b_s = warpgroup_mma_wait(0, deps=(s_tok,))
+                b_p, b_alpha, b_m, b_l = _asym_softmax(b_s, ok, b_m, b_l, scale_log2, LAZY)
+                _asym_publish(b_p, b_alpha, p_smem, a_smem, p_ready, p_free, j)
+                acc = _rescale(acc, b_alpha, ROW_O, LAZY)
+            # ---- P V of the last tile
+            lst = (n_tiles - 1) % STAGES
+            o_tok = warpgroup_mma(p_smem, lat.index(lst).slice(0, HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(o_tok,))
+            mbarrier.arrive(empty.index(lst), count=1)
+
+        # epilogue: natural-log LSE of the scaled scores (sink-free), -inf and zeros for a row with no key
+        empty_r = b_l == 0.0
+        b_lse = gl.where(empty_r, float("-inf"), (b_m + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)
+        b_r = gl.where(empty_r, 0.0, 1.0 / gl.where(empty_r, 1.0, b_l))
+        o_hs = i_hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
+        m_hs = o_hs < H
+        if NUM_SPLITS == 1:
+            if HAS_SINK:  # sigmoid(lse - sink), 0 for an empty row (as the Triton kernel's _sink_factor)
+                b_sk = gl.load(sink + o_hs, mask=m_hs, other=float("-inf"))
+                e = gl.exp2((b_sk - gl.where(empty_r, 0.0, b_lse)) * 1.4426950408889634)
+                b_r = b_r * gl.where(empty_r, 0.0, 1.0 / (1.0 + e))
+            gl.store(lse + i_t * stride_l_t + o_hs, b_lse, mask=m_hs)
+        else:
+            gl.store(lse_part + (i_s * T + i_t) * H + o_hs, b_lse, mask=m_hs)
+        f_smem.store(b_r)  # the rows' final factors for warpgroup 1
+        gl.thread_barrier()
+        mbarrier.arrive(fin, count=1)
+        b_o = acc * gl.expand_dims(gl.convert_layout(b_r, ROW_O), 1)
+        _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, 0, ROW_O, COL_O, NUM_SPLITS)
+
+    @gluon.jit
+    def _asym_softmax(b_s, ok, b_m, b_l, scale_log2, LAZY: gl.constexpr):
+        """Variant "asym": one tile's online softmax (base 2) on the whole score tile: invalid keys -inf, the row max
+        (LAZY: moved only past LAZY_T), P, the old rows' factor, the row sums."""
+        b_s = gl.where(gl.expand_dims(ok, 0), b_s * scale_log2, float("-inf"))
+        if LAZY:
+            b_mx = gl.max(b_s, axis=1)
+            b_m_new = gl.where(b_mx > b_m + LAZY_T, b_mx, b_m)
+        else:
+            b_m_new = gl.maximum(b_m, gl.max(b_s, axis=1))
+        b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = gl.exp2(b_m - b_m_use)
+        b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 1))
+        return b_p, b_alpha, b_m_new, b_l * b_alpha + gl.sum(b_p, axis=1)
+
+    @gluon.jit
+    def _asym_publish(b_p, b_alpha, p_smem, a_smem, p_ready, p_free, j):
+        """Variant "asym": tile j's P (bf16) and the rows' factors into shared memory for warpgroup 1, once it is
+        done with tile j - 1's (fresh barriers pass parity 1 at once)."""
+        mbarrier.wait(p_free, (j & 1) ^ 1)
+        p_smem.store(b_p.to(gl.bfloat16))
+        a_smem.store(b_alpha)
+        fence_async_shared()  # P's generic-proxy stores before warpgroup 1's wgmma reads
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready, count=1)
+
+    @gluon.jit
+    def _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, C0: gl.constexpr,
+                    ROW_O: gl.constexpr, COL_O: gl.constexpr, NUM_SPLITS: gl.constexpr):  # fmt: skip
+        """Variant "asym": a warpgroup's normalised half ``[64, 256]`` (columns ``C0 + [0, 256)``) into ``out``
+        (bf16) or the split's fp32 partial."""
+        o_ho = i_hb * 64 + gl.arange(0, 64, layout=ROW_O)
+        m_o = gl.expand_dims(o_ho < H, 1)
+        o_v = gl.expand_dims(C0 + gl.arange(0, 256, layout=COL_O), 0)
+        if NUM_SPLITS == 1:
+            p_o = out + i_t * stride_o_t + gl.expand_dims(o_ho.to(gl.int64) * stride_o_h, 1) + o_v
+            gl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
+        else:
+            part = ((i_s * T + i_t) * H + o_ho.to(gl.int64)) * 512
+            gl.store(o_part + gl.expand_dims(part, 1) + o_v, b_o, mask=m_o)
+
+    @gluon.jit
+    def _asym_pv(lat, p_smem, a_smem, f_smem, ready, empty, p_ready, p_free, fin, out, o_part, rope_pos, cos_sin,
+                 stride_o_t, stride_o_h, stride_cs, num_pos, T, H, i_t, i_hb, i_s, n_tiles, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_ROPE: gl.constexpr, ROPE: gl.constexpr,
+                 FENCE: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+        """Variant "asym", warpgroup 1 (a worker partition): ``O[:, 256:] += P V[:, 256:]`` with P and the rows' rescale
+        factors from warpgroup 0 through shared memory; the epilogue of the right half (V4's inverse RoPE: its last
+        ROPE columns are this half's)."""
+        HALF: gl.constexpr = 256
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])  # fmt: skip
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
+        acc = gl.zeros([64, HALF], gl.float32, O_LAYOUT)
+        for j in range(n_tiles):
+            stage = j % STAGES
+            mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+            mbarrier.wait(p_ready, j & 1)
+            if FENCE:
+                fence_async_shared()
+            acc = _rescale(acc, a_smem.load(ROW_O), ROW_O, LAZY)
+            acc = warpgroup_mma(p_smem, lat.index(stage).slice(HALF, HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            gl.thread_barrier()  # every warp of this warpgroup is done with P and the stage
+            mbarrier.arrive(p_free, count=1)
+            mbarrier.arrive(empty.index(stage), count=1)
+        mbarrier.wait(fin, 0)
+        b_o = acc * gl.expand_dims(f_smem.load(ROW_O), 1)
+        if NUM_SPLITS == 1 and HAS_ROPE:  # after normalisation and sink, as the two-warpgroup consumers
+            b_o = gl.convert_layout(_inverse_rope(b_o, rope_pos, i_t, cos_sin, stride_cs, num_pos, ROPE), O_LAYOUT)
+        _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, HALF, ROW_O, COL_O, NUM_SPLITS)
+
+    @gluon.jit
     def _sparse_mla_gluon_fwd_kernel(
         q,  # [T, H, D_QK] bf16
         kv,  # [num_blocks, PAGE, D_QK] bf16 (FMT 0), uint8 [num_blocks, PAGE, 656] (FMT 1) or fp8_v4 bytes (FMT 2)
@@ -898,7 +1088,8 @@ if GLUON_AVAILABLE:
         OPTS: gl.constexpr = 0,
     ):
         """One program per (row, 64-head block, split); see the module docstring."""
-        gl.static_assert(num_warps == 8, "two consumer warpgroups in the default partition")
+        ASYM: gl.constexpr = (OPTS & 16) != 0
+        gl.static_assert(num_warps == (4 if ASYM else 8), "the consumer warpgroups of the default partition")
         gl.static_assert(BLOCK_N == 64, "64-key tiles: each consumer warpgroup scores 32 keys")
         gl.static_assert((D_QK == 576 and FMT != 2) or (D_QK == 512 and FMT != 1), "V3.2 rows or V4 rows")
         i_hb = gl.program_id(0) % N_HB
@@ -980,6 +1171,49 @@ if GLUON_AVAILABLE:
                 mbarrier.invalidate(ready.index(st))
                 mbarrier.invalidate(empty.index(st))
                 mbarrier.invalidate(free.index(st))
+        elif ASYM:
+            # "asym": the plain path's ring and P, the rows' factors (per tile, and final) for warpgroup 1
+            F1A: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, 64, 64], SW)
+            lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], SW)
+            if D_QK > 512:
+                rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SW)
+            else:
+                rope = lat  # no rope columns (V4): never read
+            p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK_N], P_SMEM)
+            a_smem = gl.allocate_shared_memory(gl.float32, [64], F1A)
+            f_smem = gl.allocate_shared_memory(gl.float32, [64], F1A)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            sync = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # P ready / free, final
+            for st in gl.static_range(STAGES):
+                mbarrier.init(ready.index(st), count=PW * 32 if FMT == 0 else 1)
+                mbarrier.init(empty.index(st), count=2)  # both warpgroups' P V of the stage
+            for b in gl.static_range(3):
+                mbarrier.init(sync.index(b), count=1)
+            fence_async_shared()
+
+            gl.warp_specialize([
+                (_asym_scorer, (q, q_smem, lat, rope, p_smem, a_smem, f_smem, ready, empty, sync.index(0),
+                                sync.index(1), sync.index(2), p_idx, p_eidx, sink, out, lse, o_part, lse_part,
+                                scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_l_t, T, H, i_t,
+                                i_hb, i_s, lo, hi, n1, n_tiles, num_slots, e_num_slots, D_QK, BLOCK_N, STAGES,
+                                NUM_SPLITS, HAS_EXTRA, HAS_SINK, FMT == 0, (OPTS & 2) != 0)),
+                (_asym_pv, (lat, p_smem, a_smem, f_smem, ready, empty, sync.index(0), sync.index(1), sync.index(2),
+                            out, o_part, rope_pos, cos_sin, stride_o_t, stride_o_h, stride_cs, num_pos, T, H, i_t,
+                            i_hb, i_s, n_tiles, BLOCK_N, STAGES, NUM_SPLITS, HAS_ROPE, ROPE, FMT == 0,
+                            (OPTS & 2) != 0)),
+                (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo,
+                             hi, n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots,
+                             e_num_slots, PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA,
+                             OPTS)),
+            ], [4, PW], [_ASYM_PV_REGS, PRODUCER_REGS])  # fmt: skip
+
+            for st in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(st))
+                mbarrier.invalidate(empty.index(st))
+            for b in gl.static_range(3):
+                mbarrier.invalidate(sync.index(b))
         else:
             q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, 64, 64], SW)
             lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], SW)
@@ -1095,6 +1329,7 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
         return
     _sparse_mla_gluon_fwd_kernel[(T * n_hb, num_splits)](
         *args, N_HB=n_hb, BLOCK_N=BLOCK_N, STAGES=STAGES, FP8_PASSES=FP8_PASSES,
-        PRODUCER_REGS=producer_regs(fmt, d_qk, opts), num_warps=NUM_WARPS, **({"OPTS": opts} if opts else {}),
+        PRODUCER_REGS=producer_regs(fmt, d_qk, opts), num_warps=4 if opts & _ASYM else NUM_WARPS,
+        **({"OPTS": opts} if opts else {}),
         **shared,
     )  # fmt: skip
