@@ -65,12 +65,11 @@ PRESETS = {
              + ["decode h128 b128 q1 k2048 bf16 g:plain", "prefill h128 t4096 k2048 g:plain"]
              # batch 1 (0.45x FlashMLA): forced split counts against the planner's (32 of 64 keys at h128)
              + [f"decode h{h} b1 q1 k2048 split{n}" for h in (128, 64) for n in (4, 8, 16)],
-    # the asymmetric consumers ("asym": one warpgroup scores, both multiply) beside the defaults; fp8 rows through
-    # the plain producer (which dequantises) with them
-    "asym": [f"decode {p} q1 k2048 g:{v}" for p in ("h128 b128", "h64 b64", "h128 b16")
-             for v in ("asym+nanpack+lazy", "nanpack+lazy")]
-            + ["decode h128 b128 q1 k2048 bf16 g:asym+lazy", "decode h128 b128 q2 k2048 bf16 g:asym+lazy",
-               "prefill h128 t4096 k2048 g:asym+lazy", "prefill h128 t4096 k2048 g:asym"],
+    # the asymmetric consumers ("asym", the default for bf16 rows since stop 48) beside the lazy plain code they
+    # replaced, and on fp8_ds_mla rows through the plain producer (where "staged" stays)
+    "asym": [f"prefill h{h} t{t} k2048 g:lazy" for h, t in ((128, 4096), (128, 1024), (64, 4096))]
+            + [f"decode h{h} b{b} q1 k2048 bf16 g:lazy" for h, b in ((128, 128), (64, 128), (128, 32))]
+            + [f"decode {p} q1 k2048 g:asym+nanpack+lazy" for p in ("h128 b128", "h64 b64")],
     # H <= 32: the narrow kernel (the default there) beside the 64-head one ("wide")
     "narrow": [f"decode h{h} b{b} q{q} k2048 g:wide" for h in (16, 32) for b in (1, 64, 128) for q in (1, 2)]
               + ["decode h8 b128 q1 k2048 g:wide", "decode h16 b128 q1 k2048 bf16 g:wide"],

@@ -70,11 +70,13 @@ PRESETS = {
                + [f"{p} {k}" for p in ("v4decode h64 b128 q2 w128 k512 bf16", "v4prefill h128 t4096 k1024",
                                         "v4prefill h64 t4096 k512 w128 paged gather")
                   for k in ("triton", "g:lazy")],
-    # the asymmetric consumers ("asym": one warpgroup scores, both multiply) beside the default
-    "asym": [f"{p} {k}" for p in ("v4decode h64 b128 q2 w128 k512", "v4decode h128 b128 q2 w128 k1024",
-                                   "v4decode h64 b128 q2 w128 k512 bf16", "v4prefill h128 t4096 k1024",
-                                   "v4prefill h64 t4096 k512 w128 paged", "v4prefill h64 t4096 k512 w128 paged gather")
-             for k in ("g:asym", "g:asym+lazy")],
+    # the asymmetric consumers ("asym", the default for bf16 rows since stop 48) beside the plain code they replaced,
+    # and on fp8_v4 rows (where the plain code stays)
+    "asym": [f"{p} g:plain" for p in ("v4prefill h128 t4096 k1024", "v4prefill h64 t4096 k512",
+                                      "v4prefill h64 t4096 k512 w128 paged gather",
+                                      "v4decode h64 b128 q2 w128 k512 bf16")]
+            + [f"{p} g:asym+lazy" for p in ("v4decode h64 b128 q2 w128 k512", "v4decode h128 b128 q2 w128 k1024",
+                                            "v4prefill h64 t4096 k512 w128 paged")],
     # H <= 32: the narrow kernel (the default there) beside the 64-head one ("wide")
     "narrow": [f"v4decode h{h} b{b} q2 w128 k512 g:wide" for h in (8, 16, 32) for b in (1, 128)]
               + ["v4decode h16 b128 q2 w128 k512 eb2 elen g:wide", "v4decode h16 b128 q1 w128 k512 g:wide"],
@@ -110,7 +112,7 @@ class V4AttnShape:
     tile: tuple = ()
     split: int = 0
     kernel: str = ""  # "gluon" / "triton": also time that kernel (provider of the same name)
-    gopts: tuple = ()  # "g:lazy": the Gluon kernel with those private variants (provider "g:<variants>")
+    gopts: tuple = ()  # "g:lazy": the Gluon kernel with those variants (provider "g:<variants>"; g:plain: none)
     spec: str = ""
 
     def __str__(self) -> str:
@@ -210,7 +212,7 @@ def _add_kernel(shape: V4AttnShape, ctx: BenchContext, fns: dict, call, out: tor
     if not shape.kernel:
         return
     out_k, lse_k = torch.empty_like(out), torch.empty_like(lse)
-    kw = {"_gluon_opts": shape.gopts} if shape.gopts else {}
+    kw = {"_gluon_opts": () if shape.gopts == ("plain",) else shape.gopts} if shape.gopts else {}
 
     def other():
         call(out_k, lse_k, _kernel=shape.kernel, **kw)
