@@ -119,6 +119,6 @@ def test_demo_fails_on_a_wrong_model(capsys, monkeypatch, how):
     import openmla.engine as engine_pkg
 
     monkeypatch.setattr(engine_pkg, "load_model", _break(how))
-    assert main(["demo", "--device", DEV, "--model", "tiny-v32", "--dtype", "float32", "--max-new-tokens", "4"]) == 1
+    assert main(["demo", "--device", DEV, "--model", "tiny-v32", "--dtype", "float32", "--max-new-tokens", "1"]) == 1
     err = capsys.readouterr().err
     assert "MISMATCH" in err and (how == "scale" or "indexer picks differ from transformers'" in err), err

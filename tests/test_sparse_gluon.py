@@ -22,25 +22,18 @@ SCALE = 576**-0.5
 INF = float("inf")
 HAS_NVIDIA_BACKEND = importlib.util.find_spec("triton.backends.nvidia") is not None
 
-# (FMT, D_QK, NUM_SPLITS, HAS_LEN, HAS_SINK, PAGE, HAS_EXTRA, E_HAS_LEN, E_PAGE, HAS_ROPE): every specialisation the
-# launcher reaches, by cache format and row width (V3.2 576, V4 512), split or not, with and without lengths / sinks,
-# power-of-two and unit pages; V4 with and without the extra source (its own page) and the fused inverse RoPE
+# (FMT, D_QK, NUM_SPLITS, HAS_LEN, HAS_SINK, PAGE, HAS_EXTRA, E_HAS_LEN, E_PAGE, HAS_ROPE): the two-warpgroup
+# consumers' specialisations: fp8_v4 rows (their default), by split, lengths, sinks, pages (power-of-two, unit, the
+# extra source's own), one or two sources and the fused inverse RoPE; the plain fp8_ds_mla path; bf16 rows' plain
+# code (private since "asym", the reference of the variants). The bf16 defaults are ASYM_VARIANTS below
 COMPILE_VARIANTS = [
     (0, 576, 1, True, True, 64, False, False, 64, False),
-    (0, 576, 4, True, False, 1, False, False, 1, False),
-    (0, 576, 1, False, False, 64, False, False, 64, False),
     (1, 576, 1, True, True, 64, False, False, 64, False),
     (1, 576, 4, False, True, 1, False, False, 1, False),
-    (1, 576, 1, False, False, 64, False, False, 64, False),
     (2, 512, 1, True, True, 256, True, True, 64, True),  # V4 decode / paged prefill
     (2, 512, 4, True, True, 256, True, True, 64, True),
     (2, 512, 1, True, True, 256, True, False, 2, False),
     (2, 512, 1, False, False, 1, True, True, 1, True),
-    (0, 512, 1, True, True, 256, True, True, 64, True),
-    (0, 512, 1, True, True, 1, False, False, 1, True),  # a gathered V4 workspace
-    (0, 512, 4, True, True, 1, False, False, 1, True),
-    (0, 512, 1, False, False, 64, False, False, 64, False),
-    (0, 576, 1, True, False, 64, True, False, 16, False),  # V3.2 bf16 rows with a second source
     (2, 512, 1, True, True, 64, False, False, 64, False),  # fp8_v4, one source
 ]
 # fp8_v4 (FMT 2): its consumers run on 216 registers and some specialisations spill 8 bytes there (one LDL a tile,
@@ -52,26 +45,17 @@ STAGED_SPILL_BOUND = {1: 0, 2: 16}
 # the private variants (sparse_mla(_gluon_opts=...), OPTS bits of gs.GLUON_OPTS) on V3.2 specialisations: the same
 # bounds (no spill), the 11th field is OPTS
 OPTS_VARIANTS = [
-    (2, 512, 1, True, True, 256, True, True, 64, True, 2),  # lazy, V4 decode / paged prefill (fp8_v4, bf16)
-    (0, 512, 1, True, True, 256, True, True, 64, True, 2),
+    (2, 512, 1, True, True, 256, True, True, 64, True, 2),  # lazy, V4 decode / paged prefill (fp8_v4)
     (2, 512, 1, True, True, 256, True, True, 64, True, 4),  # staged fp8_v4: two sources, the inverse RoPE
     (2, 512, 1, True, True, 256, True, True, 64, True, 7),  # staged + nanpack + lazy
     (2, 512, 4, True, True, 64, False, False, 64, False, 4),  # one source, splits
-    (2, 512, 1, False, False, 64, False, False, 64, False, 5),
     (1, 576, 1, True, True, 64, False, False, 64, False, 1),  # nanpack
-    (1, 576, 4, False, True, 1, False, False, 1, False, 1),
-    (1, 576, 1, True, True, 64, False, False, 64, False, 2),  # lazy
     (1, 576, 4, False, True, 1, False, False, 1, False, 3),  # nanpack + lazy
-    (1, 576, 1, False, False, 64, False, False, 64, False, 3),
-    (0, 576, 1, True, True, 64, False, False, 64, False, 2),  # lazy, bf16 rows
-    (0, 576, 4, True, False, 1, False, False, 1, False, 2),
+    (0, 576, 1, True, True, 64, False, False, 64, False, 2),  # lazy, bf16 rows (their default before "asym")
     (1, 576, 1, True, True, 64, False, False, 64, False, 4),  # staged
-    (1, 576, 4, False, True, 1, False, False, 1, False, 4),
-    (1, 576, 1, False, False, 64, False, False, 64, False, 4),
-    (1, 576, 1, True, True, 64, False, False, 64, False, 5),  # staged + nanpack
-    (1, 576, 1, False, False, 1, False, False, 1, False, 5),
-    (1, 576, 1, True, False, 64, False, False, 64, False, 6),  # staged + lazy
-    (1, 576, 4, False, True, 1, False, False, 1, False, 7),  # staged + nanpack + lazy
+    (1, 576, 1, True, True, 64, False, False, 64, False, 7),  # staged + nanpack + lazy: the fp8_ds_mla default
+    (1, 576, 4, False, True, 1, False, False, 1, False, 7),
+    (1, 576, 1, False, False, 64, False, False, 64, False, 7),
 ]
 
 # the head of both offline compile scripts: compile_sm90(fn, cons, views) builds the sparse kernels' signature
@@ -171,11 +155,14 @@ def test_sparse_gluon_compiles_for_sm90():
 # "asym" (OPTS 16): bf16 / fp8_ds_mla / fp8_v4 rows, splits, two sources, the inverse RoPE; the scoring warpgroup (at
 # the 256-register limit) keeps a few loop values in local memory: this many bytes at most (sm90 offline, Triton 3.6)
 ASYM_VARIANTS = [
-    (0, 576, 1, True, True, 64, False, False, 64, False, 18),
-    (0, 576, 4, True, False, 1, False, False, 1, False, 16),
-    (1, 576, 1, True, True, 64, False, False, 64, False, 19),
+    (0, 576, 1, True, True, 64, False, False, 64, False, 18),  # asym + lazy: the bf16 default
+    (0, 576, 4, True, False, 1, False, False, 1, False, 18),
+    (0, 576, 1, True, False, 64, True, False, 16, False, 18),  # V3.2 bf16 rows with a second source
+    (0, 512, 1, True, True, 256, True, True, 64, True, 18),  # V4 bf16, two sources, the inverse RoPE
+    (0, 512, 1, True, True, 1, False, False, 1, True, 18),  # a gathered V4 workspace
+    (0, 512, 4, True, True, 1, False, False, 1, True, 18),
+    (1, 576, 1, True, True, 64, False, False, 64, False, 19),  # on fp8 rows (private: slower there)
     (2, 512, 1, True, True, 256, True, True, 64, True, 18),
-    (0, 512, 4, True, True, 256, True, True, 64, True, 16),
 ]
 ASYM_SPILL_BOUND = 56
 
@@ -191,6 +178,8 @@ def test_sparse_gluon_asym_compiles_for_sm90():
         assert r["shared"] + r["static_shared"] <= SMEM_LIMIT, f"{v}: shared memory {r}"
         assert r["num_warps"] == 12 and str(gs.ASYM_PV_REGS) in r["setmaxnreg"], f"{v}: {r}"
         assert r["qk"] == 0 and r["qk64"] == 2 * 4 * chunks and r["pv"] == 12, f"{v}: wgmma {r}"
+        if v[0] == 0:  # the bf16 producer, as with the two-warpgroup consumers
+            assert r["cp_async"] == 4 * chunks and r["noinc"] == 1, f"{v}: cp.async {r}"
 
 
 def test_sparse_gluon_opts_validation(device):
