@@ -660,6 +660,20 @@ if GLUON_AVAILABLE:
                        J_STEP)  # fmt: skip
 
     @gluon.jit
+    def _q_to_smem(q, q_smem, i_t, h0, H, stride_q_t, stride_q_h, ROWS: gl.constexpr, D_QK: gl.constexpr):
+        """Heads ``h0 + [0, ROWS)`` of row i_t's q ``[ROWS, D_QK]`` -> the D_QK / 64 swizzled chunks of ``q_smem``
+        (heads past H are zeros: finite scores, never stored), fenced for the wgmmas, the partition synchronised."""
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        o_h = h0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LD))
+        m_ld = gl.expand_dims(o_h < H, 1)
+        p_q = q + i_t * stride_q_t + gl.expand_dims(o_h.to(gl.int64) * stride_q_h, 1)
+        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
+        for c in gl.static_range(D_QK // 64):
+            q_smem.index(c).store(gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
     def _qk(q_smem, lat, rope, s_init, HAS_TAIL: gl.constexpr):
         """Start ``S = Q K^T`` for one tile: 8 latent chunks (+ the rope chunk), chained async wgmmas."""
         s = warpgroup_mma(q_smem.index(0), lat.slice(0, 64, dim=1).permute((1, 0)), s_init, use_acc=False,
@@ -756,7 +770,6 @@ if GLUON_AVAILABLE:
         STAGED: gl.constexpr = (OPTS & 4) != 0
         P_IN_ROPE: gl.constexpr = STAGED and D_QK > 512
         BLOCK_M: gl.constexpr = 64
-        NW: gl.constexpr = gl.num_warps()
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                            instr_shape=[16, BLOCK_N // 2, 16])  # fmt: skip
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -765,18 +778,8 @@ if GLUON_AVAILABLE:
         COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
 
-        # Q [64, D_QK] -> D_QK / 64 swizzled chunks (rows past H are zeros: finite scores, never stored)
-        o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
-        o_h = i_hb * BLOCK_M + o_m
-        m_ld = gl.expand_dims(o_h < H, 1)
-        p_q = q + i_t * stride_q_t + gl.expand_dims(o_h.to(gl.int64) * stride_q_h, 1)
-        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
-        for c in gl.static_range(D_QK // 64):
-            q_smem.index(c).store(gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0))
-        fence_async_shared()
-        gl.thread_barrier()
+        _q_to_smem(q, q_smem, i_t, i_hb * BLOCK_M, H, stride_q_t, stride_q_h, BLOCK_M, D_QK)
 
         b_m = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
         b_lv = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)  # row sums per key column until the epilogue
@@ -883,18 +886,9 @@ if GLUON_AVAILABLE:
         COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         HAS_TAIL: gl.constexpr = D_QK > 512
 
-        o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
-        o_h = i_hb * BLOCK_M + o_m
-        m_ld = gl.expand_dims(o_h < H, 1)
-        p_q = q + i_t * stride_q_t + gl.expand_dims(o_h.to(gl.int64) * stride_q_h, 1)
-        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
-        for c in gl.static_range(D_QK // 64):
-            q_smem.index(c).store(gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0))
-        fence_async_shared()
-        gl.thread_barrier()
+        _q_to_smem(q, q_smem, i_t, i_hb * BLOCK_M, H, stride_q_t, stride_q_h, BLOCK_M, D_QK)
 
         b_m = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
         b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)

@@ -61,7 +61,7 @@ def _smem_bytes(d_qk: int, hb: int) -> int:
 
 
 if GLUON_AVAILABLE:
-    from openmla.ops.gluon.sparse import _producer, _row_split, _tile_ok
+    from openmla.ops.gluon.sparse import _producer, _q_to_smem, _row_split, _tile_ok
     from openmla.ops.gluon.transposed import _finish_t, _scores_t, _softmax_pv_t
 
     @gluon.jit
@@ -104,17 +104,8 @@ if GLUON_AVAILABLE:
         HEAD_S: gl.constexpr = gl.SliceLayout(0, S_L)
         HEAD_O: gl.constexpr = gl.SliceLayout(0, S_L)  # O^T [512, HB] takes the same layout (8 repeats of M)
         DIM_O: gl.constexpr = gl.SliceLayout(1, S_L)
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
-        # Q [HB, D_QK] -> D_QK / 64 swizzled chunks (rows past H are zeros: finite scores, never stored)
-        o_h = gl.arange(0, HB, layout=gl.SliceLayout(1, LD))
-        m_ld = gl.expand_dims(o_h < H, 1)
-        p_q = q + i_t * stride_q_t + gl.expand_dims(o_h.to(gl.int64) * stride_q_h, 1)
-        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
-        for c in gl.static_range(D_QK // 64):
-            q_smem.index(c).store(gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0))
-        fence_async_shared()
-        gl.thread_barrier()
+        _q_to_smem(q, q_smem, i_t, 0, H, stride_q_t, stride_q_h, HB, D_QK)
 
         b_m = gl.full([HB], float("-inf"), gl.float32, HEAD_S)
         b_lv = gl.zeros([BLOCK_N, HB], gl.float32, S_L)  # column sums per key row until the epilogue
