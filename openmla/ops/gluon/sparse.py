@@ -199,6 +199,7 @@ def _smem_bytes(d_qk: int = D_QK, opts: int = 0) -> int:
 
 if GLUON_AVAILABLE:
     from openmla.ops.gluon.decode_seesaw import LAZY_T, RESCALE_ASM, RESCALE_CONSTRAINTS
+    from openmla.ops.gluon.transposed import _finish_rows
 
     _ASYM_PV_REGS = gl.constexpr(ASYM_PV_REGS)
 
@@ -719,10 +720,9 @@ if GLUON_AVAILABLE:
         return gl.reshape(gl.join(a2, b2), [M, N])
 
     @gluon.jit
-    def _softmax_step(b_s, ok, b_m, b_lv, b_lc, scale_log2, ROW_L: gl.constexpr, HAS_TAIL: gl.constexpr,
-                      LAZY: gl.constexpr):  # fmt: skip
-        """One tile's online softmax (base 2): scores of invalid keys -inf, the row max (LAZY: moved only past
-        LAZY_T), P, the rescale factor of the old max, the row sums (per key column, or per column group for V4)."""
+    def _online_p(b_s, ok, b_m, scale_log2, LAZY: gl.constexpr):
+        """One tile's online-softmax core (base 2, rows on axis 0): scores of invalid keys -inf, the new row max
+        (LAZY: moved only past LAZY_T), P and the factor of the old max: ``(P, alpha, new max)``."""
         b_s = gl.where(gl.expand_dims(ok, 0), b_s * scale_log2, float("-inf"))
         if LAZY:
             b_mx = gl.max(b_s, axis=1)
@@ -730,8 +730,22 @@ if GLUON_AVAILABLE:
         else:
             b_m_new = gl.maximum(b_m, gl.max(b_s, axis=1))
         b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_alpha = gl.exp2(b_m - b_m_use)
-        b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 1))
+        return gl.exp2(b_s - gl.expand_dims(b_m_use, 1)), gl.exp2(b_m - b_m_use), b_m_new
+
+    @gluon.jit
+    def _sink_factor(b_r, b_lse, empty, sink, o_hs, m_hs):
+        """The output factors ``b_r`` times ``sigmoid(lse - sink)`` of heads ``o_hs`` (``m_hs``: inside H), 0 for an
+        empty row (as the Triton kernel's ``_sink_factor``)."""
+        b_sk = gl.load(sink + o_hs, mask=m_hs, other=float("-inf"))
+        e = gl.exp2((b_sk - gl.where(empty, 0.0, b_lse)) * 1.4426950408889634)
+        return b_r * gl.where(empty, 0.0, 1.0 / (1.0 + e))
+
+    @gluon.jit
+    def _softmax_step(b_s, ok, b_m, b_lv, b_lc, scale_log2, ROW_L: gl.constexpr, HAS_TAIL: gl.constexpr,
+                      LAZY: gl.constexpr):  # fmt: skip
+        """One tile's online softmax (base 2): scores of invalid keys -inf, the row max (LAZY: moved only past
+        LAZY_T), P, the rescale factor of the old max, the row sums (per key column, or per column group for V4)."""
+        b_p, b_alpha, b_m_new = _online_p(b_s, ok, b_m, scale_log2, LAZY)
         if HAS_TAIL:
             b_lv = b_lv * gl.expand_dims(b_alpha, 1) + b_p
         else:
@@ -836,19 +850,15 @@ if GLUON_AVAILABLE:
             b_l = gl.sum(b_lv, axis=1)
         else:
             b_l = gl.convert_layout(gl.sum(gl.sum(b_lc, axis=2), axis=1), ROW_S)
-        empty_r = b_l == 0.0
-        b_lse = gl.where(empty_r, float("-inf"), (b_m + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)
-        b_r = gl.where(empty_r, 0.0, 1.0 / gl.where(empty_r, 1.0, b_l))
+        empty_r, b_lse, b_r = _finish_rows(b_l, b_m, 1.0)
         o_hs = i_hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
         m_hs = o_hs < H
         o_ho = i_hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_O)
         m_o = gl.expand_dims(o_ho < H, 1)
         o_v = gl.expand_dims(gl.arange(0, 512, layout=COL_O), 0)
         if NUM_SPLITS == 1:
-            if HAS_SINK:  # sigmoid(lse - sink), 0 for an empty row (as the Triton kernel's _sink_factor)
-                b_sk = gl.load(sink + o_hs, mask=m_hs, other=float("-inf"))
-                e = gl.exp2((b_sk - gl.where(empty_r, 0.0, b_lse)) * 1.4426950408889634)
-                b_r = b_r * gl.where(empty_r, 0.0, 1.0 / (1.0 + e))
+            if HAS_SINK:
+                b_r = _sink_factor(b_r, b_lse, empty_r, sink, o_hs, m_hs)
             gl.store(lse + i_t * stride_l_t + o_hs, b_lse, mask=m_hs)
             b_o = acc * gl.expand_dims(gl.convert_layout(b_r, ROW_O), 1)
             if HAS_ROPE:  # after normalisation and sink (a rotation commutes with the row scaling), as Triton's
@@ -930,16 +940,12 @@ if GLUON_AVAILABLE:
             mbarrier.arrive(empty.index(lst), count=1)
 
         # epilogue: natural-log LSE of the scaled scores (sink-free), -inf and zeros for a row with no key
-        empty_r = b_l == 0.0
-        b_lse = gl.where(empty_r, float("-inf"), (b_m + gl.log2(gl.where(empty_r, 1.0, b_l))) * 0.6931471805599453)
-        b_r = gl.where(empty_r, 0.0, 1.0 / gl.where(empty_r, 1.0, b_l))
+        empty_r, b_lse, b_r = _finish_rows(b_l, b_m, 1.0)
         o_hs = i_hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
         m_hs = o_hs < H
         if NUM_SPLITS == 1:
-            if HAS_SINK:  # sigmoid(lse - sink), 0 for an empty row (as the Triton kernel's _sink_factor)
-                b_sk = gl.load(sink + o_hs, mask=m_hs, other=float("-inf"))
-                e = gl.exp2((b_sk - gl.where(empty_r, 0.0, b_lse)) * 1.4426950408889634)
-                b_r = b_r * gl.where(empty_r, 0.0, 1.0 / (1.0 + e))
+            if HAS_SINK:
+                b_r = _sink_factor(b_r, b_lse, empty_r, sink, o_hs, m_hs)
             gl.store(lse + i_t * stride_l_t + o_hs, b_lse, mask=m_hs)
         else:
             gl.store(lse_part + (i_s * T + i_t) * H + o_hs, b_lse, mask=m_hs)
@@ -953,15 +959,7 @@ if GLUON_AVAILABLE:
     def _asym_softmax(b_s, ok, b_m, b_l, scale_log2, LAZY: gl.constexpr):
         """Variant "asym": one tile's online softmax (base 2) on the whole score tile: invalid keys -inf, the row max
         (LAZY: moved only past LAZY_T), P, the old rows' factor, the row sums."""
-        b_s = gl.where(gl.expand_dims(ok, 0), b_s * scale_log2, float("-inf"))
-        if LAZY:
-            b_mx = gl.max(b_s, axis=1)
-            b_m_new = gl.where(b_mx > b_m + LAZY_T, b_mx, b_m)
-        else:
-            b_m_new = gl.maximum(b_m, gl.max(b_s, axis=1))
-        b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_alpha = gl.exp2(b_m - b_m_use)
-        b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 1))
+        b_p, b_alpha, b_m_new = _online_p(b_s, ok, b_m, scale_log2, LAZY)
         return b_p, b_alpha, b_m_new, b_l * b_alpha + gl.sum(b_p, axis=1)
 
     @gluon.jit

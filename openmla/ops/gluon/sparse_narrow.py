@@ -61,7 +61,7 @@ def _smem_bytes(d_qk: int, hb: int) -> int:
 
 
 if GLUON_AVAILABLE:
-    from openmla.ops.gluon.sparse import _producer, _q_to_smem, _row_split, _tile_ok
+    from openmla.ops.gluon.sparse import _producer, _q_to_smem, _row_split, _sink_factor, _tile_ok
     from openmla.ops.gluon.transposed import _finish_t, _scores_t, _softmax_pv_t
 
     @gluon.jit
@@ -131,10 +131,8 @@ if GLUON_AVAILABLE:
         m_o = gl.expand_dims(o_ho < H, 0)
         o_v = gl.expand_dims(gl.arange(0, 512, layout=DIM_O), 1)
         if NUM_SPLITS == 1:
-            if HAS_SINK:  # sigmoid(lse - sink), 0 for an empty head (as the Triton kernel's _sink_factor)
-                b_sk = gl.load(sink + o_hs, mask=m_hs, other=float("-inf"))
-                e = gl.exp2((b_sk - gl.where(empty_h, 0.0, b_lse)) * 1.4426950408889634)
-                b_r = b_r * gl.where(empty_h, 0.0, 1.0 / (1.0 + e))
+            if HAS_SINK:
+                b_r = _sink_factor(b_r, b_lse, empty_h, sink, o_hs, m_hs)
             gl.store(lse + i_t * stride_l_t + o_hs, b_lse, mask=m_hs)
             b_o = acc * gl.expand_dims(gl.convert_layout(b_r, HEAD_O), 0)
             if HAS_ROPE:  # after normalisation and sink (a rotation commutes with the per-head scaling)

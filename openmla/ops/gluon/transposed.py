@@ -1,7 +1,7 @@
 """Gluon helpers of the kernels that compute both attention products transposed, ``S^T = K Q^T`` and
 ``O^T = V^T P^T``, so that a program's rows are the wgmma's N (:mod:`openmla.ops.gluon.sparse_narrow`,
 :mod:`openmla.ops.gluon.decode_narrow`): a tile's scores, one step of the online softmax down the columns of ``S^T``
-with its ``P V``, and the per-row values of the epilogue."""
+with its ``P V``, and the per-row values of the epilogue (``_finish_rows`` also serves the 64-head sparse kernel)."""
 
 from __future__ import annotations
 
@@ -43,10 +43,14 @@ if GLUON_AVAILABLE:
         return b_m_new, b_lv, acc
 
     @gluon.jit
-    def _finish_t(b_lv, b_m, scale):
-        """Per row (a column of ``S^T``): whether it saw no key, its natural-log LSE of the scaled scores (-inf if
-        none) and its output factor ``scale / row sum`` (0 if none)."""
-        b_l = gl.sum(b_lv, axis=0)
+    def _finish_rows(b_l, b_m, scale):
+        """Per row, from its sum ``b_l`` and base-2 max ``b_m`` (any kernel's rows): whether it saw no key, its
+        natural-log LSE of the scaled scores (-inf if none) and its output factor ``scale / row sum`` (0 if none)."""
         empty = b_l == 0.0
         b_lse = gl.where(empty, float("-inf"), (b_m + gl.log2(gl.where(empty, 1.0, b_l))) * 0.6931471805599453)
         return empty, b_lse, gl.where(empty, 0.0, scale / gl.where(empty, 1.0, b_l))
+
+    @gluon.jit
+    def _finish_t(b_lv, b_m, scale):
+        """``_finish_rows`` of the rows of ``S^T`` (its columns), their sums kept per key row in ``b_lv``."""
+        return _finish_rows(gl.sum(b_lv, axis=0), b_m, scale)
