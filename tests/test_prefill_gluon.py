@@ -29,6 +29,10 @@ COMPILE_VARIANTS = [
     (128, 2, False, True, 8, False, True),
 ]
 
+# bytes of stack allowed: the bf16 128-key builds keep 5 words there (the first item's id, values the epilogue
+# reads), stored once before the partitions start and reloaded once an item, outside the key loop
+SPILL_BOUND = 24
+
 _COMPILE_SCRIPT = r"""
 import json, sys
 import triton
@@ -49,8 +53,8 @@ for v in json.loads(sys.argv[1]):
                 FP8=fp8)
     blocks = {"q_desc": [64, 128] if fp8 else [64, 64], "q2_desc": [64, 64], "k1_desc": [block_n, 128],
               "k2_desc": [block_n, 64], "v_desc": [block_n, 128]}
-    ptr = {"o": "*bf16", "lse": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "q_ds": "*fp32",
-           "k_ds": "*fp32", "v_ds": "*fp32"}
+    ptr = {"o": "*bf16", "lse": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "counter": "*i32",
+           "q_ds": "*fp32", "k_ds": "*fp32", "v_ds": "*fp32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in cons:
@@ -88,7 +92,7 @@ def test_gluon_prefill_compiles_for_sm90():
         name = "BLOCK_N={} STAGES={} CAUSAL={} PINGPONG={} GROUP={} SCALE_POS={}".format(*r["variant"][:6])
         name += " FP8" if len(r["variant"]) > 6 else ""
         assert r["wgmma"] > 0 and r["tma"] > 0, f"{name}: {r}"
-        assert r["regs"] <= 255 and r["stack"] == 0 and r["local"] == 0, f"{name}: spills or too many registers {r}"
+        assert r["regs"] <= 255 and r["stack"] <= SPILL_BOUND and r["local"] == 0, f"{name}: spills {r}"
         assert r["shared"] + r["static_shared"] <= pg.SMEM_LIMIT, f"{name}: shared memory {r}"
         assert r["num_warps"] == 12 and str(pg.CONSUMER_REGS) in r["setmaxnreg"], f"{name}: {r}"
         assert r["cta_barrier"] == 0, f"{name}: a CTA-wide barrier in the kernel {r}"
@@ -374,3 +378,69 @@ def test_gluon_prefill_fp8(causal, stages, device):
     r1, _ = pg.flash_attn_varlen_gluon(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal,
                                        descales=ones)  # fmt: skip
     torch.testing.assert_close(o1, r1, atol=0, rtol=0)
+
+
+# (query lengths, key lengths) for the persistent walk: row blocks past a short request (skipped items), a request
+# without keys (items without tiles), Lk != Lq, ring positions that are no multiple of the depth
+WALK = ([300, 5, 0, 129, 200, 1], [300, 200, 5, 129, 100, 0])
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("programs", [1, 3, 7])
+@pytest.mark.parametrize("block_n,stages", [(128, 2), (64, 3)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gluon_prefill_persistent_walk(programs, block_n, stages, causal, device):
+    # few persistent programs walk every item (Q, the K / V ring, the wgmma turns and the item ids run on across
+    # items): against the reference, and bit for bit equal to one program an SM (each item computes the same
+    # whichever program takes it)
+    qlens, klens = WALK
+    q, k, v, cu_q, cu_k = _problem(device, 4, qlens, klens)
+    out, lse = _check(q, k, v, cu_q, cu_k, qlens, klens, causal, against_triton=False, block_n=block_n,
+                      stages=stages, programs=programs)  # fmt: skip
+    o1, l1 = pg.flash_attn_varlen_gluon(q, k, v, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal,
+                                        block_n=block_n, stages=stages)  # fmt: skip
+    torch.testing.assert_close(o1, out, atol=0, rtol=0)
+    torch.testing.assert_close(l1, lse, atol=0, rtol=0)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("programs", [1, 5])
+def test_gluon_prefill_persistent_walk_fp8(programs, device):
+    qlens, klens = WALK
+    q8, k8, v8, ds, cu_q, cu_k = _fp8_problem(device, 4, qlens, klens, h_kv=2)
+    args = (q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE)
+    out, lse = pg.flash_attn_varlen_gluon(*args, causal=True, descales=tuple(ds), programs=programs)
+    o1, l1 = pg.flash_attn_varlen_gluon(*args, causal=True, descales=tuple(ds))
+    torch.cuda.synchronize()
+    ref_out, ref_lse = flash_attn_varlen_ref(q8, k8, v8, cu_q, cu_k, SCALE, causal=True, q_descale=ds[0],
+                                             k_descale=ds[1], v_descale=ds[2])  # fmt: skip
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
+    torch.testing.assert_close(o1, out, atol=0, rtol=0)
+    torch.testing.assert_close(l1, lse, atol=0, rtol=0)
+
+
+@pytest.mark.hopper
+def test_gluon_prefill_cuda_graph(device):
+    # the work counter is a fresh zero inside the captured graph: every replay hands out every item again
+    qlens = [700, 129, 40]
+    q, k, v, cu_q, cu_k = _problem(device, 16, qlens, qlens)
+    want, want_lse = pg.flash_attn_varlen_gluon(q, k, v, cu_q, cu_k, 700, 700, SCALE, causal=True)
+    out = torch.empty_like(want)
+    lse = torch.empty_like(want_lse)
+
+    def fn():
+        pg.flash_attn_varlen_gluon(q, k, v, cu_q, cu_k, 700, 700, SCALE, causal=True, out=out, lse=lse, programs=9)
+
+    fn()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        out.fill_(7.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+        torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="programs must be a positive int"):
+        pg.flash_attn_varlen_gluon(q, k, v, cu_q, cu_k, 700, 700, SCALE, programs=0)

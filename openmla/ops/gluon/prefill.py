@@ -10,12 +10,13 @@ Why a Gluon kernel: Triton keeps the two warpgroups of an 8-warp program in lock
 barriers every iteration), so both softmaxes run while the tensor cores idle. Here the warpgroups are
 separate partitions of ``gl.warp_specialize`` and only meet through mbarriers.
 
-Design (one program per 128-query-row block of one request and one query head; FA3-style):
+Design (FA3-style; a work item is one 128-query-row block of one request and one query head; persistent
+programs, one an SM, walk the items):
 
 * Partitions: ``_consumer`` twice (the default partition, warpgroup 0, query rows 0-63 of the block;
   a 4-warp worker, warpgroup 1, rows 64-127) and ``_producer`` (a 1-warp worker, few registers after
   ``setmaxnreg``). The consumers' register budget is raised by ``setmaxnreg`` (``CONSUMER_REGS``).
-* Producer: Q ``[128, 192]`` once, as six TMA boxes ``[64, 64]`` (one 128-byte swizzle atom wide)
+* Producer: for each item, Q ``[128, 192]`` as six TMA boxes ``[64, 64]`` (one 128-byte swizzle atom wide)
   over ``q`` viewed as a 2-D ``[Tq, (H - 1) * stride_h + 192]`` tensor; then for every key tile ``j``
   K ``[BLOCK_N, 192]`` (TMA splits the box into three 64-column messages) and V ``[BLOCK_N, 128]``
   into a ``STAGES``-deep ring. K and V have their own ready/empty mbarriers (the scores can start
@@ -46,12 +47,20 @@ Design (one program per 128-query-row block of one request and one query head; F
   not reach ``0 * NaN``); both warpgroups write the same zeros. Rows past the request's queries are
   computed (on finite or zero Q rows) and not stored. Output and LSE are written by masked pointer
   stores from the MMA layout.
-* Schedule: the grid is ``(row blocks x HEAD_BLOCK, H / HEAD_BLOCK, B)``: by default one head's row
-  blocks after the other, the last (heaviest, when causal) first. The programs in flight then read the
-  K / V of one or two heads, which stay in L2; with every head's heaviest block first (``HEAD_BLOCK =
-  H``) each program streamed its head's K / V from HBM. The number of key tiles of a program is
-  that of its 128-row block for both warpgroups (so their turns match); warpgroup 0 may run a fully
-  masked tile (p = 0) on the diagonal.
+* Schedule: items run request by request; inside a request, by default one head's row blocks after the
+  other, the last (heaviest, when causal) first. The programs in flight then read the K / V of one or two
+  heads, which stay in L2; with every head's heaviest block first (``HEAD_BLOCK = H``) each program
+  streamed its head's K / V from HBM. The number of key tiles of an item is that of its 128-row block for
+  both warpgroups (so their turns match); warpgroup 0 may run a fully masked tile (p = 0) on the diagonal.
+* Persistent walk: program ``p`` takes item ``p``, then ``num_programs + atomic_add(counter, 1)`` until
+  the items run out, in the order in which the hardware's block scheduler handed out one program an item
+  before (each then paid its launch, Q load and first tiles with the tensor cores idle). The producer
+  fetches an item's successor before the item's copies and publishes it through a 2-slot shared-memory ring
+  (``id_ready`` / ``id_empty``) once they are issued; the consumers read it after their epilogue. The ring
+  positions, the Q barrier phases (``q_ready``; ``q_empty``: both consumers' last scores of an item are done,
+  so the next Q may land) and the turns run on across items, so the next item's Q and first tiles land
+  during the current item's last P V and epilogue. Items past a short request's rows are skipped by every
+  partition alike.
 
 Shared memory (BLOCK_N 128, 2 stages): Q 49,152 + 2 x (K 49,152 + V 32,768) = 212,992 B + barriers
 (limit 232,448). BLOCK_N 64 with 3-4 stages also fits.
@@ -98,6 +107,16 @@ PINGPONG: bool = True
 # launch order (see flash_attn_varlen_gluon's head_block): 1 keeps the programs in flight on few heads
 HEAD_BLOCK: int = 1
 _WIDEN_ROWS = 64  # rows of D values per program of _widen_e4m3_kernel (the fp8 path's V widening)
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(dev: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached): one persistent program each (the shared memory of one
+    program fills an sm90 SM)."""
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _NUM_SMS:
+        _NUM_SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _NUM_SMS[key]
 
 
 def _smem_bytes(block_n: int, stages: int, fp8: bool = False) -> int:
@@ -109,33 +128,92 @@ def _smem_bytes(block_n: int, stages: int, fp8: bool = False) -> int:
 if GLUON_AVAILABLE:
 
     @gluon.jit
-    def _producer(q_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready,
-                  k_ready, k_empty, v_ready, v_empty, row_q, col_q, row_k, col_k, col_v, n_tiles, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
-        """1 warp: Q once, then the K and V tiles of the ring (each waits for its stage to be released). FP8: Q and
-        K are e4m3, Q as a [64, 128] and a [64, 64] box a warpgroup (one 128- / 64-byte swizzle atom wide)."""
-        if FP8:
-            mbarrier.expect(q_ready, 2 * 64 * 192)
-            for w in gl.static_range(2):
-                tma.async_copy_global_to_shared(q_desc, [row_q + w * 64, col_q], q_ready, q_smem.index(w))
-                tma.async_copy_global_to_shared(q2_desc, [row_q + w * 64, col_q + 128], q_ready, q2_smem.index(w))
+    def _item(k, cu_seqlens_q, cu_seqlens_k, n_rb, H, HEAD_BLOCK: gl.constexpr, CAUSAL: gl.constexpr,
+              BLOCK_N: gl.constexpr):  # fmt: skip
+        """Work item ``k`` -> ``(i_h, bos_q, len_q, start_m, bos_k, len_k, n_tiles)``. Items run request by request;
+        inside a request, HEAD_BLOCK heads' row blocks interleaved, the last (heaviest when causal) first. An item
+        with ``start_m >= len_q`` (a row block past a shorter request) is skipped by every partition."""
+        per_b = n_rb * H
+        i_b = k // per_b
+        r = k % per_b
+        x = r % (n_rb * HEAD_BLOCK)
+        i_h = (r // (n_rb * HEAD_BLOCK)) * HEAD_BLOCK + x % HEAD_BLOCK
+        i_m = x // HEAD_BLOCK
+        if CAUSAL:
+            i_m = n_rb - 1 - i_m
+        bos_q = gl.load(cu_seqlens_q + i_b).to(gl.int32)  # int32 TMA coordinates (Tq < 2**31)
+        len_q = gl.load(cu_seqlens_q + i_b + 1).to(gl.int32) - bos_q
+        bos_k = gl.load(cu_seqlens_k + i_b).to(gl.int32)
+        len_k = gl.load(cu_seqlens_k + i_b + 1).to(gl.int32) - bos_k
+        start_m = i_m * 128
+        if CAUSAL:
+            n_end = gl.maximum(gl.minimum(len_k, gl.minimum(start_m + 128, len_q) + len_k - len_q), 0)
         else:
-            mbarrier.expect(q_ready, 6 * 64 * 64 * 2)
-            for w in gl.static_range(2):
-                for c in gl.static_range(3):
-                    tma.async_copy_global_to_shared(q_desc, [row_q + w * 64, col_q + c * 64], q_ready,
-                                                    q_smem.index(w * 3 + c))  # fmt: skip
-        for j in range(n_tiles):
-            st = j % STAGES
-            ph = ((j // STAGES) & 1) ^ 1  # fresh barriers pass parity 1 at once (the first lap)
-            row = row_k + j * BLOCK_N
-            mbarrier.wait(k_empty.index(st), ph)
-            mbarrier.expect(k_ready.index(st), BLOCK_N * 192 * (1 if FP8 else 2))
-            tma.async_copy_global_to_shared(k1_desc, [row, col_k], k_ready.index(st), k1_smem.index(st))
-            tma.async_copy_global_to_shared(k2_desc, [row, col_k + 128], k_ready.index(st), k2_smem.index(st))
-            mbarrier.wait(v_empty.index(st), ph)
-            mbarrier.expect(v_ready.index(st), BLOCK_N * 128 * 2)
-            tma.async_copy_global_to_shared(v_desc, [row, col_v], v_ready.index(st), v_smem.index(st))
+            n_end = len_k
+        return i_h, bos_q, len_q, start_m, bos_k, len_k, gl.cdiv(n_end, BLOCK_N)
+
+    @gluon.jit
+    def _producer(q_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready,
+                  q_empty, k_ready, k_empty, v_ready, v_empty, id_smem, id_ready, id_empty, counter, n_items, n_rb, H,
+                  cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh, stride_vh, GROUP: gl.constexpr,
+                  HEAD_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  FP8: gl.constexpr):  # fmt: skip
+        """1 warp, item after item: Q (once the consumers' last scores of the previous item are done), then the K
+        and V tiles of the ring (each waits for its stage to be released; the ring runs on across items). FP8: Q
+        and K are e4m3, Q as a [64, 128] and a [64, 64] box a warpgroup (one 128- / 64-byte swizzle atom wide).
+        Each item's successor comes from ``counter`` (``num_programs + atomic_add``, issued before the item's
+        copies and read after them) and is published to the consumers through ``id_smem``."""
+        LANE: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        lane = gl.arange(0, 32, layout=LANE)
+        n_prog = gl.num_programs(0)
+        cur = gl.program_id(0)
+        t = 0  # tiles issued (the ring position)
+        n_q = 0  # Q loads issued
+        i = 0  # items walked (the id ring position)
+        while cur < n_items:
+            got = gl.atomic_add(counter + lane * 0, gl.where(lane == 0, 1, 0), mask=lane == 0)
+            i_h, bos_q, len_q, start_m, bos_k, len_k, n_tiles = _item(cur, cu_seqlens_q, cu_seqlens_k, n_rb, H,
+                                                                     HEAD_BLOCK, CAUSAL, BLOCK_N)  # fmt: skip
+            if start_m < len_q:
+                row_q = bos_q + start_m
+                col_q = i_h * stride_qh
+                mbarrier.wait(q_empty, (n_q & 1) ^ 1)  # fresh barriers pass parity 1 at once (the first item)
+                if FP8:
+                    mbarrier.expect(q_ready, 2 * 64 * 192)
+                    for w in gl.static_range(2):
+                        tma.async_copy_global_to_shared(q_desc, [row_q + w * 64, col_q], q_ready, q_smem.index(w))
+                        tma.async_copy_global_to_shared(q2_desc, [row_q + w * 64, col_q + 128], q_ready,
+                                                        q2_smem.index(w))  # fmt: skip
+                else:
+                    mbarrier.expect(q_ready, 6 * 64 * 64 * 2)
+                    for w in gl.static_range(2):
+                        for c in gl.static_range(3):
+                            tma.async_copy_global_to_shared(q_desc, [row_q + w * 64, col_q + c * 64], q_ready,
+                                                            q_smem.index(w * 3 + c))  # fmt: skip
+                col_k = (i_h // GROUP) * stride_kh
+                col_v = (i_h // GROUP) * stride_vh
+                for j in range(n_tiles):
+                    st = (t + j) % STAGES
+                    ph = (((t + j) // STAGES) & 1) ^ 1
+                    row = bos_k + j * BLOCK_N
+                    mbarrier.wait(k_empty.index(st), ph)
+                    mbarrier.expect(k_ready.index(st), BLOCK_N * 192 * (1 if FP8 else 2))
+                    tma.async_copy_global_to_shared(k1_desc, [row, col_k], k_ready.index(st), k1_smem.index(st))
+                    tma.async_copy_global_to_shared(k2_desc, [row, col_k + 128], k_ready.index(st),
+                                                    k2_smem.index(st))  # fmt: skip
+                    mbarrier.wait(v_empty.index(st), ph)
+                    mbarrier.expect(v_ready.index(st), BLOCK_N * 128 * 2)
+                    tma.async_copy_global_to_shared(v_desc, [row, col_v], v_ready.index(st), v_smem.index(st))
+                t += n_tiles
+                n_q += 1
+            nxt = n_prog + gl.sum(gl.where(lane == 0, got, 0), axis=0)
+            slot = i % 2
+            mbarrier.wait(id_empty.index(slot), ((i // 2) & 1) ^ 1)
+            id_smem.index(slot).store(gl.full([1], nxt, gl.int32, ONE))
+            mbarrier.arrive(id_ready.index(slot), count=1)
+            cur = nxt
+            i += 1
 
     @gluon.jit
     def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -208,13 +286,14 @@ if GLUON_AVAILABLE:
         gl.thread_barrier()
 
     @gluon.jit
-    def _consumer(q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o,
-                  lse, stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h, n_tiles, qk_scale,
-                  v_scale, WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  SCALE_POS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr,
-                  FP8: gl.constexpr):  # fmt: skip
-        """One consumer warpgroup: rows ``start_m + WG * 64 + [0, 64)`` of the block (the output times
-        ``v_scale``: FP8's V descale, else 1)."""
+    def _consume_item(q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                      turn, o, lse, stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h,
+                      n_tiles, qk_scale, v_scale, t, n_q, n_turn, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POS: gl.constexpr, PINGPONG: gl.constexpr,
+                      STORE_LSE: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+        """One consumer warpgroup, one item: rows ``start_m + WG * 64 + [0, 64)`` of the block (the output times
+        ``v_scale``: FP8's V descale, else 1). ``t``, ``n_q``, ``n_turn``: the ring position, the Q loads and the
+        wgmma turns of the items before (the barriers' phases run on across items)."""
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 32 if FP8 else 16])  # fmt: skip
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -237,15 +316,16 @@ if GLUON_AVAILABLE:
         acc = gl.zeros([64, 128], gl.float32, O_LAYOUT)
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
 
-        mbarrier.wait(q_ready, 0)
+        mbarrier.wait(q_ready, n_q & 1)
         if n_tiles > 0:
             # ---- tile 0: scores and softmax (no PV yet)
-            mbarrier.wait(k_ready.index(0), 0)
-            _turn_wait(turn, 0, WG, PINGPONG)
-            s_tok = _qk(q_smem, q2_smem, k1_smem.index(0), k2_smem.index(0), s_zero, WG, FP8)
+            st0 = t % STAGES
+            mbarrier.wait(k_ready.index(st0), (t // STAGES) & 1)
+            _turn_wait(turn, n_turn, WG, PINGPONG)
+            s_tok = _qk(q_smem, q2_smem, k1_smem.index(st0), k2_smem.index(st0), s_zero, WG, FP8)
             _turn_pass(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
-            mbarrier.arrive(k_empty.index(0), count=1)
+            mbarrier.arrive(k_empty.index(st0), count=1)
             if not SCALE_POS:  # scale <= 0: scale before masking (-inf * 0 would be NaN)
                 s = s * qk_scale
             if BLOCK_N > n_full:
@@ -255,11 +335,11 @@ if GLUON_AVAILABLE:
 
             # ---- steady state: scores of tile j, PV of tile j - 1 (in flight during the softmax of j)
             for j in range(1, n_tiles):
-                st = j % STAGES
-                pst = (j - 1) % STAGES
-                mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
-                mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
-                _turn_wait(turn, j, WG, PINGPONG)
+                st = (t + j) % STAGES
+                pst = (t + j - 1) % STAGES
+                mbarrier.wait(k_ready.index(st), ((t + j) // STAGES) & 1)
+                mbarrier.wait(v_ready.index(pst), ((t + j - 1) // STAGES) & 1)
+                _turn_wait(turn, n_turn + j, WG, PINGPONG)
                 s_tok = _qk(q_smem, q2_smem, k1_smem.index(st), k2_smem.index(st), s_zero, WG, FP8)
                 o_tok = warpgroup_mma(p_op, v_smem.index(pst), acc, is_async=True)
                 _turn_pass(turn, WG, PINGPONG)
@@ -276,17 +356,21 @@ if GLUON_AVAILABLE:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
                 p_op = gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT)
 
+            mbarrier.arrive(q_empty, count=1)  # the item's last scores are done: the producer may load the next Q
+
             # ---- PV of the last tile
-            lst = (n_tiles - 1) % STAGES
-            mbarrier.wait(v_ready.index(lst), ((n_tiles - 1) // STAGES) & 1)
+            lst = (t + n_tiles - 1) % STAGES
+            mbarrier.wait(v_ready.index(lst), ((t + n_tiles - 1) // STAGES) & 1)
             n_last = (n_tiles - 1) * BLOCK_N
             if n_last + BLOCK_N > len_k:  # rows past the request (another request's, or stale data)
                 _zero_v_tail(v_smem.index(lst), len_k - n_last, BLOCK_N)
-            _turn_wait(turn, n_tiles, WG, PINGPONG)
+            _turn_wait(turn, n_turn + n_tiles, WG, PINGPONG)
             o_tok = warpgroup_mma(p_op, v_smem.index(lst), acc, is_async=True)
             _turn_pass(turn, WG, PINGPONG)
             acc, _p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
             mbarrier.arrive(v_empty.index(lst), count=1)
+        else:
+            mbarrier.arrive(q_empty, count=1)
 
         # ---- epilogue: normalise, store the rows of this request (out 0 / lse -inf where l = 0)
         empty = l_i == 0.0
@@ -305,6 +389,36 @@ if GLUON_AVAILABLE:
             gl.store(p_l, b_lse, mask=o_rs < len_q)
 
     @gluon.jit
+    def _consumer(q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                  id_smem, id_ready, id_empty, o, lse, stride_ot, stride_oh, stride_lt, stride_lh, cu_seqlens_q,
+                  cu_seqlens_k, n_items, n_rb, H, qk_scale, v_scale, WG: gl.constexpr, HEAD_BLOCK: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POS: gl.constexpr,
+                  PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+        """One consumer warpgroup, item after item (the producer publishes each item's successor)."""
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        cur = gl.program_id(0)
+        t = 0
+        n_q = 0
+        n_turn = 0
+        i = 0
+        while cur < n_items:
+            i_h, bos_q, len_q, start_m, bos_k, len_k, n_tiles = _item(cur, cu_seqlens_q, cu_seqlens_k, n_rb, H,
+                                                                     HEAD_BLOCK, CAUSAL, BLOCK_N)  # fmt: skip
+            if start_m < len_q:
+                _consume_item(q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                              v_empty, turn, o, lse, stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k,
+                              start_m, i_h, n_tiles, qk_scale, v_scale, t, n_q, n_turn, WG, BLOCK_N, STAGES, CAUSAL,
+                              SCALE_POS, PINGPONG, STORE_LSE, FP8)  # fmt: skip
+                t += n_tiles
+                n_q += 1
+                n_turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
+            slot = i % 2
+            mbarrier.wait(id_ready.index(slot), (i // 2) & 1)
+            cur = gl.max(id_smem.index(slot).load(ONE), axis=0)
+            mbarrier.arrive(id_empty.index(slot), count=1)
+            i += 1
+
+    @gluon.jit
     def _flash_attn_varlen_gluon_kernel(
         q_desc,  # q as [Tq, (H - 1) * stride_qh + 192] bf16, block [64, 64]
         k1_desc,  # k as [Tk, (H_KV - 1) * stride_kh + 192], block [BLOCK_N, 128] (columns 0:128 of a head)
@@ -318,6 +432,10 @@ if GLUON_AVAILABLE:
         lse,  # [Tq, H] fp32 (STORE_LSE)
         cu_seqlens_q,  # [B + 1]
         cu_seqlens_k,  # [B + 1]
+        counter,  # [1] int32, 0 at the launch: the work items handed out after each program's first
+        n_items,  # B * n_rb * H
+        n_rb,  # row blocks a request: cdiv(max_seqlen_q, 128)
+        H,  # query heads
         qk_scale,  # sm_scale * log2(e)
         stride_qh,
         stride_kh,
@@ -341,27 +459,7 @@ if GLUON_AVAILABLE:
     ):
         gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
         gl.static_assert(BLOCK_N == 64 or BLOCK_N == 128, "BLOCK_N is 64 or 128")
-        # grid (row blocks x HEAD_BLOCK, h_q / HEAD_BLOCK, B): the row blocks of HEAD_BLOCK heads run side by
-        # side, so the programs in flight share the K / V of few heads through L2
-        i_h = gl.program_id(1) * HEAD_BLOCK + gl.program_id(0) % HEAD_BLOCK
-        i_b = gl.program_id(2)
-        i_m = gl.program_id(0) // HEAD_BLOCK
-        if CAUSAL:  # the last row blocks see the most keys: launch them first
-            i_m = gl.num_programs(0) // HEAD_BLOCK - 1 - i_m
-        bos_q = gl.load(cu_seqlens_q + i_b).to(gl.int32)  # int32 TMA coordinates (Tq < 2**31)
-        len_q = gl.load(cu_seqlens_q + i_b + 1).to(gl.int32) - bos_q
-        start_m = i_m * 128
-        if start_m >= len_q:
-            return
-        bos_k = gl.load(cu_seqlens_k + i_b).to(gl.int32)
-        len_k = gl.load(cu_seqlens_k + i_b + 1).to(gl.int32) - bos_k
-        if CAUSAL:
-            n_end = gl.maximum(gl.minimum(len_k, gl.minimum(start_m + 128, len_q) + len_k - len_q), 0)
-        else:
-            n_end = len_k
-        n_tiles = gl.cdiv(n_end, BLOCK_N)
-        i_hk = i_h // GROUP
-
+        # persistent: program p runs item p, then the items `counter` hands out in order (see _item)
         if FP8:
             q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 128], q_desc.layout)
             q2_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 64], q2_desc.layout)
@@ -378,12 +476,20 @@ if GLUON_AVAILABLE:
             v_scale = 1.0
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 128], v_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        id_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        id_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        id_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
+        for sl in gl.static_range(2):
+            mbarrier.init(id_ready.index(sl), count=1)
+            mbarrier.init(id_empty.index(sl), count=2)
         for st in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(st), count=1)
             mbarrier.init(v_ready.index(st), count=1)
@@ -394,20 +500,25 @@ if GLUON_AVAILABLE:
         fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
 
         gl.warp_specialize([
-            (_consumer, (q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
-                         o, lse, stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h,
-                         n_tiles, qk_scale, v_scale, 0, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE,
-                         FP8)),
-            (_consumer, (q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
-                         o, lse, stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h,
-                         n_tiles, qk_scale, v_scale, 1, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE,
-                         FP8)),
+            (_consumer, (q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, turn, id_smem, id_ready, id_empty, o, lse, stride_ot, stride_oh, stride_lt,
+                         stride_lh, cu_seqlens_q, cu_seqlens_k, n_items, n_rb, H, qk_scale, v_scale, 0, HEAD_BLOCK,
+                         BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE, FP8)),
+            (_consumer, (q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, turn, id_smem, id_ready, id_empty, o, lse, stride_ot, stride_oh, stride_lt,
+                         stride_lh, cu_seqlens_q, cu_seqlens_k, n_items, n_rb, H, qk_scale, v_scale, 1, HEAD_BLOCK,
+                         BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE, FP8)),
             (_producer, (q_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, q2_smem, k1_smem, k2_smem, v_smem,
-                         q_ready, k_ready, k_empty, v_ready, v_empty, bos_q + start_m, i_h * stride_qh, bos_k,
-                         i_hk * stride_kh, i_hk * stride_vh, n_tiles, BLOCK_N, STAGES, FP8)),
+                         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, id_smem, id_ready, id_empty, counter,
+                         n_items, n_rb, H, cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh, stride_vh, GROUP,
+                         HEAD_BLOCK, CAUSAL, BLOCK_N, STAGES, FP8)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
         mbarrier.invalidate(q_ready)
+        mbarrier.invalidate(q_empty)
+        for sl in gl.static_range(2):
+            mbarrier.invalidate(id_ready.index(sl))
+            mbarrier.invalidate(id_empty.index(sl))
         for st in gl.static_range(STAGES):
             mbarrier.invalidate(k_ready.index(st))
             mbarrier.invalidate(v_ready.index(st))
@@ -510,6 +621,7 @@ def flash_attn_varlen_gluon(
     pingpong: bool | None = None,
     head_block: int | None = None,
     descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""bf16 varlen flash attention on sm90 (Gluon); the semantics of :func:`openmla.flash_attn_varlen`.
 
@@ -529,9 +641,10 @@ def flash_attn_varlen_gluon(
         lse: optional `[Tq, h_q]` fp32 buffer.
         block_n, stages, pingpong: tuning variants for tests (keys per tile 64 / 128, ring depth, warpgroup
             turns); None: the module constants.
-        head_block: launch order: the row blocks of this many heads (reduced to a divisor of h_q) are
+        head_block: work order: the row blocks of this many heads (reduced to a divisor of h_q) are
             interleaved, heaviest first when causal; 1 = one head's row blocks after the other (the
             programs in flight share that head's K / V in L2), h_q = every head's heaviest block first.
+        programs: persistent programs launched (for tests: few programs walk many items); None: one an SM.
 
     Returns:
         ``(out, lse)``: out `[Tq, h_q, 128]` bf16 (0 for rows that see no key), lse `[Tq, h_q]` fp32
@@ -593,13 +706,19 @@ def flash_attn_varlen_gluon(
     head_block = HEAD_BLOCK if head_block is None else head_block
     if not isinstance(head_block, int) or head_block < 1:
         raise ValueError(f"head_block must be a positive int; got {head_block!r}")
-    head_block = math.gcd(head_block, H)  # a divisor of h_q: every program has a head
-    grid = (triton.cdiv(max_seqlen_q, BLOCK_M) * head_block, H // head_block, B)
-    if B > 65535 or grid[1] > 65535:
-        raise ValueError(f"grid {grid} exceeds the CUDA limit of 65535 blocks in y / z")
-    _flash_attn_varlen_gluon_kernel[grid](
-        q_desc, k1_desc, k2_desc, v_desc, q2_desc, q_ds, k_ds, v_ds, out, lse, cu_seqlens_q, cu_seqlens_k,
-        float(sm_scale) * 1.4426950408889634,
+    head_block = math.gcd(head_block, H)  # a divisor of h_q: every item has a head
+    n_rb = triton.cdiv(max_seqlen_q, BLOCK_M)
+    n_items = B * n_rb * H
+    if n_items >= 2**31:
+        raise ValueError(f"{B} requests x {n_rb} row blocks x {H} heads exceed 2**31 work items")
+    if programs is None:
+        programs = _num_sms(q.device)
+    elif not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"programs must be a positive int; got {programs!r}")
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # a fresh 0 each call (graph-capturable)
+    _flash_attn_varlen_gluon_kernel[(min(programs, n_items),)](
+        q_desc, k1_desc, k2_desc, v_desc, q2_desc, q_ds, k_ds, v_ds, out, lse, cu_seqlens_q, cu_seqlens_k, counter,
+        n_items, n_rb, H, float(sm_scale) * 1.4426950408889634,
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         GROUP=H // H_KV, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), SCALE_POS=float(sm_scale) > 0,
         PINGPONG=bool(pingpong), HEAD_BLOCK=head_block, STORE_LSE=True, PRODUCER_REGS=PRODUCER_REGS,
