@@ -346,9 +346,9 @@ def _fp8_problem(device, heads, qlens, klens, h_kv=None):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("block_n,stages", [(128, 2), (128, 3), (64, 4)])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_gluon_prefill_fp8(causal, stages, device):
+def test_gluon_prefill_fp8(causal, block_n, stages, device):
     # fp8 q / k / v (the default on sm90): scores on fp8 tensor cores, V widened to bf16, descales; a
     # ragged batch with an empty request, a request without keys and Lk != Lq, GQA, against the fp32 reference
     # on the same fp8 values and against the portable kernel's fp8 path
@@ -356,7 +356,7 @@ def test_gluon_prefill_fp8(causal, stages, device):
     q8, k8, v8, ds, cu_q, cu_k = _fp8_problem(device, 16, qlens, klens, h_kv=4)
     kw = dict(causal=causal, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
     out, lse = pg.flash_attn_varlen_gluon(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal,
-                                          stages=stages, descales=tuple(ds))  # fmt: skip
+                                          block_n=block_n, stages=stages, descales=tuple(ds))  # fmt: skip
     torch.cuda.synchronize()
     ref_out, ref_lse = flash_attn_varlen_ref(q8, k8, v8, cu_q, cu_k, SCALE, **kw)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
@@ -368,7 +368,7 @@ def test_gluon_prefill_fp8(causal, stages, device):
     assert_close("lse vs triton", t_lse, lse, 1e-3, 1e-3, 1e-6)
     # through flash_attn_varlen: "auto" routes fp8 to this kernel; without descales they default to 1
     g_out, g_lse = openmla.flash_attn_varlen(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE, **kw)
-    if stages == pg.STAGES_DEFAULT:
+    if block_n == pg.BLOCK_N_DEFAULT and stages == pg.STAGES_DEFAULT:
         torch.testing.assert_close(g_out, out, atol=0, rtol=0)
     o1, _ = openmla.flash_attn_varlen(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal,
                                       backend="gluon")  # fmt: skip
@@ -378,6 +378,32 @@ def test_gluon_prefill_fp8(causal, stages, device):
     r1, _ = pg.flash_attn_varlen_gluon(q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE, causal=causal,
                                        descales=ones)  # fmt: skip
     torch.testing.assert_close(o1, r1, atol=0, rtol=0)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("block_n", [128, 64])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gluon_prefill_fp8_nan_tails(causal, block_n, device):
+    # e4m3 NaN bytes (0x7F) in the rows past the last request of k and of a head-strided v: the last tile's TMA box
+    # reaches them; the K tail is masked and the V rows zeroed in shared memory (0 * NaN would reach the output)
+    qlens, klens = [333, 70, 1], [400, 70, 2]
+    q8, k8, v8, ds, cu_q, cu_k = _fp8_problem(device, 16, qlens, klens)
+    nk, pad = k8.shape[0], 300
+    kv = torch.full((nk + pad, 16, 256), 0x7F, dtype=torch.uint8, device=device)
+    kv[:nk, :, 128:] = v8.view(torch.uint8)
+    v_pad = kv.view(torch.float8_e4m3fn)[..., 128:]  # head stride 256, NaN rows past the keys
+    k_pad = torch.full((nk + pad, 16, 192), 0x7F, dtype=torch.uint8, device=device)
+    k_pad[:nk] = k8.view(torch.uint8)
+    k_pad = k_pad.view(torch.float8_e4m3fn)
+    assert bool(v_pad[nk:].float().isnan().all())
+    args = (q8, k_pad, v_pad, cu_q, cu_k, max(qlens), max(klens), SCALE)
+    out, lse = pg.flash_attn_varlen_gluon(*args, causal=causal, block_n=block_n, descales=tuple(ds))
+    torch.cuda.synchronize()
+    ref_out, ref_lse = flash_attn_varlen_ref(q8, k8, v8, cu_q, cu_k, SCALE, causal=causal, q_descale=ds[0],
+                                             k_descale=ds[1], v_descale=ds[2])  # fmt: skip
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert_close("out", ref_out, out, *TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
 
 
 # (query lengths, key lengths) for the persistent walk: row blocks past a short request (skipped items), a request

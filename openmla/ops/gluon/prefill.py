@@ -17,7 +17,9 @@ programs, one an SM, walk the items):
   a 4-warp worker, warpgroup 1, rows 64-127) and ``_producer`` (a 1-warp worker, few registers after
   ``setmaxnreg``). The consumers' register budget is raised by ``setmaxnreg`` (``CONSUMER_REGS``).
 * Producer: for each item, Q ``[128, 192]`` as six TMA boxes ``[64, 64]`` (one 128-byte swizzle atom wide)
-  over ``q`` viewed as a 2-D ``[Tq, (H - 1) * stride_h + 192]`` tensor; then for every key tile ``j``
+  over ``q`` viewed as a 2-D ``[Tq, (H - 1) * stride_h + 192]`` tensor, each warpgroup's 64 rows on their own
+  ready / empty barriers (warpgroup 0's as soon as its last scores of the item before are done, warpgroup 1's
+  after the item's first K tile); then for every key tile ``j``
   K ``[BLOCK_N, 192]`` (TMA splits the box into three 64-column messages) and V ``[BLOCK_N, 128]``
   into a ``STAGES``-deep ring. K and V have their own ready/empty mbarriers (the scores can start
   before V lands); an empty barrier needs one arrival per consumer warpgroup (count 2).
@@ -56,16 +58,19 @@ programs, one an SM, walk the items):
   the items run out, in the order in which the hardware's block scheduler handed out one program an item
   before (each then paid its launch, Q load and first tiles with the tensor cores idle). The producer
   fetches an item's successor before the item's copies and publishes it through a 2-slot shared-memory ring
-  (``id_ready`` / ``id_empty``) once they are issued; the consumers read it after their epilogue. The ring
-  positions, the Q barrier phases (``q_ready``; ``q_empty``: both consumers' last scores of an item are done,
-  so the next Q may land) and the turns run on across items, so the next item's Q and first tiles land
+  (``id_ready`` / ``id_empty``) once they are issued; the consumers read it, and load its lengths, before
+  their epilogue (the loads' latency hides behind the stores). The ring positions, the Q barrier phases and
+  the turns run on across items, so the next item's Q and first tiles land
   during the current item's last P V and epilogue. Items past a short request's rows are skipped by every
   partition alike.
 
-Shared memory (BLOCK_N 128, 2 stages): Q 49,152 + 2 x (K 49,152 + V 32,768) = 212,992 B + barriers
-(limit 232,448). BLOCK_N 64 with 3-4 stages also fits.
+* fp8 (``FP8``): e4m3 Q and K (two wgmmas of k = 128 and 64 on the fp8 tensor cores, the descales folded
+  into the scale); V is widened to bf16 before the launch (``_widen_e4m3``, exact) and P V runs in bf16.
 
-Limits: sm90, bf16 q/k/v, ``d_qk = 192``, ``d_v = 128``, last dim contiguous, token strides and the
+Shared memory (BLOCK_N 128, 2 stages): Q 49,152 + 2 x (K 49,152 + V 32,768) = 212,992 B + barriers
+(limit 232,448). BLOCK_N 64 with 3-4 stages (and fp8 with BLOCK_N 128 and 3 stages) also fit.
+
+Limits: sm90, bf16 (or e4m3) q/k/v, ``d_qk = 192``, ``d_v = 128``, last dim contiguous, token strides and the
 head strides with 16-byte-aligned bases (TMA), ``h_q`` a multiple of ``h_kv``. Gluon needs
 ``triton.experimental.gluon`` (Triton >= 3.5); without it :func:`gluon_prefill_supported` is False and
 importing this module still works.
@@ -153,16 +158,33 @@ if GLUON_AVAILABLE:
         return i_h, bos_q, len_q, start_m, bos_k, len_k, gl.cdiv(n_end, BLOCK_N)
 
     @gluon.jit
+    def _load_q_half(q_desc, q2_desc, q_smem, q2_smem, q_ready, q_empty, row_q, col_q, n_q, WG: gl.constexpr,
+                     FP8: gl.constexpr):  # fmt: skip
+        """Warpgroup WG's 64 Q rows of the ``n_q``-th item, once that warpgroup's last scores of the item before
+        are done (fresh barriers pass parity 1 at once: the first item). FP8: a [64, 128] and a [64, 64] e4m3 box
+        (one 128- / 64-byte swizzle atom wide); else three [64, 64] bf16 boxes."""
+        mbarrier.wait(q_empty.index(WG), (n_q & 1) ^ 1)
+        row = row_q + WG * 64
+        if FP8:
+            mbarrier.expect(q_ready.index(WG), 64 * 192)
+            tma.async_copy_global_to_shared(q_desc, [row, col_q], q_ready.index(WG), q_smem.index(WG))
+            tma.async_copy_global_to_shared(q2_desc, [row, col_q + 128], q_ready.index(WG), q2_smem.index(WG))
+        else:
+            mbarrier.expect(q_ready.index(WG), 3 * 64 * 64 * 2)
+            for c in gl.static_range(3):
+                tma.async_copy_global_to_shared(q_desc, [row, col_q + c * 64], q_ready.index(WG),
+                                                q_smem.index(WG * 3 + c))  # fmt: skip
+
+    @gluon.jit
     def _producer(q_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready,
                   q_empty, k_ready, k_empty, v_ready, v_empty, id_smem, id_ready, id_empty, counter, n_items, n_rb, H,
                   cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh, stride_vh, GROUP: gl.constexpr,
                   HEAD_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   FP8: gl.constexpr):  # fmt: skip
-        """1 warp, item after item: Q (once the consumers' last scores of the previous item are done), then the K
-        and V tiles of the ring (each waits for its stage to be released; the ring runs on across items). FP8: Q
-        and K are e4m3, Q as a [64, 128] and a [64, 64] box a warpgroup (one 128- / 64-byte swizzle atom wide).
-        Each item's successor comes from ``counter`` (``num_programs + atomic_add``, issued before the item's
-        copies and read after them) and is published to the consumers through ``id_smem``."""
+        """1 warp, item after item: warpgroup 0's Q rows, then the K and V tiles of the ring (each waits for its
+        stage to be released; the ring runs on across items), warpgroup 1's Q rows after the first K tile. FP8: Q
+        and K are e4m3. Each item's successor comes from ``counter`` (``num_programs + atomic_add``, issued
+        before the item's copies and read after them) and is published to the consumers through ``id_smem``."""
         LANE: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         ONE: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         lane = gl.arange(0, 32, layout=LANE)
@@ -178,19 +200,8 @@ if GLUON_AVAILABLE:
             if start_m < len_q:
                 row_q = bos_q + start_m
                 col_q = i_h * stride_qh
-                mbarrier.wait(q_empty, (n_q & 1) ^ 1)  # fresh barriers pass parity 1 at once (the first item)
-                if FP8:
-                    mbarrier.expect(q_ready, 2 * 64 * 192)
-                    for w in gl.static_range(2):
-                        tma.async_copy_global_to_shared(q_desc, [row_q + w * 64, col_q], q_ready, q_smem.index(w))
-                        tma.async_copy_global_to_shared(q2_desc, [row_q + w * 64, col_q + 128], q_ready,
-                                                        q2_smem.index(w))  # fmt: skip
-                else:
-                    mbarrier.expect(q_ready, 6 * 64 * 64 * 2)
-                    for w in gl.static_range(2):
-                        for c in gl.static_range(3):
-                            tma.async_copy_global_to_shared(q_desc, [row_q + w * 64, col_q + c * 64], q_ready,
-                                                            q_smem.index(w * 3 + c))  # fmt: skip
+                # warpgroup 0's rows first: its Q may land while warpgroup 1 still scores the previous item
+                _load_q_half(q_desc, q2_desc, q_smem, q2_smem, q_ready, q_empty, row_q, col_q, n_q, 0, FP8)
                 col_k = (i_h // GROUP) * stride_kh
                 col_v = (i_h // GROUP) * stride_vh
                 for j in range(n_tiles):
@@ -202,9 +213,13 @@ if GLUON_AVAILABLE:
                     tma.async_copy_global_to_shared(k1_desc, [row, col_k], k_ready.index(st), k1_smem.index(st))
                     tma.async_copy_global_to_shared(k2_desc, [row, col_k + 128], k_ready.index(st),
                                                     k2_smem.index(st))  # fmt: skip
+                    if j == 0:
+                        _load_q_half(q_desc, q2_desc, q_smem, q2_smem, q_ready, q_empty, row_q, col_q, n_q, 1, FP8)
                     mbarrier.wait(v_empty.index(st), ph)
                     mbarrier.expect(v_ready.index(st), BLOCK_N * 128 * 2)
                     tma.async_copy_global_to_shared(v_desc, [row, col_v], v_ready.index(st), v_smem.index(st))
+                if n_tiles == 0:
+                    _load_q_half(q_desc, q2_desc, q_smem, q2_smem, q_ready, q_empty, row_q, col_q, n_q, 1, FP8)
                 t += n_tiles
                 n_q += 1
             nxt = n_prog + gl.sum(gl.where(lane == 0, got, 0), axis=0)
@@ -287,13 +302,12 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _consume_item(q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                      turn, o, lse, stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k, start_m, i_h,
-                      n_tiles, qk_scale, v_scale, t, n_q, n_turn, WG: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POS: gl.constexpr, PINGPONG: gl.constexpr,
-                      STORE_LSE: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
-        """One consumer warpgroup, one item: rows ``start_m + WG * 64 + [0, 64)`` of the block (the output times
-        ``v_scale``: FP8's V descale, else 1). ``t``, ``n_q``, ``n_turn``: the ring position, the Q loads and the
-        wgmma turns of the items before (the barriers' phases run on across items)."""
+                      turn, bos_q, len_q, len_k, start_m, n_tiles, qk_scale, t, n_q, n_turn, WG: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POS: gl.constexpr,
+                      PINGPONG: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+        """One consumer warpgroup's main loop over one item: rows ``start_m + WG * 64 + [0, 64)`` of the block;
+        returns the unnormalised ``(acc, m, l)``. ``t``, ``n_q``, ``n_turn``: the ring position, the Q loads and
+        the wgmma turns of the items before (the barriers' phases run on across items)."""
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 32 if FP8 else 16])  # fmt: skip
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -301,7 +315,6 @@ if GLUON_AVAILABLE:
         P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
 
         row0 = start_m + WG * 64  # first query row (request-local) of this warpgroup
         delta = len_k - len_q
@@ -316,7 +329,7 @@ if GLUON_AVAILABLE:
         acc = gl.zeros([64, 128], gl.float32, O_LAYOUT)
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
 
-        mbarrier.wait(q_ready, n_q & 1)
+        mbarrier.wait(q_ready.index(WG), n_q & 1)
         if n_tiles > 0:
             # ---- tile 0: scores and softmax (no PV yet)
             st0 = t % STAGES
@@ -356,7 +369,7 @@ if GLUON_AVAILABLE:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
                 p_op = gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT)
 
-            mbarrier.arrive(q_empty, count=1)  # the item's last scores are done: the producer may load the next Q
+            mbarrier.arrive(q_empty.index(WG), count=1)  # last scores done: this warpgroup's next Q may land
 
             # ---- PV of the last tile
             lst = (t + n_tiles - 1) % STAGES
@@ -370,9 +383,24 @@ if GLUON_AVAILABLE:
             acc, _p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
             mbarrier.arrive(v_empty.index(lst), count=1)
         else:
-            mbarrier.arrive(q_empty, count=1)
+            mbarrier.arrive(q_empty.index(WG), count=1)
 
-        # ---- epilogue: normalise, store the rows of this request (out 0 / lse -inf where l = 0)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _store_rows(acc, m_i, l_i, o, lse, stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, start_m, i_h,
+                    v_scale, WG: gl.constexpr, BLOCK_N: gl.constexpr, STORE_LSE: gl.constexpr,
+                    FP8: gl.constexpr):  # fmt: skip
+        """Epilogue of one warpgroup's 64 rows: normalise, store the rows inside the request (out 0 / lse -inf where
+        l = 0)."""
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 32 if FP8 else 16])  # fmt: skip
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 128, 16])  # fmt: skip
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
+        row0 = start_m + WG * 64
         empty = l_i == 0.0
         inv = gl.where(empty, 0.0, v_scale / gl.where(empty, 1.0, l_i))
         b_o = acc * gl.expand_dims(gl.convert_layout(inv, ROW_O), 1)
@@ -389,33 +417,57 @@ if GLUON_AVAILABLE:
             gl.store(p_l, b_lse, mask=o_rs < len_q)
 
     @gluon.jit
+    def _next_item(id_smem, id_ready, id_empty, i, WARPS: gl.constexpr):
+        """The successor of the ``i``-th item walked, from the producer's id ring (then handed back); WARPS: the
+        partition's warps."""
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        slot = i % 2
+        mbarrier.wait(id_ready.index(slot), (i // 2) & 1)
+        nxt = gl.max(id_smem.index(slot).load(ONE), axis=0)
+        mbarrier.arrive(id_empty.index(slot), count=1)
+        return nxt
+
+    @gluon.jit
     def _consumer(q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                   id_smem, id_ready, id_empty, o, lse, stride_ot, stride_oh, stride_lt, stride_lh, cu_seqlens_q,
                   cu_seqlens_k, n_items, n_rb, H, qk_scale, v_scale, WG: gl.constexpr, HEAD_BLOCK: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POS: gl.constexpr,
                   PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
-        """One consumer warpgroup, item after item (the producer publishes each item's successor)."""
-        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        """One consumer warpgroup, item after item (the producer publishes each item's successor). The successor is
+        read and its lengths loaded before the epilogue, so that their latency hides behind the stores."""
         cur = gl.program_id(0)
+        i_h, bos_q, len_q, start_m, _bk, len_k, n_tiles = _item(cur, cu_seqlens_q, cu_seqlens_k, n_rb, H, HEAD_BLOCK,
+                                                                CAUSAL, BLOCK_N)  # fmt: skip
         t = 0
         n_q = 0
         n_turn = 0
         i = 0
         while cur < n_items:
-            i_h, bos_q, len_q, start_m, bos_k, len_k, n_tiles = _item(cur, cu_seqlens_q, cu_seqlens_k, n_rb, H,
-                                                                     HEAD_BLOCK, CAUSAL, BLOCK_N)  # fmt: skip
             if start_m < len_q:
-                _consume_item(q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                              v_empty, turn, o, lse, stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, len_k,
-                              start_m, i_h, n_tiles, qk_scale, v_scale, t, n_q, n_turn, WG, BLOCK_N, STAGES, CAUSAL,
-                              SCALE_POS, PINGPONG, STORE_LSE, FP8)  # fmt: skip
+                acc, m_i, l_i = _consume_item(q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready,
+                                              k_empty, v_ready, v_empty, turn, bos_q, len_q, len_k, start_m,
+                                              n_tiles, qk_scale, t, n_q, n_turn, WG, BLOCK_N, STAGES, CAUSAL,
+                                              SCALE_POS, PINGPONG, FP8)  # fmt: skip
                 t += n_tiles
                 n_q += 1
                 n_turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
-            slot = i % 2
-            mbarrier.wait(id_ready.index(slot), (i // 2) & 1)
-            cur = gl.max(id_smem.index(slot).load(ONE), axis=0)
-            mbarrier.arrive(id_empty.index(slot), count=1)
+                nxt = _next_item(id_smem, id_ready, id_empty, i, 4)
+                # past the last item: decode a valid one (the loop ends; its loads must stay in bounds)
+                h2, bq2, lq2, sm2, _bk, lk2, nt2 = _item(gl.minimum(nxt, n_items - 1), cu_seqlens_q, cu_seqlens_k,
+                                                         n_rb, H, HEAD_BLOCK, CAUSAL, BLOCK_N)  # fmt: skip
+                _store_rows(acc, m_i, l_i, o, lse, stride_ot, stride_oh, stride_lt, stride_lh, bos_q, len_q, start_m,
+                            i_h, v_scale, WG, BLOCK_N, STORE_LSE, FP8)  # fmt: skip
+            else:
+                nxt = _next_item(id_smem, id_ready, id_empty, i, 4)
+                h2, bq2, lq2, sm2, _bk, lk2, nt2 = _item(gl.minimum(nxt, n_items - 1), cu_seqlens_q, cu_seqlens_k,
+                                                         n_rb, H, HEAD_BLOCK, CAUSAL, BLOCK_N)  # fmt: skip
+            cur = nxt
+            i_h = h2
+            bos_q = bq2
+            len_q = lq2
+            start_m = sm2
+            len_k = lk2
+            n_tiles = nt2
             i += 1
 
     @gluon.jit
@@ -475,8 +527,8 @@ if GLUON_AVAILABLE:
             k2_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], k2_desc.layout)
             v_scale = 1.0
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 128], v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # one a warpgroup
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         id_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         id_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         id_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -485,11 +537,12 @@ if GLUON_AVAILABLE:
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
-        mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
+        for w in gl.static_range(2):
+            mbarrier.init(q_ready.index(w), count=1)
+            mbarrier.init(q_empty.index(w), count=1)
         for sl in gl.static_range(2):
             mbarrier.init(id_ready.index(sl), count=1)
-            mbarrier.init(id_empty.index(sl), count=2)
+            mbarrier.init(id_empty.index(sl), count=2)  # one arrival per consumer warpgroup
         for st in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(st), count=1)
             mbarrier.init(v_ready.index(st), count=1)
@@ -502,20 +555,21 @@ if GLUON_AVAILABLE:
         gl.warp_specialize([
             (_consumer, (q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, turn, id_smem, id_ready, id_empty, o, lse, stride_ot, stride_oh, stride_lt,
-                         stride_lh, cu_seqlens_q, cu_seqlens_k, n_items, n_rb, H, qk_scale, v_scale, 0, HEAD_BLOCK,
-                         BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE, FP8)),
+                         stride_lh, cu_seqlens_q, cu_seqlens_k, n_items, n_rb, H, qk_scale, v_scale, 0,
+                         HEAD_BLOCK, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE, FP8)),
             (_consumer, (q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, turn, id_smem, id_ready, id_empty, o, lse, stride_ot, stride_oh, stride_lt,
-                         stride_lh, cu_seqlens_q, cu_seqlens_k, n_items, n_rb, H, qk_scale, v_scale, 1, HEAD_BLOCK,
-                         BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE, FP8)),
+                         stride_lh, cu_seqlens_q, cu_seqlens_k, n_items, n_rb, H, qk_scale, v_scale, 1,
+                         HEAD_BLOCK, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE, FP8)),
             (_producer, (q_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, q2_smem, k1_smem, k2_smem, v_smem,
-                         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, id_smem, id_ready, id_empty, counter,
-                         n_items, n_rb, H, cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh, stride_vh, GROUP,
-                         HEAD_BLOCK, CAUSAL, BLOCK_N, STAGES, FP8)),
+                         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, id_smem, id_ready, id_empty,
+                         counter, n_items, n_rb, H, cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh, stride_vh,
+                         GROUP, HEAD_BLOCK, CAUSAL, BLOCK_N, STAGES, FP8)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
-        mbarrier.invalidate(q_ready)
-        mbarrier.invalidate(q_empty)
+        for w in gl.static_range(2):
+            mbarrier.invalidate(q_ready.index(w))
+            mbarrier.invalidate(q_empty.index(w))
         for sl in gl.static_range(2):
             mbarrier.invalidate(id_ready.index(sl))
             mbarrier.invalidate(id_empty.index(sl))
