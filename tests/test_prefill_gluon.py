@@ -48,9 +48,10 @@ report = []
 for v in json.loads(sys.argv[1]):
     block_n, stages, causal, pingpong, group, scale_pos = v[:6]
     fp8 = len(v) > 6 and v[6]
+    q_bufs = 2 if g._smem_bytes(block_n, stages, fp8, 2) <= g.SMEM_LIMIT else 1  # the launcher's default
     cons = dict(GROUP=group, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, SCALE_POS=scale_pos, PINGPONG=pingpong,
                 HEAD_BLOCK=1, STORE_LSE=True, PRODUCER_REGS=g.PRODUCER_REGS, CONSUMER_REGS=g.CONSUMER_REGS, num_warps=4,
-                FP8=fp8)
+                FP8=fp8, Q_BUFS=q_bufs)
     blocks = {"q_desc": [64, 128] if fp8 else [64, 64], "q2_desc": [64, 64], "k1_desc": [block_n, 128],
               "k2_desc": [block_n, 64], "v_desc": [block_n, 128]}
     ptr = {"o": "*bf16", "lse": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "counter": "*i32",
@@ -109,6 +110,7 @@ def test_gluon_prefill_unsupported_on_cpu():
     assert pg._smem_bytes(128, 2) <= pg.SMEM_LIMIT and pg._smem_bytes(64, 4) <= pg.SMEM_LIMIT
     assert pg._smem_bytes(128, 3) > pg.SMEM_LIMIT
     assert pg._smem_bytes(128, 3, fp8=True) <= pg.SMEM_LIMIT < pg._smem_bytes(128, 4, fp8=True)
+    assert pg._smem_bytes(128, 2, True, 2) <= pg.SMEM_LIMIT < pg._smem_bytes(128, 2, False, 2)
     q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
     assert not pg.gluon_prefill_supported(q8, k8, v8, fp8=True) and not pg.gluon_prefill_supported(q8, k8, v8)
 
@@ -431,11 +433,13 @@ def test_gluon_prefill_persistent_walk(programs, block_n, stages, causal, device
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("programs", [1, 5])
-def test_gluon_prefill_persistent_walk_fp8(programs, device):
+@pytest.mark.parametrize("q_bufs", [1, 2])
+def test_gluon_prefill_persistent_walk_fp8(programs, q_bufs, device):
+    # fp8 (two Q buffers by default: an item's Q lands while the item before runs; one as in bf16): the same bits
     qlens, klens = WALK
     q8, k8, v8, ds, cu_q, cu_k = _fp8_problem(device, 4, qlens, klens, h_kv=2)
     args = (q8, k8, v8, cu_q, cu_k, max(qlens), max(klens), SCALE)
-    out, lse = pg.flash_attn_varlen_gluon(*args, causal=True, descales=tuple(ds), programs=programs)
+    out, lse = pg.flash_attn_varlen_gluon(*args, causal=True, descales=tuple(ds), programs=programs, q_bufs=q_bufs)
     o1, l1 = pg.flash_attn_varlen_gluon(*args, causal=True, descales=tuple(ds))
     torch.cuda.synchronize()
     ref_out, ref_lse = flash_attn_varlen_ref(q8, k8, v8, cu_q, cu_k, SCALE, causal=True, q_descale=ds[0],
@@ -470,3 +474,5 @@ def test_gluon_prefill_cuda_graph(device):
         torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
     with pytest.raises(ValueError, match="programs must be a positive int"):
         pg.flash_attn_varlen_gluon(q, k, v, cu_q, cu_k, 700, 700, SCALE, programs=0)
+    with pytest.raises(ValueError, match="q_bufs must be 1 or 2"):  # two bf16 Q buffers and the 128-key ring
+        pg.flash_attn_varlen_gluon(q, k, v, cu_q, cu_k, 700, 700, SCALE, q_bufs=2)

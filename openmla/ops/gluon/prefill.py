@@ -78,6 +78,7 @@ importing this module still works.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -107,6 +108,8 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 #: default tile: keys per tile and ring depth
 BLOCK_N_DEFAULT, STAGES_DEFAULT = 128, 2
+#: Q buffers where they fit in shared memory (fp8's e4m3 Q): the next item's Q lands during the current item
+Q_BUFS_MAX = 2
 #: take turns issuing the wgmmas of the two consumer warpgroups (see the module docstring)
 PINGPONG: bool = True
 # launch order (see flash_attn_varlen_gluon's head_block): 1 keeps the programs in flight on few heads
@@ -124,10 +127,10 @@ def _num_sms(dev: torch.device) -> int:
     return _NUM_SMS[key]
 
 
-def _smem_bytes(block_n: int, stages: int, fp8: bool = False) -> int:
-    """Q + the K / V ring + barriers (fp8: e4m3 Q and K, bf16 V)."""
+def _smem_bytes(block_n: int, stages: int, fp8: bool = False, q_bufs: int = 1) -> int:
+    """Q (``q_bufs`` buffers) + the K / V ring + barriers (fp8: e4m3 Q and K, bf16 V)."""
     qk = 1 if fp8 else 2
-    return BLOCK_M * D_QK * qk + stages * block_n * (D_QK * qk + D_V * 2) + 1024
+    return q_bufs * BLOCK_M * D_QK * qk + stages * block_n * (D_QK * qk + D_V * 2) + 1024
 
 
 if GLUON_AVAILABLE:
@@ -159,28 +162,29 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _load_q_half(q_desc, q2_desc, q_smem, q2_smem, q_ready, q_empty, row_q, col_q, n_q, WG: gl.constexpr,
-                     FP8: gl.constexpr):  # fmt: skip
-        """Warpgroup WG's 64 Q rows of the ``n_q``-th item, once that warpgroup's last scores of the item before
-        are done (fresh barriers pass parity 1 at once: the first item). FP8: a [64, 128] and a [64, 64] e4m3 box
-        (one 128- / 64-byte swizzle atom wide); else three [64, 64] bf16 boxes."""
-        mbarrier.wait(q_empty.index(WG), (n_q & 1) ^ 1)
+                     FP8: gl.constexpr, Q_BUFS: gl.constexpr):  # fmt: skip
+        """Warpgroup WG's 64 Q rows of the ``n_q``-th item into Q buffer ``n_q % Q_BUFS``, once that warpgroup's last
+        scores of the item that used the buffer before are done (fresh barriers pass parity 1 at once). FP8: a
+        [64, 128] and a [64, 64] e4m3 box (one 128- / 64-byte swizzle atom wide); else three [64, 64] bf16 boxes."""
+        qi = (n_q % Q_BUFS) * 2 + WG
+        mbarrier.wait(q_empty.index(qi), ((n_q // Q_BUFS) & 1) ^ 1)
         row = row_q + WG * 64
         if FP8:
-            mbarrier.expect(q_ready.index(WG), 64 * 192)
-            tma.async_copy_global_to_shared(q_desc, [row, col_q], q_ready.index(WG), q_smem.index(WG))
-            tma.async_copy_global_to_shared(q2_desc, [row, col_q + 128], q_ready.index(WG), q2_smem.index(WG))
+            mbarrier.expect(q_ready.index(qi), 64 * 192)
+            tma.async_copy_global_to_shared(q_desc, [row, col_q], q_ready.index(qi), q_smem.index(qi))
+            tma.async_copy_global_to_shared(q2_desc, [row, col_q + 128], q_ready.index(qi), q2_smem.index(qi))
         else:
-            mbarrier.expect(q_ready.index(WG), 3 * 64 * 64 * 2)
+            mbarrier.expect(q_ready.index(qi), 3 * 64 * 64 * 2)
             for c in gl.static_range(3):
-                tma.async_copy_global_to_shared(q_desc, [row, col_q + c * 64], q_ready.index(WG),
-                                                q_smem.index(WG * 3 + c))  # fmt: skip
+                tma.async_copy_global_to_shared(q_desc, [row, col_q + c * 64], q_ready.index(qi),
+                                                q_smem.index(qi * 3 + c))  # fmt: skip
 
     @gluon.jit
     def _producer(q_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready,
                   q_empty, k_ready, k_empty, v_ready, v_empty, id_smem, id_ready, id_empty, counter, n_items, n_rb, H,
                   cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh, stride_vh, GROUP: gl.constexpr,
                   HEAD_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  FP8: gl.constexpr):  # fmt: skip
+                  FP8: gl.constexpr, Q_BUFS: gl.constexpr):  # fmt: skip
         """1 warp, item after item: warpgroup 0's Q rows, then the K and V tiles of the ring (each waits for its
         stage to be released; the ring runs on across items), warpgroup 1's Q rows after the first K tile. FP8: Q
         and K are e4m3. Each item's successor comes from ``counter`` (``num_programs + atomic_add``, issued
@@ -201,7 +205,7 @@ if GLUON_AVAILABLE:
                 row_q = bos_q + start_m
                 col_q = i_h * stride_qh
                 # warpgroup 0's rows first: its Q may land while warpgroup 1 still scores the previous item
-                _load_q_half(q_desc, q2_desc, q_smem, q2_smem, q_ready, q_empty, row_q, col_q, n_q, 0, FP8)
+                _load_q_half(q_desc, q2_desc, q_smem, q2_smem, q_ready, q_empty, row_q, col_q, n_q, 0, FP8, Q_BUFS)
                 col_k = (i_h // GROUP) * stride_kh
                 col_v = (i_h // GROUP) * stride_vh
                 for j in range(n_tiles):
@@ -214,12 +218,14 @@ if GLUON_AVAILABLE:
                     tma.async_copy_global_to_shared(k2_desc, [row, col_k + 128], k_ready.index(st),
                                                     k2_smem.index(st))  # fmt: skip
                     if j == 0:
-                        _load_q_half(q_desc, q2_desc, q_smem, q2_smem, q_ready, q_empty, row_q, col_q, n_q, 1, FP8)
+                        _load_q_half(
+                            q_desc, q2_desc, q_smem, q2_smem, q_ready, q_empty, row_q, col_q, n_q, 1, FP8, Q_BUFS
+                        )
                     mbarrier.wait(v_empty.index(st), ph)
                     mbarrier.expect(v_ready.index(st), BLOCK_N * 128 * 2)
                     tma.async_copy_global_to_shared(v_desc, [row, col_v], v_ready.index(st), v_smem.index(st))
                 if n_tiles == 0:
-                    _load_q_half(q_desc, q2_desc, q_smem, q2_smem, q_ready, q_empty, row_q, col_q, n_q, 1, FP8)
+                    _load_q_half(q_desc, q2_desc, q_smem, q2_smem, q_ready, q_empty, row_q, col_q, n_q, 1, FP8, Q_BUFS)
                 t += n_tiles
                 n_q += 1
             nxt = n_prog + gl.sum(gl.where(lane == 0, got, 0), axis=0)
@@ -245,18 +251,18 @@ if GLUON_AVAILABLE:
             mbarrier.arrive(turn.index(1 - WG), count=1)
 
     @gluon.jit
-    def _qk(q_smem, q2_smem, k1_tile, k2_tile, s_init, WG: gl.constexpr, FP8: gl.constexpr):
+    def _qk(q_smem, q2_smem, k1_tile, k2_tile, s_init, qi, FP8: gl.constexpr):
         """Start ``S = Q K^T`` (k = 192 as three chained async wgmmas over 64-column slices; FP8: two, over the
         e4m3 columns 0:128 and 128:192)."""
         if FP8:
-            s = warpgroup_mma(q_smem.index(WG), k1_tile.permute((1, 0)), s_init, use_acc=False, is_async=True)
-            s = warpgroup_mma(q2_smem.index(WG), k2_tile.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q_smem.index(qi), k1_tile.permute((1, 0)), s_init, use_acc=False, is_async=True)
+            s = warpgroup_mma(q2_smem.index(qi), k2_tile.permute((1, 0)), s, is_async=True)
         else:
-            s = warpgroup_mma(q_smem.index(WG * 3), k1_tile.slice(0, 64, dim=1).permute((1, 0)), s_init,
+            s = warpgroup_mma(q_smem.index(qi * 3), k1_tile.slice(0, 64, dim=1).permute((1, 0)), s_init,
                               use_acc=False, is_async=True)  # fmt: skip
-            s = warpgroup_mma(q_smem.index(WG * 3 + 1), k1_tile.slice(64, 64, dim=1).permute((1, 0)), s,
+            s = warpgroup_mma(q_smem.index(qi * 3 + 1), k1_tile.slice(64, 64, dim=1).permute((1, 0)), s,
                               is_async=True)  # fmt: skip
-            s = warpgroup_mma(q_smem.index(WG * 3 + 2), k2_tile.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q_smem.index(qi * 3 + 2), k2_tile.permute((1, 0)), s, is_async=True)
         return s
 
     @gluon.jit
@@ -304,7 +310,7 @@ if GLUON_AVAILABLE:
     def _consume_item(q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                       turn, bos_q, len_q, len_k, start_m, n_tiles, qk_scale, t, n_q, n_turn, WG: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POS: gl.constexpr,
-                      PINGPONG: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+                      PINGPONG: gl.constexpr, FP8: gl.constexpr, Q_BUFS: gl.constexpr):  # fmt: skip
         """One consumer warpgroup's main loop over one item: rows ``start_m + WG * 64 + [0, 64)`` of the block;
         returns the unnormalised ``(acc, m, l)``. ``t``, ``n_q``, ``n_turn``: the ring position, the Q loads and
         the wgmma turns of the items before (the barriers' phases run on across items)."""
@@ -329,13 +335,14 @@ if GLUON_AVAILABLE:
         acc = gl.zeros([64, 128], gl.float32, O_LAYOUT)
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
 
-        mbarrier.wait(q_ready.index(WG), n_q & 1)
+        qi = (n_q % Q_BUFS) * 2 + WG  # this item's Q buffer, this warpgroup's rows
+        mbarrier.wait(q_ready.index(qi), (n_q // Q_BUFS) & 1)
         if n_tiles > 0:
             # ---- tile 0: scores and softmax (no PV yet)
             st0 = t % STAGES
             mbarrier.wait(k_ready.index(st0), (t // STAGES) & 1)
             _turn_wait(turn, n_turn, WG, PINGPONG)
-            s_tok = _qk(q_smem, q2_smem, k1_smem.index(st0), k2_smem.index(st0), s_zero, WG, FP8)
+            s_tok = _qk(q_smem, q2_smem, k1_smem.index(st0), k2_smem.index(st0), s_zero, qi, FP8)
             _turn_pass(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(st0), count=1)
@@ -353,7 +360,7 @@ if GLUON_AVAILABLE:
                 mbarrier.wait(k_ready.index(st), ((t + j) // STAGES) & 1)
                 mbarrier.wait(v_ready.index(pst), ((t + j - 1) // STAGES) & 1)
                 _turn_wait(turn, n_turn + j, WG, PINGPONG)
-                s_tok = _qk(q_smem, q2_smem, k1_smem.index(st), k2_smem.index(st), s_zero, WG, FP8)
+                s_tok = _qk(q_smem, q2_smem, k1_smem.index(st), k2_smem.index(st), s_zero, qi, FP8)
                 o_tok = warpgroup_mma(p_op, v_smem.index(pst), acc, is_async=True)
                 _turn_pass(turn, WG, PINGPONG)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))  # the scores; the PV may still run
@@ -369,7 +376,7 @@ if GLUON_AVAILABLE:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
                 p_op = gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT)
 
-            mbarrier.arrive(q_empty.index(WG), count=1)  # last scores done: this warpgroup's next Q may land
+            mbarrier.arrive(q_empty.index(qi), count=1)  # last scores done: the buffer may take a later item's Q
 
             # ---- PV of the last tile
             lst = (t + n_tiles - 1) % STAGES
@@ -383,7 +390,7 @@ if GLUON_AVAILABLE:
             acc, _p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
             mbarrier.arrive(v_empty.index(lst), count=1)
         else:
-            mbarrier.arrive(q_empty.index(WG), count=1)
+            mbarrier.arrive(q_empty.index(qi), count=1)
 
         return acc, m_i, l_i
 
@@ -432,7 +439,8 @@ if GLUON_AVAILABLE:
                   id_smem, id_ready, id_empty, o, lse, stride_ot, stride_oh, stride_lt, stride_lh, cu_seqlens_q,
                   cu_seqlens_k, n_items, n_rb, H, qk_scale, v_scale, WG: gl.constexpr, HEAD_BLOCK: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POS: gl.constexpr,
-                  PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+                  PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr, FP8: gl.constexpr,
+                  Q_BUFS: gl.constexpr):  # fmt: skip
         """One consumer warpgroup, item after item (the producer publishes each item's successor). The successor is
         read and its lengths loaded before the epilogue, so that their latency hides behind the stores."""
         cur = gl.program_id(0)
@@ -447,7 +455,7 @@ if GLUON_AVAILABLE:
                 acc, m_i, l_i = _consume_item(q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready,
                                               k_empty, v_ready, v_empty, turn, bos_q, len_q, len_k, start_m,
                                               n_tiles, qk_scale, t, n_q, n_turn, WG, BLOCK_N, STAGES, CAUSAL,
-                                              SCALE_POS, PINGPONG, FP8)  # fmt: skip
+                                              SCALE_POS, PINGPONG, FP8, Q_BUFS)  # fmt: skip
                 t += n_tiles
                 n_q += 1
                 n_turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
@@ -508,27 +516,29 @@ if GLUON_AVAILABLE:
         CONSUMER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
         FP8: gl.constexpr = False,  # e4m3 q / k with descales (the scores on fp8 tensor cores); V is bf16
+        Q_BUFS: gl.constexpr = 1,  # Q buffers: 2 lets the next item's Q land during the current item
     ):
         gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
         gl.static_assert(BLOCK_N == 64 or BLOCK_N == 128, "BLOCK_N is 64 or 128")
         # persistent: program p runs item p, then the items `counter` hands out in order (see _item)
         if FP8:
-            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 128], q_desc.layout)
-            q2_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 64], q2_desc.layout)
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * Q_BUFS, 64, 128], q_desc.layout)
+            q2_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * Q_BUFS, 64, 64], q2_desc.layout)
             k1_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 128], k1_desc.layout)
             k2_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 64], k2_desc.layout)
             qk_scale = qk_scale * gl.load(q_ds) * gl.load(k_ds)
             v_scale = gl.load(v_ds)
         else:
             Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-            q_smem = gl.allocate_shared_memory(gl.bfloat16, [6, 64, 64], Q_SMEM)
+            q_smem = gl.allocate_shared_memory(gl.bfloat16, [6 * Q_BUFS, 64, 64], Q_SMEM)
             q2_smem = q_smem  # unused
             k1_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 128], k1_desc.layout)
             k2_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], k2_desc.layout)
             v_scale = 1.0
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 128], v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # one a warpgroup
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # one a warpgroup and Q buffer
+        q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
         id_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         id_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         id_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -537,7 +547,7 @@ if GLUON_AVAILABLE:
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for w in gl.static_range(2):
+        for w in gl.static_range(2 * Q_BUFS):
             mbarrier.init(q_ready.index(w), count=1)
             mbarrier.init(q_empty.index(w), count=1)
         for sl in gl.static_range(2):
@@ -556,18 +566,18 @@ if GLUON_AVAILABLE:
             (_consumer, (q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, turn, id_smem, id_ready, id_empty, o, lse, stride_ot, stride_oh, stride_lt,
                          stride_lh, cu_seqlens_q, cu_seqlens_k, n_items, n_rb, H, qk_scale, v_scale, 0,
-                         HEAD_BLOCK, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE, FP8)),
+                         HEAD_BLOCK, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE, FP8, Q_BUFS)),
             (_consumer, (q_smem, q2_smem, k1_smem, k2_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, turn, id_smem, id_ready, id_empty, o, lse, stride_ot, stride_oh, stride_lt,
                          stride_lh, cu_seqlens_q, cu_seqlens_k, n_items, n_rb, H, qk_scale, v_scale, 1,
-                         HEAD_BLOCK, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE, FP8)),
+                         HEAD_BLOCK, BLOCK_N, STAGES, CAUSAL, SCALE_POS, PINGPONG, STORE_LSE, FP8, Q_BUFS)),
             (_producer, (q_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, q2_smem, k1_smem, k2_smem, v_smem,
                          q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, id_smem, id_ready, id_empty,
                          counter, n_items, n_rb, H, cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh, stride_vh,
-                         GROUP, HEAD_BLOCK, CAUSAL, BLOCK_N, STAGES, FP8)),
+                         GROUP, HEAD_BLOCK, CAUSAL, BLOCK_N, STAGES, FP8, Q_BUFS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
-        for w in gl.static_range(2):
+        for w in gl.static_range(2 * Q_BUFS):
             mbarrier.invalidate(q_ready.index(w))
             mbarrier.invalidate(q_empty.index(w))
         for sl in gl.static_range(2):
@@ -604,10 +614,12 @@ def _widen_e4m3(v: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _nvmma_layout(block: list[int] | None = None, fp8: bool = False):
-    """bf16 boxes: 128-byte swizzle; e4m3 boxes: the swizzle of their row width (128 or 64 bytes)."""
+@functools.cache
+def _nvmma_layout(width: int, fp8: bool = False):
+    """bf16 boxes: 128-byte swizzle; e4m3 boxes: the swizzle of their row width (128 or 64 bytes). Cached: building
+    a layout object costs ~3 us of host time, four of them a call."""
     if fp8:
-        return gl.NVMMASharedLayout(swizzle_byte_width=min(128, block[1]), element_bitwidth=8, rank=2)
+        return gl.NVMMASharedLayout(swizzle_byte_width=min(128, width), element_bitwidth=8, rank=2)
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
@@ -654,7 +666,7 @@ def _desc(t: torch.Tensor, d: int, block: list[int]):
     T, H, _ = t.shape
     width = (H - 1) * t.stride(1) + d
     fp8 = t.dtype == torch.float8_e4m3fn
-    return TensorDescriptor(t, [T, width], [t.stride(0), 1], block, _nvmma_layout(block, fp8))
+    return TensorDescriptor(t, [T, width], [t.stride(0), 1], block, _nvmma_layout(block[1], fp8))
 
 
 def flash_attn_varlen_gluon(
@@ -676,6 +688,7 @@ def flash_attn_varlen_gluon(
     head_block: int | None = None,
     descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     programs: int | None = None,
+    q_bufs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""bf16 varlen flash attention on sm90 (Gluon); the semantics of :func:`openmla.flash_attn_varlen`.
 
@@ -699,6 +712,7 @@ def flash_attn_varlen_gluon(
             interleaved, heaviest first when causal; 1 = one head's row blocks after the other (the
             programs in flight share that head's K / V in L2), h_q = every head's heaviest block first.
         programs: persistent programs launched (for tests: few programs walk many items); None: one an SM.
+        q_bufs: Q buffers (1 or 2, a variant for tests); None: ``Q_BUFS_MAX`` where the shared memory holds them.
 
     Returns:
         ``(out, lse)``: out `[Tq, h_q, 128]` bf16 (0 for rows that see no key), lse `[Tq, h_q]` fp32
@@ -743,6 +757,11 @@ def flash_attn_varlen_gluon(
     if _smem_bytes(block_n, stages, fp8) > SMEM_LIMIT:
         raise ValueError(f"block_n={block_n} x stages={stages} needs {_smem_bytes(block_n, stages, fp8)} B of "
                          "shared memory")  # fmt: skip
+    if q_bufs is None:
+        q_bufs = Q_BUFS_MAX if _smem_bytes(block_n, stages, fp8, Q_BUFS_MAX) <= SMEM_LIMIT else 1
+    elif q_bufs not in (1, 2) or _smem_bytes(block_n, stages, fp8, q_bufs) > SMEM_LIMIT:
+        raise ValueError(f"q_bufs must be 1 or 2 and fit the shared memory with block_n={block_n}, stages={stages}; "
+                         f"got {q_bufs!r}")  # fmt: skip
     pingpong = PINGPONG if pingpong is None else pingpong
     if Tk == 0:  # no key anywhere (every len_k is 0): a 1-row dummy keeps the descriptors valid, never read
         k = torch.zeros(1, H_KV, D_QK, dtype=k.dtype, device=k.device)
@@ -776,6 +795,6 @@ def flash_attn_varlen_gluon(
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         GROUP=H // H_KV, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), SCALE_POS=float(sm_scale) > 0,
         PINGPONG=bool(pingpong), HEAD_BLOCK=head_block, STORE_LSE=True, PRODUCER_REGS=PRODUCER_REGS,
-        CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **({"FP8": True} if fp8 else {}),
+        CONSUMER_REGS=CONSUMER_REGS, num_warps=4, Q_BUFS=q_bufs, **({"FP8": True} if fp8 else {}),
     )  # fmt: skip
     return out, lse
