@@ -153,7 +153,8 @@ def test_sparse_gluon_compiles_for_sm90():
 
 
 # "asym" (OPTS 16): bf16 / fp8_ds_mla / fp8_v4 rows, splits, two sources, the inverse RoPE; the scoring warpgroup (at
-# the 256-register limit) keeps a few loop values in local memory: this many bytes at most (sm90 offline, Triton 3.6)
+# the 256-register limit) keeps a few loop values in local memory: this many bytes at most (sm90 offline, Triton 3.6;
+# the item walk's counters added 8: its key loop holds 3 local loads / stores, 8 before the walk)
 ASYM_VARIANTS = [
     (0, 576, 1, True, True, 64, False, False, 64, False, 18),  # asym + lazy: the bf16 default
     (0, 576, 4, True, False, 1, False, False, 1, False, 18),
@@ -164,7 +165,7 @@ ASYM_VARIANTS = [
     (1, 576, 1, True, True, 64, False, False, 64, False, 19),  # on fp8 rows (private: slower there)
     (2, 512, 1, True, True, 256, True, True, 64, True, 18),
 ]
-ASYM_SPILL_BOUND = 56
+ASYM_SPILL_BOUND = 64
 
 
 @pytest.mark.skipif(not gs.GLUON_AVAILABLE or not HAS_NVIDIA_BACKEND, reason="needs triton's Gluon and NVIDIA backend")
@@ -178,8 +179,8 @@ def test_sparse_gluon_asym_compiles_for_sm90():
         assert r["shared"] + r["static_shared"] <= SMEM_LIMIT, f"{v}: shared memory {r}"
         assert r["num_warps"] == 12 and str(gs.ASYM_PV_REGS) in r["setmaxnreg"], f"{v}: {r}"
         assert r["qk"] == 0 and r["qk64"] == 2 * 4 * chunks and r["pv"] == 12, f"{v}: wgmma {r}"
-        if v[0] == 0:  # the bf16 producer, as with the two-warpgroup consumers
-            assert r["cp_async"] == 4 * chunks and r["noinc"] == 1, f"{v}: cp.async {r}"
+        if v[0] == 0:  # the bf16 producer, as with the two-warpgroup consumers, and its copy of each item's Q
+            assert r["cp_async"] == 2 * 4 * chunks and r["noinc"] == 2, f"{v}: cp.async {r}"
 
 
 def test_sparse_gluon_opts_validation(device):

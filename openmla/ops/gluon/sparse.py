@@ -34,8 +34,14 @@ bf16 rows (the default variant "asym", the consumers above for fp8 rows): warpgr
 scores the whole 64-key tile (m64n64k16), runs the softmax and ``O[:, :256] += P V``, tile j - 1's P V issued before
 tile j's scores; warpgroup 1 (a worker partition) takes P and the rows' rescale factors from shared memory and runs
 ``O[:, 256:] += P V`` beside warpgroup 0's next scores and softmax, then its half of the epilogue with the final
-factors warpgroup 0 leaves in shared memory (mbarriers: P ready, P free, final factors; each stage is released by
-both). The tensor cores then work while warpgroup 0 computes the softmax: 1.08-1.27x at prefill.
+factors warpgroup 0 leaves in shared memory (mbarriers: P ready, P free, final factors written / read; each stage is
+released by both). The tensor cores then work while warpgroup 0 computes the softmax: 1.08-1.27x at prefill.
+"asym" programs walk work items (row, head block, split) in the old grid's launch order, ``k = program, program +
+programs, ...`` (every partition computes the same sequence): for bf16 rows one program an SM, the producer copies
+each item's Q (cp.async, its own ready / empty barriers: the next item's Q lands once the scorer's last scores of the
+current one are done) and the ring, the P barriers and the final factors run on across items, so the next item's
+first tiles and Q land during the current item's last P V and epilogue (a V4 prefill row has 8-16 tiles); fp8 rows
+keep one item a program (their producers' gathers start at the ring's origin).
 
 One kernel body: ``D_QK`` (576 / 512: the rope chunk and its ring exist or not), ``FMT`` (the producer),
 ``HAS_EXTRA`` and ``HAS_ROPE`` are constexprs; V3.2's one-source specialisations compile to the code they had before
@@ -273,17 +279,18 @@ if GLUON_AVAILABLE:
     def _gather_bf16(kv, ekv, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1, n_tiles, stride_kv_b, stride_kv_p,
                      stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE: gl.constexpr, E_PAGE: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_EXTRA: gl.constexpr,
-                     J0: gl.constexpr = 0, J_STEP: gl.constexpr = 1):  # fmt: skip
+                     J0: gl.constexpr = 0, J_STEP: gl.constexpr = 1, t0=0):  # fmt: skip
         """Producer, bf16 rows: cp.async every valid row of a tile into its stage (16 bytes a thread; invalid rows
         zero-filled, never read); each thread's copies complete the stage's ready barrier (noinc arrive). HAS_TAIL:
         the rope columns 512..575 into their own ring; HAS_EXTRA: each row from its own source. Tiles ``J0, J0 +
-        J_STEP, ...`` (the narrow kernel's producers take every other one)."""
+        J_STEP, ...`` (the narrow kernel's producers take every other one); ``t0``: the ring position of tile 0 (the
+        tiles of the items a persistent program ran before)."""
         NW: gl.constexpr = gl.num_warps()
         LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])  # [16, 64] a pass
         ROW: gl.constexpr = gl.SliceLayout(1, LAYOUT)
         o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LAYOUT)), 0)
         for j in range(J0, n_tiles, J_STEP):
-            stage = j % STAGES
+            stage = (t0 + j) % STAGES
             if HAS_EXTRA:
                 slot, ok, e_slot, e_ok = _tile_slots2(p_idx, p_eidx, lo + j * BLOCK_N, hi, n1, num_slots, e_num_slots,
                                                       BLOCK_N, ROW)  # fmt: skip
@@ -295,7 +302,7 @@ if GLUON_AVAILABLE:
                 slot, ok = _tile_slots(p_idx, lo + j * BLOCK_N, hi, num_slots, BLOCK_N, ROW)
                 p_row = gl.expand_dims(kv + _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE), 1)
             m2 = gl.expand_dims(ok, 1)
-            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # fresh barriers pass parity 1 at once
+            mbarrier.wait(empty.index(stage), (((t0 + j) // STAGES) & 1) ^ 1)  # fresh barriers pass parity 1 at once
             dst = lat.index(stage)
             for c in gl.static_range(8):
                 async_copy.async_copy_global_to_shared(dst.slice(c * 64, 64, dim=1), p_row + (c * 64 + o_c), mask=m2)
@@ -873,19 +880,78 @@ if GLUON_AVAILABLE:
             gl.store(o_part + gl.expand_dims(part, 1) + o_v, b_o, mask=m_o)
 
     @gluon.jit
-    def _asym_scorer(q, q_smem, lat, rope, p_smem, a_smem, f_smem, ready, empty, p_ready, p_free, fin, p_idx, p_eidx,
-                     sink, out, lse, o_part, lse_part, scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-                     stride_l_t, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles, num_slots, e_num_slots,
-                     D_QK: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                     HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr, FENCE: gl.constexpr,
+    def _asym_item(k, T, N_HB: gl.constexpr):
+        """Work item ``k`` of the "asym" walk -> (row i_t (int64), head block i_hb, split i_s): the order in which
+        the block scheduler handed out the old ``(T x head blocks, splits)`` grid, the head blocks of a row adjacent."""
+        per_s = T * N_HB
+        i_s = k // per_s
+        r = k - i_s * per_s
+        return (r // N_HB).to(gl.int64), r % N_HB, i_s
+
+    @gluon.jit
+    def _q_async(q, q_smem, q_ready, q_empty, i, i_t, h0, H, stride_q_t, stride_q_h, D_QK: gl.constexpr):
+        """The producer's copy of the ``i``-th item's Q (heads ``h0 + [0, 64)`` of row i_t, heads past H zero-filled)
+        into ``q_smem`` by cp.async, once the scorer's last scores of the item before are done; each producer thread
+        completes ``q_ready`` (noinc arrive)."""
+        NW: gl.constexpr = gl.num_warps()
+        LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        o_h = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LAYOUT))
+        m_q = gl.expand_dims(o_h < H, 1)
+        p_q = q + i_t * stride_q_t + gl.expand_dims(o_h.to(gl.int64) * stride_q_h, 1)
+        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LAYOUT)), 0)
+        mbarrier.wait(q_empty, (i & 1) ^ 1)  # fresh barriers pass parity 1 at once (the first item)
+        for c in gl.static_range(D_QK // 64):
+            async_copy.async_copy_global_to_shared(q_smem.index(c), p_q + (c * 64 + o_c), mask=m_q)
+        async_copy.mbarrier_arrive(q_ready, increment_count=False)
+
+    @gluon.jit
+    def _asym_producer(q, q_smem, q_ready, q_empty, kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, idx, lens, eidx, elens,
+                       lat, rope, ready, empty, stride_q_t, stride_q_h, stride_i_t, stride_ei_t, stride_kv_b,
+                       stride_kv_p, stride_ekv_b, stride_ekv_p, T, H, K, EK, num_slots, e_num_slots, n_items,
+                       PAGE: gl.constexpr, E_PAGE: gl.constexpr, FMT: gl.constexpr, D_QK: gl.constexpr,
+                       N_HB: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr,
+                       E_HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PASSES: gl.constexpr,
+                       OPTS: gl.constexpr):  # fmt: skip
+        """Variant "asym", the producer warpgroup, item after item: bf16 rows (persistent programs): each item's Q
+        (``_q_async``), then its tiles into the ring, whose position runs on across items; fp8 rows (one item a
+        program, the scorer loads Q): the format's gather."""
+        k = gl.program_id(0)
+        t = 0
+        i = 0
+        while k < n_items:
+            i_t, i_hb, i_s = _asym_item(k, T, N_HB)
+            p_idx, p_eidx, n1, lo, hi, n_tiles = _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t,
+                                                            K, EK, HAS_LEN, HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
+                                                            BLOCK_N)  # fmt: skip
+            if FMT == 0:
+                _q_async(q, q_smem, q_ready, q_empty, i, i_t, i_hb * 64, H, stride_q_t, stride_q_h, D_QK)
+                _gather_bf16(kv, ekv, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
+                             stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N,
+                             STAGES, D_QK > 512, HAS_EXTRA, 0, 1, t)  # fmt: skip
+            else:
+                _producer(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi,
+                          n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
+                          PAGE, E_PAGE, FMT, BLOCK_N, STAGES, PASSES, D_QK > 512, HAS_EXTRA, OPTS)  # fmt: skip
+            t += n_tiles
+            i += 1
+            k += gl.num_programs(0)
+
+    @gluon.jit
+    def _asym_scorer(q, q_smem, lat, rope, p_smem, a_smem, f_smem, ready, empty, p_ready, p_free, fin, f_free, q_ready,
+                     q_empty, idx, lens, eidx, elens, sink, out, lse, o_part, lse_part, scale_log2, stride_q_t,
+                     stride_q_h, stride_i_t, stride_ei_t, stride_o_t, stride_o_h, stride_l_t, T, H, K, EK, num_slots,
+                     e_num_slots, n_items, D_QK: gl.constexpr, N_HB: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr,
+                     E_HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, FENCE: gl.constexpr,
                      LAZY: gl.constexpr):  # fmt: skip
-        """Variant "asym", warpgroup 0 (the default partition): the whole score tile ``S = Q K^T`` (m64n64k16),
-        the softmax, P and the rows' rescale factors to shared memory for warpgroup 1, and ``O[:, :256] += P V[:,
-        :256]`` (P from shared memory too: held in registers as well, it spilled) one tile behind the scores: tile
-        j - 1's P V is issued before tile j's scores, so it runs while tile j lands and its stage goes back before
-        the softmax (issued after the scores, it held each stage a tile longer: 3-12% slower at decode, the same at
-        prefill); the epilogue of the left half, the LSE, and the rows' final factors (1 / l, the sink) for
-        warpgroup 1."""
+        """Variant "asym", warpgroup 0 (the default partition), item after item: the whole score tile ``S = Q K^T``
+        (m64n64k16), the softmax, P and the rows' rescale factors to shared memory for warpgroup 1, and ``O[:, :256]
+        += P V[:, :256]`` (P from shared memory too: held in registers as well, it spilled) one tile behind the
+        scores: tile j - 1's P V is issued before tile j's scores, so it runs while tile j lands and its stage goes
+        back before the softmax (issued after the scores, it held each stage a tile longer: 3-12% slower at decode,
+        the same at prefill); the epilogue of the left half, the LSE, and the rows' final factors (1 / l, the sink)
+        for warpgroup 1. bf16 rows (FENCE): Q comes from the producer and goes back once the item's last scores are
+        done, so the next item's Q lands during this item's last P V and epilogue; fp8 rows: loaded here."""
         BLOCK_M: gl.constexpr = 64
         HALF: gl.constexpr = 256
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -898,62 +964,83 @@ if GLUON_AVAILABLE:
         COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
         HAS_TAIL: gl.constexpr = D_QK > 512
 
-        _q_to_smem(q, q_smem, i_t, i_hb * BLOCK_M, H, stride_q_t, stride_q_h, BLOCK_M, D_QK)
+        k = gl.program_id(0)
+        t = 0  # tiles of the items before (the ring position and P's phase)
+        i = 0  # items before (Q's and the final factors' phases)
+        while k < n_items:
+            i_t, i_hb, i_s = _asym_item(k, T, N_HB)
+            p_idx, p_eidx, n1, lo, hi, n_tiles = _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t,
+                                                            K, EK, HAS_LEN, HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
+                                                            BLOCK_N)  # fmt: skip
+            if FENCE:
+                mbarrier.wait(q_ready, i & 1)
+                fence_async_shared()  # the producer's cp.async (generic proxy) before the wgmma reads
+            else:
+                _q_to_smem(q, q_smem, i_t, i_hb * BLOCK_M, H, stride_q_t, stride_q_h, BLOCK_M, D_QK)
 
-        b_m = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
-        b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
-        acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_LAYOUT)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
-        if n_tiles > 0:
-            # ---- tile 0: scores and softmax (no P V yet)
-            ok = _tile_ok(p_idx, p_eidx, lo, hi, n1, num_slots, e_num_slots, BLOCK_N, COL_S, HAS_EXTRA)
-            mbarrier.wait(ready.index(0), 0)
-            if FENCE:  # cp.async wrote the stage (generic proxy): order it before the wgmma reads
-                fence_async_shared()
-            s_tok = _qk(q_smem, lat.index(0), rope.index(0), s_zero, HAS_TAIL)
-            b_s = warpgroup_mma_wait(0, deps=(s_tok,))
-            b_p, b_alpha, b_m, b_l = _asym_softmax(b_s, ok, b_m, b_l, scale_log2, LAZY)
-            _asym_publish(b_p, b_alpha, p_smem, a_smem, p_ready, p_free, 0)
-            acc = _rescale(acc, b_alpha, ROW_O, LAZY)
-            # ---- steady state: P V of tile j - 1, then the scores and softmax of tile j
-            for j in range(1, n_tiles):
-                stage = j % STAGES
-                pst = (j - 1) % STAGES
-                ok = _tile_ok(p_idx, p_eidx, lo + j * BLOCK_N, hi, n1, num_slots, e_num_slots, BLOCK_N, COL_S,
-                              HAS_EXTRA)  # fmt: skip
-                # P V of tile j - 1 first: it runs while tile j lands, and its stage goes back before the softmax
-                o_tok = warpgroup_mma(p_smem, lat.index(pst).slice(0, HALF, dim=1), acc, is_async=True)
-                mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-                if FENCE:
+            b_m = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
+            b_l = gl.zeros([BLOCK_M], gl.float32, ROW_S)
+            acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_LAYOUT)
+            s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
+            if n_tiles > 0:
+                # ---- tile 0: scores and softmax (no P V yet)
+                st0 = t % STAGES
+                ok = _tile_ok(p_idx, p_eidx, lo, hi, n1, num_slots, e_num_slots, BLOCK_N, COL_S, HAS_EXTRA)
+                mbarrier.wait(ready.index(st0), (t // STAGES) & 1)
+                if FENCE:  # cp.async wrote the stage (generic proxy): order it before the wgmma reads
                     fence_async_shared()
-                s_tok = _qk(q_smem, lat.index(stage), rope.index(stage), s_zero, HAS_TAIL)
-                acc = warpgroup_mma_wait(1, deps=(o_tok,))  # issued first, so done when one group is left
-                mbarrier.arrive(empty.index(pst), count=1)  # warpgroup 0 is done with tile j - 1's stage
+                s_tok = _qk(q_smem, lat.index(st0), rope.index(st0), s_zero, HAS_TAIL)
                 b_s = warpgroup_mma_wait(0, deps=(s_tok,))
                 b_p, b_alpha, b_m, b_l = _asym_softmax(b_s, ok, b_m, b_l, scale_log2, LAZY)
-                _asym_publish(b_p, b_alpha, p_smem, a_smem, p_ready, p_free, j)
+                _asym_publish(b_p, b_alpha, p_smem, a_smem, p_ready, p_free, t)
                 acc = _rescale(acc, b_alpha, ROW_O, LAZY)
-            # ---- P V of the last tile
-            lst = (n_tiles - 1) % STAGES
-            o_tok = warpgroup_mma(p_smem, lat.index(lst).slice(0, HALF, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(o_tok,))
-            mbarrier.arrive(empty.index(lst), count=1)
+                # ---- steady state: P V of tile j - 1, then the scores and softmax of tile j
+                for j in range(1, n_tiles):
+                    stage = (t + j) % STAGES
+                    pst = (t + j - 1) % STAGES
+                    ok = _tile_ok(p_idx, p_eidx, lo + j * BLOCK_N, hi, n1, num_slots, e_num_slots, BLOCK_N, COL_S,
+                                  HAS_EXTRA)  # fmt: skip
+                    # P V of tile j - 1 first: it runs while tile j lands, and its stage goes back before the softmax
+                    o_tok = warpgroup_mma(p_smem, lat.index(pst).slice(0, HALF, dim=1), acc, is_async=True)
+                    mbarrier.wait(ready.index(stage), ((t + j) // STAGES) & 1)
+                    if FENCE:
+                        fence_async_shared()
+                    s_tok = _qk(q_smem, lat.index(stage), rope.index(stage), s_zero, HAS_TAIL)
+                    acc = warpgroup_mma_wait(1, deps=(o_tok,))  # issued first, so done when one group is left
+                    mbarrier.arrive(empty.index(pst), count=1)  # warpgroup 0 is done with tile j - 1's stage
+                    b_s = warpgroup_mma_wait(0, deps=(s_tok,))
+                    b_p, b_alpha, b_m, b_l = _asym_softmax(b_s, ok, b_m, b_l, scale_log2, LAZY)
+                    _asym_publish(b_p, b_alpha, p_smem, a_smem, p_ready, p_free, t + j)
+                    acc = _rescale(acc, b_alpha, ROW_O, LAZY)
+                if FENCE:
+                    mbarrier.arrive(q_empty, count=1)  # the item's last scores are done: the next Q may land
+                # ---- P V of the last tile
+                lst = (t + n_tiles - 1) % STAGES
+                o_tok = warpgroup_mma(p_smem, lat.index(lst).slice(0, HALF, dim=1), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(o_tok,))
+                mbarrier.arrive(empty.index(lst), count=1)
+            elif FENCE:
+                mbarrier.arrive(q_empty, count=1)
 
-        # epilogue: natural-log LSE of the scaled scores (sink-free), -inf and zeros for a row with no key
-        empty_r, b_lse, b_r = _finish_rows(b_l, b_m, 1.0)
-        o_hs = i_hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
-        m_hs = o_hs < H
-        if NUM_SPLITS == 1:
-            if HAS_SINK:
-                b_r = _sink_factor(b_r, b_lse, empty_r, sink, o_hs, m_hs)
-            gl.store(lse + i_t * stride_l_t + o_hs, b_lse, mask=m_hs)
-        else:
-            gl.store(lse_part + (i_s * T + i_t) * H + o_hs, b_lse, mask=m_hs)
-        f_smem.store(b_r)  # the rows' final factors for warpgroup 1
-        gl.thread_barrier()
-        mbarrier.arrive(fin, count=1)
-        b_o = acc * gl.expand_dims(gl.convert_layout(b_r, ROW_O), 1)
-        _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, 0, ROW_O, COL_O, NUM_SPLITS)
+            # epilogue: natural-log LSE of the scaled scores (sink-free), -inf and zeros for a row with no key
+            empty_r, b_lse, b_r = _finish_rows(b_l, b_m, 1.0)
+            o_hs = i_hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
+            m_hs = o_hs < H
+            if NUM_SPLITS == 1:
+                if HAS_SINK:
+                    b_r = _sink_factor(b_r, b_lse, empty_r, sink, o_hs, m_hs)
+                gl.store(lse + i_t * stride_l_t + o_hs, b_lse, mask=m_hs)
+            else:
+                gl.store(lse_part + (i_s * T + i_t) * H + o_hs, b_lse, mask=m_hs)
+            mbarrier.wait(f_free, (i & 1) ^ 1)  # warpgroup 1 has read the item before's factors
+            f_smem.store(b_r)  # the rows' final factors for warpgroup 1
+            gl.thread_barrier()
+            mbarrier.arrive(fin, count=1)
+            b_o = acc * gl.expand_dims(gl.convert_layout(b_r, ROW_O), 1)
+            _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, 0, ROW_O, COL_O, NUM_SPLITS)
+            t += n_tiles
+            i += 1
+            k += gl.num_programs(0)
 
     @gluon.jit
     def _asym_softmax(b_s, ok, b_m, b_l, scale_log2, LAZY: gl.constexpr):
@@ -989,36 +1076,50 @@ if GLUON_AVAILABLE:
             gl.store(o_part + gl.expand_dims(part, 1) + o_v, b_o, mask=m_o)
 
     @gluon.jit
-    def _asym_pv(lat, p_smem, a_smem, f_smem, ready, empty, p_ready, p_free, fin, out, o_part, rope_pos, cos_sin,
-                 stride_o_t, stride_o_h, stride_cs, num_pos, T, H, i_t, i_hb, i_s, n_tiles, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_ROPE: gl.constexpr, ROPE: gl.constexpr,
-                 FENCE: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
-        """Variant "asym", warpgroup 1 (a worker partition): ``O[:, 256:] += P V[:, 256:]`` with P and the rows' rescale
-        factors from warpgroup 0 through shared memory; the epilogue of the right half (V4's inverse RoPE: its last
-        ROPE columns are this half's)."""
+    def _asym_pv(lat, p_smem, a_smem, f_smem, ready, empty, p_ready, p_free, fin, f_free, idx, lens, eidx, elens, out,
+                 o_part, rope_pos, cos_sin, stride_i_t, stride_ei_t, stride_o_t, stride_o_h, stride_cs, num_pos, T, H,
+                 K, EK, n_items, N_HB: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 NUM_SPLITS: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, E_HAS_LEN: gl.constexpr,
+                 HAS_ROPE: gl.constexpr, ROPE: gl.constexpr, FENCE: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+        """Variant "asym", warpgroup 1 (a worker partition), item after item: ``O[:, 256:] += P V[:, 256:]`` with P and
+        the rows' rescale factors from warpgroup 0 through shared memory; the epilogue of the right half (V4's inverse
+        RoPE: its last ROPE columns are this half's)."""
         HALF: gl.constexpr = 256
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HALF, 16])  # fmt: skip
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
-        acc = gl.zeros([64, HALF], gl.float32, O_LAYOUT)
-        for j in range(n_tiles):
-            stage = j % STAGES
-            mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-            mbarrier.wait(p_ready, j & 1)
-            if FENCE:
-                fence_async_shared()
-            acc = _rescale(acc, a_smem.load(ROW_O), ROW_O, LAZY)
-            acc = warpgroup_mma(p_smem, lat.index(stage).slice(HALF, HALF, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            gl.thread_barrier()  # every warp of this warpgroup is done with P and the stage
-            mbarrier.arrive(p_free, count=1)
-            mbarrier.arrive(empty.index(stage), count=1)
-        mbarrier.wait(fin, 0)
-        b_o = acc * gl.expand_dims(f_smem.load(ROW_O), 1)
-        if NUM_SPLITS == 1 and HAS_ROPE:  # after normalisation and sink, as the two-warpgroup consumers
-            b_o = gl.convert_layout(_inverse_rope(b_o, rope_pos, i_t, cos_sin, stride_cs, num_pos, ROPE), O_LAYOUT)
-        _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, HALF, ROW_O, COL_O, NUM_SPLITS)
+        k = gl.program_id(0)
+        t = 0
+        i = 0
+        while k < n_items:
+            i_t, i_hb, i_s = _asym_item(k, T, N_HB)
+            _pi, _pe, _n1, _lo, _hi, n_tiles = _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t,
+                                                          K, EK, HAS_LEN, HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
+                                                          BLOCK_N)  # fmt: skip
+            acc = gl.zeros([64, HALF], gl.float32, O_LAYOUT)
+            for j in range(n_tiles):
+                stage = (t + j) % STAGES
+                mbarrier.wait(ready.index(stage), ((t + j) // STAGES) & 1)
+                mbarrier.wait(p_ready, (t + j) & 1)
+                if FENCE:
+                    fence_async_shared()
+                acc = _rescale(acc, a_smem.load(ROW_O), ROW_O, LAZY)
+                acc = warpgroup_mma(p_smem, lat.index(stage).slice(HALF, HALF, dim=1), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                gl.thread_barrier()  # every warp of this warpgroup is done with P and the stage
+                mbarrier.arrive(p_free, count=1)
+                mbarrier.arrive(empty.index(stage), count=1)
+            mbarrier.wait(fin, i & 1)
+            b_o = acc * gl.expand_dims(f_smem.load(ROW_O), 1)
+            mbarrier.arrive(f_free, count=1)  # the factors are read: warpgroup 0 may write the next item's
+            if NUM_SPLITS == 1 and HAS_ROPE:  # after normalisation and sink, as the two-warpgroup consumers
+                b_o = gl.convert_layout(_inverse_rope(b_o, rope_pos, i_t, cos_sin, stride_cs, num_pos, ROPE), O_LAYOUT)
+            _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, HALF, ROW_O, COL_O,
+                        NUM_SPLITS)  # fmt: skip
+            t += n_tiles
+            i += 1
+            k += gl.num_programs(0)
 
     @gluon.jit
     def _sparse_mla_gluon_fwd_kernel(
@@ -1079,17 +1180,19 @@ if GLUON_AVAILABLE:
         num_warps: gl.constexpr,
         OPTS: gl.constexpr = 0,
     ):
-        """One program per (row, 64-head block, split); see the module docstring."""
+        """One program per (row, 64-head block, split), or ("asym") programs walking those items; see the module
+        docstring."""
         ASYM: gl.constexpr = (OPTS & 16) != 0
         gl.static_assert(num_warps == (4 if ASYM else 8), "the consumer warpgroups of the default partition")
         gl.static_assert(BLOCK_N == 64, "64-key tiles: each consumer warpgroup scores 32 keys")
         gl.static_assert((D_QK == 576 and FMT != 2) or (D_QK == 512 and FMT != 1), "V3.2 rows or V4 rows")
-        i_hb = gl.program_id(0) % N_HB
-        i_t = (gl.program_id(0) // N_HB).to(gl.int64)
-        i_s = gl.program_id(1)
-        p_idx, p_eidx, n1, lo, hi, n_tiles = _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t, K,
-                                                        EK, HAS_LEN, HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
-                                                        BLOCK_N)  # fmt: skip
+        if not ASYM:  # "asym" programs walk items (row, head block, split) themselves: a 1-D grid
+            i_hb = gl.program_id(0) % N_HB
+            i_t = (gl.program_id(0) // N_HB).to(gl.int64)
+            i_s = gl.program_id(1)
+            p_idx, p_eidx, n1, lo, hi, n_tiles = _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t,
+                                                            K, EK, HAS_LEN, HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
+                                                            BLOCK_N)  # fmt: skip
 
         SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.bfloat16)
@@ -1164,7 +1267,8 @@ if GLUON_AVAILABLE:
                 mbarrier.invalidate(empty.index(st))
                 mbarrier.invalidate(free.index(st))
         elif ASYM:
-            # "asym": the plain path's ring and P, the rows' factors (per tile, and final) for warpgroup 1
+            # "asym": the plain path's ring and P, the rows' factors (per tile, and final) for warpgroup 1; programs
+            # walk the items (row, head block, split) in launch order, one an SM for bf16 rows
             F1A: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
             q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, 64, 64], SW)
             lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], SW)
@@ -1177,34 +1281,41 @@ if GLUON_AVAILABLE:
             f_smem = gl.allocate_shared_memory(gl.float32, [64], F1A)
             ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            sync = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # P ready / free, final
+            # P ready / free, the final factors written / read, Q landed / done with
+            sync = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
             for st in gl.static_range(STAGES):
                 mbarrier.init(ready.index(st), count=PW * 32 if FMT == 0 else 1)
                 mbarrier.init(empty.index(st), count=2)  # both warpgroups' P V of the stage
-            for b in gl.static_range(3):
+            for b in gl.static_range(4):
                 mbarrier.init(sync.index(b), count=1)
+            mbarrier.init(sync.index(4), count=PW * 32)  # one noinc cp.async arrive per producer thread
+            mbarrier.init(sync.index(5), count=1)
             fence_async_shared()
+            n_items = T * N_HB * NUM_SPLITS
 
             gl.warp_specialize([
                 (_asym_scorer, (q, q_smem, lat, rope, p_smem, a_smem, f_smem, ready, empty, sync.index(0),
-                                sync.index(1), sync.index(2), p_idx, p_eidx, sink, out, lse, o_part, lse_part,
-                                scale_log2, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_l_t, T, H, i_t,
-                                i_hb, i_s, lo, hi, n1, n_tiles, num_slots, e_num_slots, D_QK, BLOCK_N, STAGES,
-                                NUM_SPLITS, HAS_EXTRA, HAS_SINK, FMT == 0, (OPTS & 2) != 0)),
+                                sync.index(1), sync.index(2), sync.index(3), sync.index(4), sync.index(5), idx, lens,
+                                eidx, elens, sink, out, lse, o_part, lse_part, scale_log2, stride_q_t, stride_q_h,
+                                stride_i_t, stride_ei_t, stride_o_t, stride_o_h, stride_l_t, T, H, K, EK, num_slots,
+                                e_num_slots, n_items, D_QK, N_HB, BLOCK_N, STAGES, NUM_SPLITS, HAS_LEN, HAS_EXTRA,
+                                E_HAS_LEN, HAS_SINK, FMT == 0, (OPTS & 2) != 0)),
                 (_asym_pv, (lat, p_smem, a_smem, f_smem, ready, empty, sync.index(0), sync.index(1), sync.index(2),
-                            out, o_part, rope_pos, cos_sin, stride_o_t, stride_o_h, stride_cs, num_pos, T, H, i_t,
-                            i_hb, i_s, n_tiles, BLOCK_N, STAGES, NUM_SPLITS, HAS_ROPE, ROPE, FMT == 0,
+                            sync.index(3), idx, lens, eidx, elens, out, o_part, rope_pos, cos_sin, stride_i_t,
+                            stride_ei_t, stride_o_t, stride_o_h, stride_cs, num_pos, T, H, K, EK, n_items, N_HB,
+                            BLOCK_N, STAGES, NUM_SPLITS, HAS_LEN, HAS_EXTRA, E_HAS_LEN, HAS_ROPE, ROPE, FMT == 0,
                             (OPTS & 2) != 0)),
-                (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo,
-                             hi, n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots,
-                             e_num_slots, PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA,
-                             OPTS)),
+                (_asym_producer, (q, q_smem, sync.index(4), sync.index(5), kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16,
+                                  idx, lens, eidx, elens, lat, rope, ready, empty, stride_q_t, stride_q_h, stride_i_t,
+                                  stride_ei_t, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, T, H, K, EK,
+                                  num_slots, e_num_slots, n_items, PAGE, E_PAGE, FMT, D_QK, N_HB, NUM_SPLITS, HAS_LEN,
+                                  HAS_EXTRA, E_HAS_LEN, BLOCK_N, STAGES, FP8_PASSES, OPTS)),
             ], [4, PW], [_ASYM_PV_REGS, PRODUCER_REGS])  # fmt: skip
 
             for st in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(st))
                 mbarrier.invalidate(empty.index(st))
-            for b in gl.static_range(3):
+            for b in gl.static_range(6):
                 mbarrier.invalidate(sync.index(b))
         else:
             q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, 64, 64], SW)
@@ -1276,13 +1387,14 @@ def gluon_sparse_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, kv_cache_d
 def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out, lse, o_part, lse_part,
                          scale_log2: float, num_splits: int, *, extra_kv_cache=None, extra_indices=None,
                          extra_topk_length=None, inv_rope=None, opts: int = 0) -> None:  # fmt: skip
-    """Launch the Gluon kernel over ``T x cdiv(H, 64)`` programs x ``num_splits`` (arguments as
+    """Launch the Gluon kernel over ``T x cdiv(H, 64)`` programs x ``num_splits`` ("asym": those work items walked by
+    one program an SM for bf16 rows) (arguments as
     ``_sparse_mla_fwd_kernel``'s, caches as ``sparse_mla`` validated them (fp8_v4: uint8 ``[nb, bs, 584]``);
     validated by the caller and :func:`gluon_sparse_unsupported`). ``inv_rope``: ``(positions [T], cos_sin [P, R])``
     or None. One split writes ``out`` / ``lse``; several write ``o_part`` / ``lse_part`` for
     ``_sparse_mla_merge_fwd_kernel`` (which applies the sink and the inverse RoPE then). ``opts``: the OPTS bits
     of :func:`gluon_opts_bits` (0: the default code)."""
-    from openmla.ops.sparse import _cache_views  # the Triton kernel's views and strides of a cache
+    from openmla.ops.sparse import _cache_views, _num_sms  # the Triton kernel's views and strides of a cache
 
     fmt = _FORMATS[kv_cache_dtype]
     T, H, d_qk = q.shape
@@ -1319,7 +1431,14 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
 
         launch_narrow(args, T, H, num_splits, fmt, bool(opts & GLUON_OPTS["nanpack"]), **shared)
         return
-    _sparse_mla_gluon_fwd_kernel[(T * n_hb, num_splits)](
+    if opts & _ASYM:  # a 1-D grid of programs walking the items; bf16 rows: one program an SM (see the kernel)
+        n_items = T * n_hb * num_splits
+        if n_items >= 2**31 - 2**16:  # the walk's item ids (plus a stride of programs) stay int32
+            raise ValueError(f"{T} rows x {n_hb} head blocks x {num_splits} splits exceed 2**31 - 2**16 work items")
+        grid = (min(n_items, _num_sms(q.device)) if fmt == 0 else n_items,)
+    else:
+        grid = (T * n_hb, num_splits)
+    _sparse_mla_gluon_fwd_kernel[grid](
         *args, N_HB=n_hb, BLOCK_N=BLOCK_N, STAGES=STAGES, FP8_PASSES=FP8_PASSES,
         PRODUCER_REGS=producer_regs(fmt, d_qk, opts), num_warps=4 if opts & _ASYM else NUM_WARPS,
         **({"OPTS": opts} if opts else {}),
