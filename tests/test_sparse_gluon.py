@@ -107,6 +107,8 @@ for v in json.loads(sys.argv[1]):
                 BLOCK_N=gs.BLOCK_N, STAGES=gs.STAGES, FP8_PASSES=gs.FP8_PASSES,
                 PRODUCER_REGS=gs.producer_regs(fmt, d_qk, opts), num_warps=4 if opts & 16 else gs.NUM_WARPS,
                 OPTS=opts)
+    if len(v) > 11 and v[11]:
+        cons["WALK"] = True
     kvt = "*bf16" if fmt == 0 else "*u8"
     f32 = {0: kvt, 1: "*fp32", 2: "*fp32" if opts & 4 else kvt}[fmt]  # staged fp8_v4: the exponent words
     views = {"": kvt, "_f32": f32, "_b16": "*bf16" if fmt else kvt}
@@ -156,7 +158,9 @@ def test_sparse_gluon_compiles_for_sm90():
 # the 256-register limit) keeps a few loop values in local memory: this many bytes at most (sm90 offline, Triton 3.6;
 # the item walk's counters added 8: its key loop holds 3 local loads / stores, 8 before the walk)
 ASYM_VARIANTS = [
-    (0, 576, 1, True, True, 64, False, False, 64, False, 18),  # asym + lazy: the bf16 default
+    (0, 576, 1, True, True, 64, False, False, 64, False, 18, True),  # asym + lazy, the walk: the bf16 prefill default
+    (0, 512, 1, True, True, 256, True, True, 64, True, 18, True),  # the walk, V4 bf16, two sources, the inverse RoPE
+    (0, 576, 1, True, True, 64, False, False, 64, False, 18),  # asym + lazy: the bf16 default at 1-3 items an SM
     (0, 576, 4, True, False, 1, False, False, 1, False, 18),
     (0, 576, 1, True, False, 64, True, False, 16, False, 18),  # V3.2 bf16 rows with a second source
     (0, 512, 1, True, True, 256, True, True, 64, True, 18),  # V4 bf16, two sources, the inverse RoPE
@@ -165,7 +169,7 @@ ASYM_VARIANTS = [
     (1, 576, 1, True, True, 64, False, False, 64, False, 19),  # on fp8 rows (private: slower there)
     (2, 512, 1, True, True, 256, True, True, 64, True, 18),
 ]
-ASYM_SPILL_BOUND = 64
+ASYM_SPILL_BOUND = {0: 64, 1: 88, 2: 80}  # by cache format: the private fp8 "asym" builds spill more
 
 
 @pytest.mark.skipif(not gs.GLUON_AVAILABLE or not HAS_NVIDIA_BACKEND, reason="needs triton's Gluon and NVIDIA backend")
@@ -175,12 +179,15 @@ def test_sparse_gluon_asym_compiles_for_sm90():
     # scorer's half in the loop and after it, the other warpgroup's half: 3 x 4); within the shared memory
     for r in run_report_script(_COMPILE_SCRIPT, ASYM_VARIANTS):
         v, chunks = tuple(r["variant"]), r["variant"][1] // 64
-        assert r["regs"] <= 255 and r["stack"] <= ASYM_SPILL_BOUND and r["local"] == 0, f"{v}: spills {r}"
+        assert r["regs"] <= 255 and r["stack"] <= ASYM_SPILL_BOUND[v[0]] and r["local"] == 0, f"{v}: spills {r}"
         assert r["shared"] + r["static_shared"] <= SMEM_LIMIT, f"{v}: shared memory {r}"
         assert r["num_warps"] == 12 and str(gs.ASYM_PV_REGS) in r["setmaxnreg"], f"{v}: {r}"
         assert r["qk"] == 0 and r["qk64"] == 2 * 4 * chunks and r["pv"] == 12, f"{v}: wgmma {r}"
-        if v[0] == 0:  # the bf16 producer, as with the two-warpgroup consumers, and its copy of each item's Q
-            assert r["cp_async"] == 2 * 4 * chunks and r["noinc"] == 2, f"{v}: cp.async {r}"
+        if v[0] == 0:  # the bf16 producer, as with the two-warpgroup consumers (the walk: and each item's Q); the
+            # compiler may copy the item loop's body (the plain walk of one item a program: 3 copies), each copy of
+            # a tile's or Q's 4 x chunks cp.async ending in one noinc arrive
+            walk = len(v) > 11 and v[11]
+            assert r["cp_async"] == 4 * chunks * r["noinc"] and r["noinc"] >= 1 + walk, f"{v}: cp.async {r}"
 
 
 def test_sparse_gluon_opts_validation(device):

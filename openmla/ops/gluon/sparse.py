@@ -37,11 +37,12 @@ tile j's scores; warpgroup 1 (a worker partition) takes P and the rows' rescale 
 factors warpgroup 0 leaves in shared memory (mbarriers: P ready, P free, final factors written / read; each stage is
 released by both). The tensor cores then work while warpgroup 0 computes the softmax: 1.08-1.27x at prefill.
 "asym" programs walk work items (row, head block, split) in the old grid's launch order, ``k = program, program +
-programs, ...`` (every partition computes the same sequence): for bf16 rows one program an SM, the producer copies
+programs, ...`` (every partition computes the same sequence): for bf16 rows with ``WALK_MIN_ITEMS`` items an SM or
+more (prefill; ``WALK``) one program an SM, the producer copies
 each item's Q (cp.async, its own ready / empty barriers: the next item's Q lands once the scorer's last scores of the
 current one are done) and the ring, the P barriers and the final factors run on across items, so the next item's
-first tiles and Q land during the current item's last P V and epilogue (a V4 prefill row has 8-16 tiles); fp8 rows
-keep one item a program (their producers' gathers start at the ring's origin).
+first tiles and Q land during the current item's last P V and epilogue (a V4 prefill row has 8-16 tiles); otherwise
+one program an item (the scorer loads Q).
 
 One kernel body: ``D_QK`` (576 / 512: the rope chunk and its ring exist or not), ``FMT`` (the producer),
 ``HAS_EXTRA`` and ``HAS_ROPE`` are constexprs; V3.2's one-source specialisations compile to the code they had before
@@ -97,6 +98,9 @@ NUM_WARPS = 8  # the two consumer warpgroups (the default partition)
 # file. V4's consumers need 216-232 (sm90 offline: at 208-224 they spilled 8-24 bytes), so its bf16 producer runs on
 # 40 (consumers 232) and its fp8_v4 one on 72 (consumers 216; 56 spilled in the producer)
 PRODUCER_REGS = {(0, 576): 56, (1, 576): 88, (0, 512): 40, (2, 512): 72}
+# "asym" on bf16 rows: programs walk the items when there are at least this many an SM (prefill: 15-62 at 1k-4k
+# rows); at decode's 1-2 an SM one program an item was faster (H200 stop 50: h64 b128 bf16 100.4 vs 106.1 us)
+WALK_MIN_ITEMS = 4
 FP8_PASSES = 2  # row blocks of a tile the fp8 producers load and dequantise in turn (registers)
 _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 # variants (``sparse_mla(_gluon_opts=...)``, private; bits of the kernel's OPTS constexpr; 0 = the plain code; the
@@ -911,9 +915,9 @@ if GLUON_AVAILABLE:
                        PAGE: gl.constexpr, E_PAGE: gl.constexpr, FMT: gl.constexpr, D_QK: gl.constexpr,
                        N_HB: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr,
                        E_HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PASSES: gl.constexpr,
-                       OPTS: gl.constexpr):  # fmt: skip
-        """Variant "asym", the producer warpgroup, item after item: bf16 rows (persistent programs): each item's Q
-        (``_q_async``), then its tiles into the ring, whose position runs on across items; fp8 rows (one item a
+                       OPTS: gl.constexpr, WALK: gl.constexpr):  # fmt: skip
+        """Variant "asym", the producer warpgroup, item after item: WALK (bf16 rows, persistent programs): each
+        item's Q (``_q_async``), then its tiles into the ring, whose position runs on across items; else (one item a
         program, the scorer loads Q): the format's gather."""
         k = gl.program_id(0)
         t = 0
@@ -923,7 +927,7 @@ if GLUON_AVAILABLE:
             p_idx, p_eidx, n1, lo, hi, n_tiles = _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t,
                                                             K, EK, HAS_LEN, HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
                                                             BLOCK_N)  # fmt: skip
-            if FMT == 0:
+            if WALK:
                 _q_async(q, q_smem, q_ready, q_empty, i, i_t, i_hb * 64, H, stride_q_t, stride_q_h, D_QK)
                 _gather_bf16(kv, ekv, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
                              stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N,
@@ -942,16 +946,17 @@ if GLUON_AVAILABLE:
                      stride_q_h, stride_i_t, stride_ei_t, stride_o_t, stride_o_h, stride_l_t, T, H, K, EK, num_slots,
                      e_num_slots, n_items, D_QK: gl.constexpr, N_HB: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr,
-                     E_HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, FENCE: gl.constexpr,
-                     LAZY: gl.constexpr):  # fmt: skip
+                     E_HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, FENCE: gl.constexpr, LAZY: gl.constexpr,
+                     WALK: gl.constexpr):  # fmt: skip
         """Variant "asym", warpgroup 0 (the default partition), item after item: the whole score tile ``S = Q K^T``
         (m64n64k16), the softmax, P and the rows' rescale factors to shared memory for warpgroup 1, and ``O[:, :256]
         += P V[:, :256]`` (P from shared memory too: held in registers as well, it spilled) one tile behind the
         scores: tile j - 1's P V is issued before tile j's scores, so it runs while tile j lands and its stage goes
         back before the softmax (issued after the scores, it held each stage a tile longer: 3-12% slower at decode,
         the same at prefill); the epilogue of the left half, the LSE, and the rows' final factors (1 / l, the sink)
-        for warpgroup 1. bf16 rows (FENCE): Q comes from the producer and goes back once the item's last scores are
-        done, so the next item's Q lands during this item's last P V and epilogue; fp8 rows: loaded here."""
+        for warpgroup 1. WALK (bf16 rows, persistent programs): Q comes from the producer and goes back once the
+        item's last scores are done, so the next item's Q lands during this item's last P V and epilogue; else (one
+        item a program) loaded here."""
         BLOCK_M: gl.constexpr = 64
         HALF: gl.constexpr = 256
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -972,7 +977,7 @@ if GLUON_AVAILABLE:
             p_idx, p_eidx, n1, lo, hi, n_tiles = _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t,
                                                             K, EK, HAS_LEN, HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
                                                             BLOCK_N)  # fmt: skip
-            if FENCE:
+            if WALK:
                 mbarrier.wait(q_ready, i & 1)
                 fence_async_shared()  # the producer's cp.async (generic proxy) before the wgmma reads
             else:
@@ -1012,14 +1017,14 @@ if GLUON_AVAILABLE:
                     b_p, b_alpha, b_m, b_l = _asym_softmax(b_s, ok, b_m, b_l, scale_log2, LAZY)
                     _asym_publish(b_p, b_alpha, p_smem, a_smem, p_ready, p_free, t + j)
                     acc = _rescale(acc, b_alpha, ROW_O, LAZY)
-                if FENCE:
+                if WALK:
                     mbarrier.arrive(q_empty, count=1)  # the item's last scores are done: the next Q may land
                 # ---- P V of the last tile
                 lst = (t + n_tiles - 1) % STAGES
                 o_tok = warpgroup_mma(p_smem, lat.index(lst).slice(0, HALF, dim=1), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(o_tok,))
                 mbarrier.arrive(empty.index(lst), count=1)
-            elif FENCE:
+            elif WALK:
                 mbarrier.arrive(q_empty, count=1)
 
             # epilogue: natural-log LSE of the scaled scores (sink-free), -inf and zeros for a row with no key
@@ -1179,6 +1184,7 @@ if GLUON_AVAILABLE:
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
         OPTS: gl.constexpr = 0,
+        WALK: gl.constexpr = False,  # "asym", bf16 rows: persistent programs walk many items each (see the launcher)
     ):
         """One program per (row, 64-head block, split), or ("asym") programs walking those items; see the module
         docstring."""
@@ -1299,7 +1305,7 @@ if GLUON_AVAILABLE:
                                 eidx, elens, sink, out, lse, o_part, lse_part, scale_log2, stride_q_t, stride_q_h,
                                 stride_i_t, stride_ei_t, stride_o_t, stride_o_h, stride_l_t, T, H, K, EK, num_slots,
                                 e_num_slots, n_items, D_QK, N_HB, BLOCK_N, STAGES, NUM_SPLITS, HAS_LEN, HAS_EXTRA,
-                                E_HAS_LEN, HAS_SINK, FMT == 0, (OPTS & 2) != 0)),
+                                E_HAS_LEN, HAS_SINK, FMT == 0, (OPTS & 2) != 0, WALK)),
                 (_asym_pv, (lat, p_smem, a_smem, f_smem, ready, empty, sync.index(0), sync.index(1), sync.index(2),
                             sync.index(3), idx, lens, eidx, elens, out, o_part, rope_pos, cos_sin, stride_i_t,
                             stride_ei_t, stride_o_t, stride_o_h, stride_cs, num_pos, T, H, K, EK, n_items, N_HB,
@@ -1309,7 +1315,7 @@ if GLUON_AVAILABLE:
                                   idx, lens, eidx, elens, lat, rope, ready, empty, stride_q_t, stride_q_h, stride_i_t,
                                   stride_ei_t, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, T, H, K, EK,
                                   num_slots, e_num_slots, n_items, PAGE, E_PAGE, FMT, D_QK, N_HB, NUM_SPLITS, HAS_LEN,
-                                  HAS_EXTRA, E_HAS_LEN, BLOCK_N, STAGES, FP8_PASSES, OPTS)),
+                                  HAS_EXTRA, E_HAS_LEN, BLOCK_N, STAGES, FP8_PASSES, OPTS, WALK)),
             ], [4, PW], [_ASYM_PV_REGS, PRODUCER_REGS])  # fmt: skip
 
             for st in gl.static_range(STAGES):
@@ -1431,16 +1437,20 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
 
         launch_narrow(args, T, H, num_splits, fmt, bool(opts & GLUON_OPTS["nanpack"]), **shared)
         return
-    if opts & _ASYM:  # a 1-D grid of programs walking the items; bf16 rows: one program an SM (see the kernel)
+    walk = False
+    if opts & _ASYM:  # a 1-D grid over the items; bf16 rows with many items an SM: one program an SM walks them
         n_items = T * n_hb * num_splits
         if n_items >= 2**31 - 2**16:  # the walk's item ids (plus a stride of programs) stay int32
             raise ValueError(f"{T} rows x {n_hb} head blocks x {num_splits} splits exceed 2**31 - 2**16 work items")
-        grid = (min(n_items, _num_sms(q.device)) if fmt == 0 else n_items,)
+        sms = _num_sms(q.device)
+        walk = fmt == 0 and n_items >= WALK_MIN_ITEMS * sms
+        grid = (sms if walk else n_items,)
     else:
         grid = (T * n_hb, num_splits)
     _sparse_mla_gluon_fwd_kernel[grid](
         *args, N_HB=n_hb, BLOCK_N=BLOCK_N, STAGES=STAGES, FP8_PASSES=FP8_PASSES,
         PRODUCER_REGS=producer_regs(fmt, d_qk, opts), num_warps=4 if opts & _ASYM else NUM_WARPS,
         **({"OPTS": opts} if opts else {}),
+        **({"WALK": True} if walk else {}),
         **shared,
     )  # fmt: skip
