@@ -884,13 +884,20 @@ if GLUON_AVAILABLE:
             gl.store(o_part + gl.expand_dims(part, 1) + o_v, b_o, mask=m_o)
 
     @gluon.jit
-    def _asym_item(k, T, N_HB: gl.constexpr):
-        """Work item ``k`` of the "asym" walk -> (row i_t (int64), head block i_hb, split i_s): the order in which
-        the block scheduler handed out the old ``(T x head blocks, splits)`` grid, the head blocks of a row adjacent."""
+    def _asym_item(k, idx, lens, eidx, elens, stride_i_t, stride_ei_t, T, K, EK, N_HB: gl.constexpr,
+                   HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, E_HAS_LEN: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                   BLOCK_N: gl.constexpr):  # fmt: skip
+        """Work item ``k`` of the "asym" walk -> (row i_t (int64), head block i_hb, split i_s, then ``_row_split``'s
+        index rows, main entries, split bounds and tiles): the order in which the block scheduler handed out the old
+        ``(T x head blocks, splits)`` grid, the head blocks of a row adjacent."""
         per_s = T * N_HB
         i_s = k // per_s
         r = k - i_s * per_s
-        return (r // N_HB).to(gl.int64), r % N_HB, i_s
+        i_t = (r // N_HB).to(gl.int64)
+        p_idx, p_eidx, n1, lo, hi, n_tiles = _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t, K,
+                                                        EK, HAS_LEN, HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
+                                                        BLOCK_N)  # fmt: skip
+        return i_t, r % N_HB, i_s, p_idx, p_eidx, n1, lo, hi, n_tiles
 
     @gluon.jit
     def _q_async(q, q_smem, q_ready, q_empty, i, i_t, h0, H, stride_q_t, stride_q_h, D_QK: gl.constexpr):
@@ -923,10 +930,10 @@ if GLUON_AVAILABLE:
         t = 0
         i = 0
         while k < n_items:
-            i_t, i_hb, i_s = _asym_item(k, T, N_HB)
-            p_idx, p_eidx, n1, lo, hi, n_tiles = _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t,
-                                                            K, EK, HAS_LEN, HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
-                                                            BLOCK_N)  # fmt: skip
+            i_t, i_hb, i_s, p_idx, p_eidx, n1, lo, hi, n_tiles = _asym_item(k, idx, lens, eidx, elens, stride_i_t,
+                                                                       stride_ei_t, T, K, EK, N_HB, HAS_LEN,
+                                                                       HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
+                                                                       BLOCK_N)  # fmt: skip
             if WALK:
                 _q_async(q, q_smem, q_ready, q_empty, i, i_t, i_hb * 64, H, stride_q_t, stride_q_h, D_QK)
                 _gather_bf16(kv, ekv, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
@@ -973,10 +980,10 @@ if GLUON_AVAILABLE:
         t = 0  # tiles of the items before (the ring position and P's phase)
         i = 0  # items before (Q's and the final factors' phases)
         while k < n_items:
-            i_t, i_hb, i_s = _asym_item(k, T, N_HB)
-            p_idx, p_eidx, n1, lo, hi, n_tiles = _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t,
-                                                            K, EK, HAS_LEN, HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
-                                                            BLOCK_N)  # fmt: skip
+            i_t, i_hb, i_s, p_idx, p_eidx, n1, lo, hi, n_tiles = _asym_item(k, idx, lens, eidx, elens, stride_i_t,
+                                                                       stride_ei_t, T, K, EK, N_HB, HAS_LEN,
+                                                                       HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
+                                                                       BLOCK_N)  # fmt: skip
             if WALK:
                 mbarrier.wait(q_ready, i & 1)
                 fence_async_shared()  # the producer's cp.async (generic proxy) before the wgmma reads
@@ -1098,10 +1105,10 @@ if GLUON_AVAILABLE:
         t = 0
         i = 0
         while k < n_items:
-            i_t, i_hb, i_s = _asym_item(k, T, N_HB)
-            _pi, _pe, _n1, _lo, _hi, n_tiles = _row_split(idx, lens, eidx, elens, i_t, i_s, stride_i_t, stride_ei_t,
-                                                          K, EK, HAS_LEN, HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
-                                                          BLOCK_N)  # fmt: skip
+            i_t, i_hb, i_s, _pi, _pe, _n1, _lo, _hi, n_tiles = _asym_item(k, idx, lens, eidx, elens, stride_i_t,
+                                                                       stride_ei_t, T, K, EK, N_HB, HAS_LEN,
+                                                                       HAS_EXTRA, E_HAS_LEN, NUM_SPLITS,
+                                                                       BLOCK_N)  # fmt: skip
             acc = gl.zeros([64, HALF], gl.float32, O_LAYOUT)
             for j in range(n_tiles):
                 stage = (t + j) % STAGES
