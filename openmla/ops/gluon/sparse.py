@@ -37,12 +37,11 @@ tile j's scores; warpgroup 1 (a worker partition) takes P and the rows' rescale 
 factors warpgroup 0 leaves in shared memory (mbarriers: P ready, P free, final factors written / read; each stage is
 released by both). The tensor cores then work while warpgroup 0 computes the softmax: 1.08-1.27x at prefill.
 "asym" programs walk work items (row, head block, split) in the old grid's launch order, ``k = program, program +
-programs, ...`` (every partition computes the same sequence): for bf16 rows with ``WALK_MIN_ITEMS`` items an SM or
-more (prefill; ``WALK``) one program an SM, the producer copies
-each item's Q (cp.async, its own ready / empty barriers: the next item's Q lands once the scorer's last scores of the
-current one are done) and the ring, the P barriers and the final factors run on across items, so the next item's
-first tiles and Q land during the current item's last P V and epilogue (a V4 prefill row has 8-16 tiles); otherwise
-one program an item (the scorer loads Q).
+programs, ...`` (every partition computes the same sequence). For bf16 rows with ``WALK_MIN_ITEMS`` items an SM or
+more (prefill; ``WALK``) one program an SM walks them: the producer copies each item's Q (cp.async, its own ready /
+empty barriers: it lands once the scorer's last scores of the item before are done), and the ring, the P barriers
+and the final factors run on across items, so the next item's first tiles and Q land during the current item's
+last P V and epilogue (a V4 prefill row has 8-16 tiles). Otherwise one program an item (the scorer loads Q).
 
 One kernel body: ``D_QK`` (576 / 512: the rope chunk and its ring exist or not), ``FMT`` (the producer),
 ``HAS_EXTRA`` and ``HAS_ROPE`` are constexprs; V3.2's one-source specialisations compile to the code they had before
