@@ -113,6 +113,12 @@ def _cudnn(q, k, v, B: int, L: int, backend=None):
     raise err
 
 
+def _unchecked(pkg, kw: dict) -> dict:
+    """``kw`` plus ``validate=False`` where ``pkg.flash_attn_varlen`` has it (the offsets are valid by construction;
+    older checkouts have no host check)."""
+    return dict(kw, validate=False) if "validate" in inspect.signature(pkg.flash_attn_varlen).parameters else kw
+
+
 def run(shape: PrefillShape, ctx: BenchContext) -> list[dict]:
     """Time one point: openmla and, on a GPU with peers on, cuDNN SDPA (bf16), alternating; returns its rows."""
     dev, h, L, B = ctx.device, shape.h, shape.n, shape.batch
@@ -128,8 +134,7 @@ def run(shape: PrefillShape, ctx: BenchContext) -> list[dict]:
     else:
         args, kw = (q, k, v), {}
     out = torch.empty(T, h, D_V, dtype=torch.bfloat16, device=dev)
-    # the offsets are valid by construction: skip the host check where the API has one (older checkouts do not)
-    own_kw = dict(kw, validate=False) if "validate" in inspect.signature(openmla.flash_attn_varlen).parameters else kw
+    own_kw = _unchecked(openmla, kw)
 
     def own():
         openmla.flash_attn_varlen(*args, cu, cu, L, L, SCALE, causal=True, out=out, **own_kw)
@@ -146,8 +151,7 @@ def run(shape: PrefillShape, ctx: BenchContext) -> list[dict]:
     old = ctx.baseline  # --against: the older openmla on the same inputs
     if old is not None:
         out_o = torch.empty_like(out)
-        # the same host-check skip as ours (timed without graphs, a check's sync would count against it alone)
-        old_kw = dict(kw, validate=False) if "validate" in inspect.signature(old.flash_attn_varlen).parameters else kw
+        old_kw = _unchecked(old, kw)  # as ours: timed without graphs, a check's sync would count against it alone
 
         def before():
             old.flash_attn_varlen(*args, cu, cu, L, L, SCALE, causal=True, out=out_o, **old_kw)

@@ -115,16 +115,6 @@ PINGPONG: bool = True
 # launch order (see flash_attn_varlen_gluon's head_block): 1 keeps the programs in flight on few heads
 HEAD_BLOCK: int = 1
 _WIDEN_ROWS = 64  # rows of D values per program of _widen_e4m3_kernel (the fp8 path's V widening)
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(dev: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached): one persistent program each (the shared memory of one
-    program fills an sm90 SM)."""
-    key = dev.index if dev.index is not None else torch.cuda.current_device()
-    if key not in _NUM_SMS:
-        _NUM_SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _NUM_SMS[key]
 
 
 def _smem_bytes(block_n: int, stages: int, fp8: bool = False, q_bufs: int = 1) -> int:
@@ -785,6 +775,8 @@ def flash_attn_varlen_gluon(
     if n_items >= 2**31:
         raise ValueError(f"{B} requests x {n_rb} row blocks x {H} heads exceed 2**31 work items")
     if programs is None:
+        from openmla.ops.sparse import _num_sms  # the cached SM count (imported here: openmla.ops imports this module)
+
         programs = _num_sms(q.device)
     elif not isinstance(programs, int) or programs < 1:
         raise ValueError(f"programs must be a positive int; got {programs!r}")
