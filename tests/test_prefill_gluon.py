@@ -72,6 +72,9 @@ for v in json.loads(sys.argv[1]):
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name == "qk_scale":
             sig[name] = "fp32"
+        elif name.startswith("stride_"):  # multiples of 16, as the JIT specialises the contiguous case
+            sig[name] = "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "i32"
     k = triton.compile(GluonASTSource(fn, sig, constexprs=cons, attrs=attrs), target=GPUTarget("cuda", 90, 32),
@@ -97,6 +100,8 @@ def test_gluon_prefill_compiles_for_sm90():
         assert r["shared"] + r["static_shared"] <= pg.SMEM_LIMIT, f"{name}: shared memory {r}"
         assert r["num_warps"] == 12 and str(pg.CONSUMER_REGS) in r["setmaxnreg"], f"{name}: {r}"
         assert r["cta_barrier"] == 0, f"{name}: a CTA-wide barrier in the kernel {r}"
+        # the output rows leave by 16-byte stores (stores.row_store_layout): 8 a thread and warpgroup
+        assert r["st_v4"] >= 8, f"{name}: output stores {r}"
 
 
 def test_gluon_prefill_unsupported_on_cpu():

@@ -145,6 +145,9 @@ def test_sparse_gluon_compiles_for_sm90():
         assert r["shared"] + r["static_shared"] <= SMEM_LIMIT, f"{name}: shared memory {r}"
         assert r["num_warps"] == 12 and r["setmaxnreg"], f"{name}: {r}"
         assert r["qk"] == 4 * chunks and r["pv"] == 4 and r["wgmma"] == 4 * chunks + 4, f"{name}: wgmma {r}"
+        # V4 rows (D 512) of one split: the output by 16-byte stores (stores.row_store_layout), 8 a thread and
+        # warpgroup; V3.2 rows: from the MMA layout (no shared memory left for the conversion)
+        assert (r["st_v4"] >= 8) == (v[1] == 512 and v[2] == 1), f"{name}: output stores {r}"
         if v[0] == 0:
             assert r["cp_async"] == 4 * chunks and r["noinc"] == 1, f"{name}: cp.async {r}"
         elif staged:  # V3.2: 16 + 4 16-byte copies, 2 of the scales; V4: 16 + 4, 1 exponent word
@@ -183,6 +186,7 @@ def test_sparse_gluon_asym_compiles_for_sm90():
         assert r["shared"] + r["static_shared"] <= SMEM_LIMIT, f"{v}: shared memory {r}"
         assert r["num_warps"] == 12 and str(gs.ASYM_PV_REGS) in r["setmaxnreg"], f"{v}: {r}"
         assert r["qk"] == 0 and r["qk64"] == 2 * 4 * chunks and r["pv"] == 12, f"{v}: wgmma {r}"
+        assert (r["st_v4"] >= 8) == (v[1] == 512 and v[2] == 1), f"{v}: output stores {r}"
         if v[0] == 0:  # the bf16 producer, as with the two-warpgroup consumers (the walk: and each item's Q); the
             # compiler may copy the item loop's body (the plain walk of one item a program: 3 copies), each copy of
             # a tile's or Q's 4 x chunks cp.async ending in one noinc arrive

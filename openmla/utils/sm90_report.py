@@ -22,7 +22,8 @@ def resource_report(kernel) -> dict:
     """Resource usage of a compiled kernel (``triton.compile``'s result) for sm90.
 
     Returns a dict: ``regs``, ``stack``, ``local`` (bytes), ``static_shared``, ``shared`` (dynamic bytes),
-    ``num_warps``, and PTX counts: ``wgmma`` (``wgmma.mma_async``), ``tma`` (``cp.async.bulk.tensor``),
+    ``num_warps``, and PTX counts: ``wgmma`` (``wgmma.mma_async``), ``tma`` (``cp.async.bulk.tensor``), ``st_v4``
+    (``st.global.v4.b32``: 16-byte stores),
     ``setmaxnreg`` (the register counts warp-specialised partitions move to), ``cta_barrier``
     (``bar.sync 0`` / ``barrier.sync 0``), ``partition_barriers`` (``bar.sync id, threads``: barriers of a
     warp-specialised partition), and from the SASS: ``sass`` (instructions), ``sass_hash`` (a digest of their
@@ -51,6 +52,7 @@ def resource_report(kernel) -> dict:
         "num_warps": kernel.metadata.num_warps,
         "wgmma": ptx.count("wgmma.mma_async"),
         "tma": ptx.count("cp.async.bulk.tensor"),
+        "st_v4": ptx.count("st.global.v4.b32"),  # 16-byte global stores
         "setmaxnreg": sorted(set(re.findall(r"setmaxnreg[.](?:inc|dec)[.]sync[.]aligned[.]u32\s+(\d+)", ptx))),
         "cta_barrier": len(re.findall(r"\bbar[.]sync\s+0;|\bbarrier[.]sync\s+0;", ptx)),
         "partition_barriers": len(re.findall(r"\bbar[.]sync\s+\d+,\s*\d+;", ptx)),

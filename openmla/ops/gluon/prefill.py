@@ -48,7 +48,8 @@ programs, one an SM, walk the items):
   shared memory by each consumer before its last PV (stale or NaN rows past ``cu_seqlens_k[-1]`` must
   not reach ``0 * NaN``); both warpgroups write the same zeros. Rows past the request's queries are
   computed (on finite or zero Q rows) and not stored. Output and LSE are written by masked pointer
-  stores from the MMA layout.
+  stores, the output's from the 16-byte store layout (``openmla/ops/gluon/stores.py``: 4-byte stores
+  straight from the MMA layout cost 2-5% more).
 * Schedule: items run request by request; inside a request, by default one head's row blocks after the
   other, the last (heaviest, when causal) first. The programs in flight then read the K / V of one or two
   heads, which stay in L2; with every head's heaviest block first (``HEAD_BLOCK = H``) each program
@@ -98,6 +99,7 @@ from openmla.ops.gluon._lang import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from openmla.ops.gluon.stores import row_store_layout
 
 D_QK = 192
 D_V = 128
@@ -124,6 +126,7 @@ def _smem_bytes(block_n: int, stages: int, fp8: bool = False, q_bufs: int = 1) -
 
 
 if GLUON_AVAILABLE:
+    _O_STORE = gl.constexpr(row_store_layout(D_V))  # an epilogue's [64, 128] rows, 16 bytes a thread a store
 
     @gluon.jit
     def _item(k, cu_seqlens_q, cu_seqlens_k, n_rb, H, HEAD_BLOCK: gl.constexpr, CAUSAL: gl.constexpr,
@@ -389,24 +392,23 @@ if GLUON_AVAILABLE:
                     v_scale, WG: gl.constexpr, BLOCK_N: gl.constexpr, STORE_LSE: gl.constexpr,
                     FP8: gl.constexpr):  # fmt: skip
         """Epilogue of one warpgroup's 64 rows: normalise, store the rows inside the request (out 0 / lse -inf where
-        l = 0)."""
+        l = 0); the bf16 rows through the 16-byte store layout (``row_store_layout``)."""
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 32 if FP8 else 16])  # fmt: skip
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 128, 16])  # fmt: skip
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
         row0 = start_m + WG * 64
         empty = l_i == 0.0
         inv = gl.where(empty, 0.0, v_scale / gl.where(empty, 1.0, l_i))
-        b_o = acc * gl.expand_dims(gl.convert_layout(inv, ROW_O), 1)
-        o_r = row0 + gl.arange(0, 64, layout=ROW_O)
+        b_o = gl.convert_layout((acc * gl.expand_dims(gl.convert_layout(inv, ROW_O), 1)).to(gl.bfloat16), _O_STORE)
+        o_r = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, _O_STORE))
         rows = (bos_q + o_r).to(gl.int64)
         # int64 head offsets: `out` / `lse` may have any strides (a head-major out: i_h * stride_oh >= 2**31)
         p_o = o + gl.expand_dims(rows * stride_ot + i_h.to(gl.int64) * stride_oh, 1)
-        p_o = p_o + gl.expand_dims(gl.arange(0, 128, layout=COL_O), 0)
-        gl.store(p_o, b_o.to(gl.bfloat16), mask=gl.expand_dims(o_r < len_q, 1))
+        p_o = p_o + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, _O_STORE)), 0)
+        gl.store(p_o, b_o, mask=gl.expand_dims(o_r < len_q, 1))
         if STORE_LSE:
             b_lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
             o_rs = row0 + gl.arange(0, 64, layout=ROW_S)

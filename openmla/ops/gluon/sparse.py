@@ -76,6 +76,7 @@ from openmla.ops.gluon._lang import (
     warpgroup_mma_wait,
 )
 from openmla.ops.gluon.decode import SMEM_LIMIT
+from openmla.ops.gluon.stores import row_store_layout
 
 __all__ = [
     "BLOCK_H",
@@ -209,6 +210,11 @@ def _smem_bytes(d_qk: int = D_QK, opts: int = 0) -> int:
 if GLUON_AVAILABLE:
     from openmla.ops.gluon.decode_seesaw import LAZY_T, RESCALE_ASM, RESCALE_CONSTRAINTS
     from openmla.ops.gluon.transposed import _finish_rows
+
+    # 16-byte output stores for V4 rows (WIDE_O): an "asym" warpgroup's [64, 256] half, the two consumer warpgroups'
+    # [64, 512]; V3.2's 576-wide tiles leave too little shared memory for the conversion's ~4 KB scratch
+    _O_HALF = gl.constexpr(row_store_layout(256))
+    _O_FULL = gl.constexpr(row_store_layout(512, warps_n=2))
 
     _ASYM_PV_REGS = gl.constexpr(ASYM_PV_REGS)
 
@@ -874,8 +880,14 @@ if GLUON_AVAILABLE:
             if HAS_ROPE:  # after normalisation and sink (a rotation commutes with the row scaling), as Triton's
                 b_o = gl.convert_layout(_inverse_rope(b_o, rope_pos, i_t, cos_sin, stride_cs, num_pos, ROPE),
                                         O_LAYOUT)  # fmt: skip
+            b_o = b_o.to(out.dtype.element_ty)
+            if D_QK == 512:  # WIDE_O: 16-byte stores (see _O_FULL)
+                b_o = gl.convert_layout(b_o, _O_FULL)
+                o_ho = i_hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _O_FULL))
+                m_o = gl.expand_dims(o_ho < H, 1)
+                o_v = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, _O_FULL)), 0)
             p_o = out + i_t * stride_o_t + gl.expand_dims(o_ho.to(gl.int64) * stride_o_h, 1) + o_v
-            gl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
+            gl.store(p_o, b_o, mask=m_o)
         else:  # the merge kernel applies the sink and the inverse RoPE
             gl.store(lse_part + (i_s * T + i_t) * H + o_hs, b_lse, mask=m_hs)
             b_o = acc * gl.expand_dims(gl.convert_layout(b_r, ROW_O), 1)
@@ -972,7 +984,6 @@ if GLUON_AVAILABLE:
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
         COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
         HAS_TAIL: gl.constexpr = D_QK > 512
 
         k = gl.program_id(0)
@@ -1048,7 +1059,7 @@ if GLUON_AVAILABLE:
             gl.thread_barrier()
             mbarrier.arrive(fin, count=1)
             b_o = acc * gl.expand_dims(gl.convert_layout(b_r, ROW_O), 1)
-            _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, 0, ROW_O, COL_O, NUM_SPLITS)
+            _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, 0, NUM_SPLITS, D_QK == 512)
             t += n_tiles
             i += 1
             k += gl.num_programs(0)
@@ -1073,15 +1084,20 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, C0: gl.constexpr,
-                    ROW_O: gl.constexpr, COL_O: gl.constexpr, NUM_SPLITS: gl.constexpr):  # fmt: skip
+                    NUM_SPLITS: gl.constexpr, WIDE_O: gl.constexpr):  # fmt: skip
         """Variant "asym": a warpgroup's normalised half ``[64, 256]`` (columns ``C0 + [0, 256)``) into ``out``
-        (bf16) or the split's fp32 partial."""
-        o_ho = i_hb * 64 + gl.arange(0, 64, layout=ROW_O)
+        (bf16; WIDE_O: from the 16-byte store layout ``_O_HALF``) or the split's fp32 partial."""
+        if NUM_SPLITS == 1:
+            b_o = b_o.to(out.dtype.element_ty)
+            if WIDE_O:
+                b_o = gl.convert_layout(b_o, _O_HALF)
+        L: gl.constexpr = b_o.type.layout
+        o_ho = i_hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, L))
         m_o = gl.expand_dims(o_ho < H, 1)
-        o_v = gl.expand_dims(C0 + gl.arange(0, 256, layout=COL_O), 0)
+        o_v = gl.expand_dims(C0 + gl.arange(0, 256, layout=gl.SliceLayout(0, L)), 0)
         if NUM_SPLITS == 1:
             p_o = out + i_t * stride_o_t + gl.expand_dims(o_ho.to(gl.int64) * stride_o_h, 1) + o_v
-            gl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
+            gl.store(p_o, b_o, mask=m_o)
         else:
             part = ((i_s * T + i_t) * H + o_ho.to(gl.int64)) * 512
             gl.store(o_part + gl.expand_dims(part, 1) + o_v, b_o, mask=m_o)
@@ -1091,15 +1107,15 @@ if GLUON_AVAILABLE:
                  o_part, rope_pos, cos_sin, stride_i_t, stride_ei_t, stride_o_t, stride_o_h, stride_cs, num_pos, T, H,
                  K, EK, n_items, N_HB: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  NUM_SPLITS: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, E_HAS_LEN: gl.constexpr,
-                 HAS_ROPE: gl.constexpr, ROPE: gl.constexpr, FENCE: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+                 HAS_ROPE: gl.constexpr, ROPE: gl.constexpr, FENCE: gl.constexpr, LAZY: gl.constexpr,
+                 WIDE_O: gl.constexpr):  # fmt: skip
         """Variant "asym", warpgroup 1 (a worker partition), item after item: ``O[:, 256:] += P V[:, 256:]`` with P and
         the rows' rescale factors from warpgroup 0 through shared memory; the epilogue of the right half (V4's inverse
-        RoPE: its last ROPE columns are this half's)."""
+        RoPE: its last ROPE columns are this half's; WIDE_O: 16-byte stores)."""
         HALF: gl.constexpr = 256
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HALF, 16])  # fmt: skip
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
         k = gl.program_id(0)
         t = 0
         i = 0
@@ -1126,8 +1142,8 @@ if GLUON_AVAILABLE:
             mbarrier.arrive(f_free, count=1)  # the factors are read: warpgroup 0 may write the next item's
             if NUM_SPLITS == 1 and HAS_ROPE:  # after normalisation and sink, as the two-warpgroup consumers
                 b_o = gl.convert_layout(_inverse_rope(b_o, rope_pos, i_t, cos_sin, stride_cs, num_pos, ROPE), O_LAYOUT)
-            _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, HALF, ROW_O, COL_O,
-                        NUM_SPLITS)  # fmt: skip
+            _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, HALF, NUM_SPLITS,
+                        WIDE_O)  # fmt: skip
             t += n_tiles
             i += 1
             k += gl.num_programs(0)
@@ -1316,7 +1332,7 @@ if GLUON_AVAILABLE:
                             sync.index(3), idx, lens, eidx, elens, out, o_part, rope_pos, cos_sin, stride_i_t,
                             stride_ei_t, stride_o_t, stride_o_h, stride_cs, num_pos, T, H, K, EK, n_items, N_HB,
                             BLOCK_N, STAGES, NUM_SPLITS, HAS_LEN, HAS_EXTRA, E_HAS_LEN, HAS_ROPE, ROPE, FMT == 0,
-                            (OPTS & 2) != 0)),
+                            (OPTS & 2) != 0, D_QK == 512)),
                 (_asym_producer, (q, q_smem, sync.index(4), sync.index(5), kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16,
                                   idx, lens, eidx, elens, lat, rope, ready, empty, stride_q_t, stride_q_h, stride_i_t,
                                   stride_ei_t, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, T, H, K, EK,
