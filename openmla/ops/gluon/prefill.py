@@ -49,7 +49,7 @@ programs, one an SM, walk the items):
   not reach ``0 * NaN``); both warpgroups write the same zeros. Rows past the request's queries are
   computed (on finite or zero Q rows) and not stored. Output and LSE are written by masked pointer
   stores, the output's from the 16-byte store layout (``openmla/ops/gluon/stores.py``: 4-byte stores
-  straight from the MMA layout cost 2-5% more).
+  straight from the MMA layout cost 2-11% more).
 * Schedule: items run request by request; inside a request, by default one head's row blocks after the
   other, the last (heaviest, when causal) first. The programs in flight then read the K / V of one or two
   heads, which stay in L2; with every head's heaviest block first (``HEAD_BLOCK = H``) each program

@@ -3,9 +3,9 @@
 A wgmma accumulator gives each thread 2 consecutive columns of a row, so a store straight from it writes 4 bytes
 of bf16 a thread and a warp covers 16 bytes of each of 8 rows. :func:`row_store_layout` keeps the rows in the
 same warps but gives each thread 8 consecutive columns (16 bytes; the 4 threads of a quad hold 64 bytes of one
-row): values only move inside a warp (the compiler's conversion uses a ~4 KB shared-memory scratch), and the
-stores are 16-byte ones. On the H200 (stop 51) that took 2-5% off the dense prefill and 5-14% off V4's sparse
-prefill, whose epilogues write 32-64 KB an item.
+row), so the stores are 16-byte ones. The conversion only changes which thread of a warp holds a value; the
+compiler still routes it through a ~4 KB shared-memory scratch with partition barriers. On the H200 (stop 51) it
+took 2-11% off the dense prefill and 9-15% off V4's sparse prefill, whose epilogues write 32-64 KB an item.
 """
 
 from __future__ import annotations
