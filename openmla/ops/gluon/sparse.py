@@ -807,7 +807,6 @@ if GLUON_AVAILABLE:
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
         COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
 
         _q_to_smem(q, q_smem, i_t, i_hb * BLOCK_M, H, stride_q_t, stride_q_h, BLOCK_M, D_QK)
 
@@ -869,9 +868,6 @@ if GLUON_AVAILABLE:
         empty_r, b_lse, b_r = _finish_rows(b_l, b_m, 1.0)
         o_hs = i_hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
         m_hs = o_hs < H
-        o_ho = i_hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_O)
-        m_o = gl.expand_dims(o_ho < H, 1)
-        o_v = gl.expand_dims(gl.arange(0, 512, layout=COL_O), 0)
         if NUM_SPLITS == 1:
             if HAS_SINK:
                 b_r = _sink_factor(b_r, b_lse, empty_r, sink, o_hs, m_hs)
@@ -880,19 +876,12 @@ if GLUON_AVAILABLE:
             if HAS_ROPE:  # after normalisation and sink (a rotation commutes with the row scaling), as Triton's
                 b_o = gl.convert_layout(_inverse_rope(b_o, rope_pos, i_t, cos_sin, stride_cs, num_pos, ROPE),
                                         O_LAYOUT)  # fmt: skip
-            b_o = b_o.to(out.dtype.element_ty)
-            if D_QK == 512:  # WIDE_O: 16-byte stores (see _O_FULL)
-                b_o = gl.convert_layout(b_o, _O_FULL)
-                o_ho = i_hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _O_FULL))
-                m_o = gl.expand_dims(o_ho < H, 1)
-                o_v = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, _O_FULL)), 0)
-            p_o = out + i_t * stride_o_t + gl.expand_dims(o_ho.to(gl.int64) * stride_o_h, 1) + o_v
-            gl.store(p_o, b_o, mask=m_o)
         else:  # the merge kernel applies the sink and the inverse RoPE
             gl.store(lse_part + (i_s * T + i_t) * H + o_hs, b_lse, mask=m_hs)
             b_o = acc * gl.expand_dims(gl.convert_layout(b_r, ROW_O), 1)
-            part = ((i_s * T + i_t) * H + o_ho.to(gl.int64)) * 512
-            gl.store(o_part + gl.expand_dims(part, 1) + o_v, b_o, mask=m_o)
+        # V4 rows: 16-byte stores (see _O_FULL)
+        _store_out(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, 0, NUM_SPLITS,
+                   _O_FULL if D_QK == 512 else O_LAYOUT)  # fmt: skip
 
     @gluon.jit
     def _asym_item(k, idx, lens, eidx, elens, stride_i_t, stride_ei_t, T, K, EK, N_HB: gl.constexpr,
@@ -1059,7 +1048,8 @@ if GLUON_AVAILABLE:
             gl.thread_barrier()
             mbarrier.arrive(fin, count=1)
             b_o = acc * gl.expand_dims(gl.convert_layout(b_r, ROW_O), 1)
-            _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, 0, NUM_SPLITS, D_QK == 512)
+            _store_out(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, 0, NUM_SPLITS,
+                       _O_HALF if D_QK == 512 else O_LAYOUT)  # fmt: skip
             t += n_tiles
             i += 1
             k += gl.num_programs(0)
@@ -1083,18 +1073,18 @@ if GLUON_AVAILABLE:
         mbarrier.arrive(p_ready, count=1)
 
     @gluon.jit
-    def _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, C0: gl.constexpr,
-                    NUM_SPLITS: gl.constexpr, WIDE_O: gl.constexpr):  # fmt: skip
-        """Variant "asym": a warpgroup's normalised half ``[64, 256]`` (columns ``C0 + [0, 256)``) into ``out``
-        (bf16; WIDE_O: from the 16-byte store layout ``_O_HALF``) or the split's fp32 partial."""
+    def _store_out(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, C0: gl.constexpr,
+                   NUM_SPLITS: gl.constexpr, ST: gl.constexpr):  # fmt: skip
+        """A block's normalised rows ``[64, N]`` (heads ``i_hb * 64 + [0, 64)``, columns ``C0 + [0, N)``) into ``out``
+        (bf16, stored from layout ST: ``_O_HALF`` / ``_O_FULL`` for 16-byte stores, or b_o's own) or the split's
+        fp32 partial (from b_o's layout)."""
+        N: gl.constexpr = b_o.shape[1]
         if NUM_SPLITS == 1:
-            b_o = b_o.to(out.dtype.element_ty)
-            if WIDE_O:
-                b_o = gl.convert_layout(b_o, _O_HALF)
+            b_o = gl.convert_layout(b_o.to(out.dtype.element_ty), ST)
         L: gl.constexpr = b_o.type.layout
         o_ho = i_hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, L))
         m_o = gl.expand_dims(o_ho < H, 1)
-        o_v = gl.expand_dims(C0 + gl.arange(0, 256, layout=gl.SliceLayout(0, L)), 0)
+        o_v = gl.expand_dims(C0 + gl.arange(0, N, layout=gl.SliceLayout(0, L)), 0)
         if NUM_SPLITS == 1:
             p_o = out + i_t * stride_o_t + gl.expand_dims(o_ho.to(gl.int64) * stride_o_h, 1) + o_v
             gl.store(p_o, b_o, mask=m_o)
@@ -1142,8 +1132,8 @@ if GLUON_AVAILABLE:
             mbarrier.arrive(f_free, count=1)  # the factors are read: warpgroup 0 may write the next item's
             if NUM_SPLITS == 1 and HAS_ROPE:  # after normalisation and sink, as the two-warpgroup consumers
                 b_o = gl.convert_layout(_inverse_rope(b_o, rope_pos, i_t, cos_sin, stride_cs, num_pos, ROPE), O_LAYOUT)
-            _asym_store(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, HALF, NUM_SPLITS,
-                        WIDE_O)  # fmt: skip
+            _store_out(b_o, out, o_part, stride_o_t, stride_o_h, T, H, i_t, i_hb, i_s, HALF, NUM_SPLITS,
+                       _O_HALF if WIDE_O else O_LAYOUT)  # fmt: skip
             t += n_tiles
             i += 1
             k += gl.num_programs(0)
