@@ -107,8 +107,7 @@ for v in json.loads(sys.argv[1]):
                 BLOCK_N=gs.BLOCK_N, STAGES=gs.STAGES, FP8_PASSES=gs.FP8_PASSES,
                 PRODUCER_REGS=gs.producer_regs(fmt, d_qk, opts), num_warps=4 if opts & 16 else gs.NUM_WARPS,
                 OPTS=opts)
-    if len(v) > 11 and v[11]:
-        cons["WALK"] = True
+    cons["WALK"] = bool(len(v) > 11 and v[11])  # a constexpr, as the launcher's (not an i32 with both paths)
     kvt = "*bf16" if fmt == 0 else "*u8"
     f32 = {0: kvt, 1: "*fp32", 2: "*fp32" if opts & 4 else kvt}[fmt]  # staged fp8_v4: the exponent words
     views = {"": kvt, "_f32": f32, "_b16": "*bf16" if fmt else kvt}
