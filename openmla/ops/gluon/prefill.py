@@ -183,7 +183,6 @@ if GLUON_AVAILABLE:
         and K are e4m3. Each item's successor comes from ``counter`` (``num_programs + atomic_add``, issued
         before the item's copies and read after them) and is published to the consumers through ``id_smem``."""
         LANE: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         lane = gl.arange(0, 32, layout=LANE)
         n_prog = gl.num_programs(0)
         cur = gl.program_id(0)
@@ -224,7 +223,7 @@ if GLUON_AVAILABLE:
             nxt = n_prog + gl.sum(gl.where(lane == 0, got, 0), axis=0)
             slot = i % 2
             mbarrier.wait(id_empty.index(slot), ((i // 2) & 1) ^ 1)
-            id_smem.index(slot).store(gl.full([1], nxt, gl.int32, ONE))
+            id_smem.index(slot).store(gl.full([1], nxt, gl.int32, LANE))
             mbarrier.arrive(id_ready.index(slot), count=1)
             cur = nxt
             i += 1

@@ -677,14 +677,20 @@ if GLUON_AVAILABLE:
                        J_STEP)  # fmt: skip
 
     @gluon.jit
+    def _q_rows(q, i_t, h0, H, stride_q_t, stride_q_h, ROWS: gl.constexpr):
+        """Pointers to the first 64 columns of heads ``h0 + [0, ROWS)`` of row i_t's q (16 bytes a thread), which
+        heads exist (< H), and the column offsets ``[1, 64]`` (add ``c * 64`` for chunk c)."""
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        o_h = h0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LD))
+        p_q = q + i_t * stride_q_t + gl.expand_dims(o_h.to(gl.int64) * stride_q_h, 1)
+        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
+        return p_q, gl.expand_dims(o_h < H, 1), o_c
+
+    @gluon.jit
     def _q_to_smem(q, q_smem, i_t, h0, H, stride_q_t, stride_q_h, ROWS: gl.constexpr, D_QK: gl.constexpr):
         """Heads ``h0 + [0, ROWS)`` of row i_t's q ``[ROWS, D_QK]`` -> the D_QK / 64 swizzled chunks of ``q_smem``
         (heads past H are zeros: finite scores, never stored), fenced for the wgmmas, the partition synchronised."""
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-        o_h = h0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LD))
-        m_ld = gl.expand_dims(o_h < H, 1)
-        p_q = q + i_t * stride_q_t + gl.expand_dims(o_h.to(gl.int64) * stride_q_h, 1)
-        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD)), 0)
+        p_q, m_ld, o_c = _q_rows(q, i_t, h0, H, stride_q_t, stride_q_h, ROWS)
         for c in gl.static_range(D_QK // 64):
             q_smem.index(c).store(gl.load(p_q + (c * 64 + o_c), mask=m_ld, other=0.0))
         fence_async_shared()
@@ -904,12 +910,7 @@ if GLUON_AVAILABLE:
         """The producer's copy of the ``i``-th item's Q (heads ``h0 + [0, 64)`` of row i_t, heads past H zero-filled)
         into ``q_smem`` by cp.async, once the scorer's last scores of the item before are done; each producer thread
         completes ``q_ready`` (noinc arrive)."""
-        NW: gl.constexpr = gl.num_warps()
-        LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-        o_h = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LAYOUT))
-        m_q = gl.expand_dims(o_h < H, 1)
-        p_q = q + i_t * stride_q_t + gl.expand_dims(o_h.to(gl.int64) * stride_q_h, 1)
-        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LAYOUT)), 0)
+        p_q, m_q, o_c = _q_rows(q, i_t, h0, H, stride_q_t, stride_q_h, 64)
         mbarrier.wait(q_empty, (i & 1) ^ 1)  # fresh barriers pass parity 1 at once (the first item)
         for c in gl.static_range(D_QK // 64):
             async_copy.async_copy_global_to_shared(q_smem.index(c), p_q + (c * 64 + o_c), mask=m_q)
