@@ -236,42 +236,6 @@ def test_decode_fuzz(heads, page, reqs, causal):
     _check(*_batch(suite_device(), heads, qlens, lens, page, torch.float16), causal, torch.float16)
 
 
-@settings(max_examples=20, deadline=None)
-@given(
-    lens=st.lists(st.integers(0, 5000), min_size=1, max_size=40),
-    qlen=st.integers(0, 3),
-    heads=st.sampled_from([1, 16, 128]),
-    num_sms=st.sampled_from([1, 8, 132]),
-)
-def test_plan_covers_every_key_once(lens, qlen, heads, num_sms):
-    from openmla.utils.testing import suite_device
-
-    dev = suite_device()
-    B = len(lens)
-    sl = torch.tensor(lens, dtype=torch.int32, device=dev)
-    qsl = torch.arange(B + 1, dtype=torch.int32, device=dev) * qlen
-    qsl[1] = qsl[0]  # the first request has no query rows
-    plan = openmla.plan_decode(sl, qsl, heads, num_sms=num_sms)
-    n, per, req, split = (x.cpu().tolist() for x in (plan.num_splits, plan.split_len, plan.work_req, plan.work_split))
-    indptr = plan.work_indptr.cpu().tolist()
-    assert indptr[0] == 0 and indptr[-1] <= plan.capacity
-    for b, L in enumerate(lens):
-        rows = int(qsl[b + 1] - qsl[b])
-        assert n[b] == (0 if rows == 0 else max(1, -(-L // per[b]))), (b, L, n[b], per[b])
-        assert per[b] % plan.tiling.block_n == 0 and per[b] <= plan.tiling.max_split
-        assert indptr[b + 1] - indptr[b] == n[b]
-        for i in range(indptr[b], indptr[b + 1]):
-            assert req[i] == b and split[i] == i - indptr[b]
-    assert all(r == -1 for r in req[indptr[-1] :])
-    # the reduce's list: exactly the requests with more than one split, in order, then -1
-    multi = [b for b in range(B) if n[b] > 1]
-    assert int(plan.num_merge) == len(multi)
-    info = plan.merge_info.cpu().tolist()
-    assert [r[0] for r in info] == multi + [-1] * (B - len(multi))
-    assert [r[1:] for r in info[: len(multi)]] == [[indptr[b], n[b]] for b in multi]
-    assert all(r[2] == 0 for r in info[len(multi) :])
-
-
 @pytest.mark.parametrize("programs_per_sm,heads", [(1, 12), (1, 3), (8, 12)])
 def test_reduce_task_sizes(programs_per_sm, heads, device, monkeypatch):
     # few reduce programs: whole-row tasks, several heads a task where the rows are many against the programs (the

@@ -1,16 +1,23 @@
-"""``plan_decode``'s private tuning overrides (``_min_split``, ``_max_split``, ``_item_cost``, ``_slots``, and the
-spanning schedule's ``_spans_mode`` / ``_span_cut``; used by ``openmla bench``): honoured, validated, and the defaults
-unchanged."""
+"""``plan_decode``: the work-item layout (every key once, requests launched longest split first, the reduce's merge
+list), the decode output on a reordered ragged batch, and the private tuning overrides (``_min_split``,
+``_max_split``, ``_item_cost``, ``_slots``, and the spanning schedule's ``_spans_mode`` / ``_span_cut``; used by
+``openmla bench``): honoured, validated, and the defaults unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import openmla
 from openmla.ops import plan as P
 from openmla.ops.plan_spans import SPAN_CUT, plan_spans_ref
-from openmla.utils.testing import suite_device
+from openmla.reference import mla_decode_ref
+from openmla.utils.testing import TOLERANCES, assert_close, on_gpu, pick, suite_device
 
 
 def _batch(lens, device):
@@ -20,6 +27,134 @@ def _batch(lens, device):
 
 def _fields(plan):
     return [getattr(plan, k).tolist() for k in ("split_len", "num_splits", "work_indptr", "work_req", "work_split")]
+
+
+def _check_layout(plan, lens, qlens):
+    """The plan's work items against its own ``num_splits`` / ``split_len``: every key once, the requests launched by
+    decreasing split length (ties in batch order), each request's items contiguous and in split order, and the
+    reduce's merge list. Returns the launch order."""
+    B = len(lens)
+    n, per, req, split = (x.cpu().tolist() for x in (plan.num_splits, plan.split_len, plan.work_req, plan.work_split))
+    indptr = plan.work_indptr.cpu().tolist()
+    for b, (L, rows) in enumerate(zip(lens, qlens)):
+        assert n[b] == (0 if rows == 0 else max(1, -(-L // per[b]))), (b, L, n[b], per[b])
+        assert per[b] % plan.tiling.block_n == 0 and per[b] <= plan.tiling.max_split
+        assert (per[b] > 0) == (n[b] > 0)
+    order = sorted(range(B), key=lambda b: (-per[b], b))  # requests without splits (per 0) last
+    total = sum(n)
+    assert len(indptr) == B + 1 and indptr[0] == 0 and indptr[-1] == total <= plan.capacity
+    for j, b in enumerate(order):  # work_indptr is cumulative in launch order
+        assert indptr[j + 1] - indptr[j] == n[b], (j, b)
+        assert req[indptr[j] : indptr[j + 1]] == [b] * n[b] and split[indptr[j] : indptr[j + 1]] == list(range(n[b]))
+    assert all(r == -1 for r in req[total:])
+    # item by item: split length non-increasing, ties in batch order
+    keys = [(-per[r], r) for r in req[:total]]
+    assert keys == sorted(keys)
+    # the reduce's list: exactly the requests with more than one split, in launch order, each with its first item
+    first = {b: indptr[j] for j, b in enumerate(order)}
+    multi = [b for b in order if n[b] > 1]
+    assert int(plan.num_merge) == len(multi)
+    info = plan.merge_info.cpu().tolist()
+    assert [r[0] for r in info] == multi + [-1] * (B - len(multi))
+    assert [r[1:] for r in info[: len(multi)]] == [[first[b], n[b]] for b in multi]
+    assert all(r[2] == 0 for r in info[len(multi) :])
+    return order
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    lens=st.lists(st.one_of(st.integers(0, 5000), st.sampled_from([0, 16, 300, 4096])), min_size=1, max_size=40),
+    qlen=st.integers(0, 3),
+    heads=st.sampled_from([1, 16, 128]),
+    num_sms=st.sampled_from([1, 8, 132]),
+)
+def test_plan_covers_every_key_once(lens, qlen, heads, num_sms):
+    # (the sampled lengths give ties in split length: those keep batch order)
+    dev = suite_device()
+    B = len(lens)
+    sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=dev) * qlen
+    qsl[1] = qsl[0]  # the first request has no query rows
+    qlens = (qsl[1:] - qsl[:-1]).tolist()
+    plan = openmla.plan_decode(sl, qsl, heads, num_sms=num_sms)
+    _check_layout(plan, lens, qlens)
+    # rebuilt in place (out=): the same layout
+    again = openmla.plan_decode(sl, qsl, heads, num_sms=num_sms, out=plan)
+    _check_layout(again, lens, qlens)
+
+
+@pytest.mark.parametrize("qlen", [1, 2])
+def test_uniform_batch_keeps_batch_order(qlen):
+    # equal requests (and equal split lengths from different lengths): items in batch order, as before the reorder
+    dev = suite_device()
+    for lens in ([1000] * 8, [3000] * 5 + [2995], [20] * 3):
+        sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+        qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=dev) * qlen
+        plan = openmla.plan_decode(sl, qsl, 16, num_sms=8)
+        n = plan.num_splits.tolist()
+        assert len(set(plan.split_len.tolist())) == 1, (lens, plan.split_len.tolist())
+        assert _check_layout(plan, lens, [qlen] * len(lens)) == list(range(len(lens)))
+        total = sum(n)
+        assert plan.work_req.tolist()[:total] == [b for b in range(len(lens)) for _ in range(n[b])]
+        assert plan.work_indptr.tolist() == [0, *itertools.accumulate(n)]
+
+
+def _in_batch_order(plan):
+    """``plan`` with its work items laid out request by request in batch order (the layout before the
+    longest-first launch order) and fresh partial buffers."""
+    n = plan.num_splits.tolist()
+    B, dev = len(n), plan.work_req.device
+    req = [b for b in range(B) for _ in range(n[b])]
+    split = [s for b in range(B) for s in range(n[b])]
+    starts = [0, *itertools.accumulate(n)]
+    pad = plan.capacity - len(req)
+    info = [[b, starts[b], n[b]] for b in range(B) if n[b] > 1]
+    info += [[-1, 0, 0]] * (B - len(info))
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.int32, device=dev)
+
+    return dataclasses.replace(
+        plan, work_req=t(req + [-1] * pad), work_split=t(split + [0] * pad), work_indptr=t(starts),
+        merge_info=t(info).view(B, 3), num_merge=t([len(info) - (B - sum(x > 1 for x in n))]),
+        o_part=torch.empty_like(plan.o_part), lse_part=torch.empty_like(plan.lse_part),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("heads,num_sms", [(16, pick(2, 16)), (64, pick(16, 132))])
+def test_ragged_decode_unchanged(heads, num_sms, monkeypatch):
+    # a ragged batch launched longest split first: the same output as the batch-order layout (bit for bit: each item
+    # and each merge computes the same thing), and right against the fp32 reference; NaN past every request's keys
+    dev = suite_device()
+    if not on_gpu():  # tiny CPU requests still split
+        monkeypatch.setattr(P, "_MIN_SPLIT", 64)
+        monkeypatch.setattr(P, "_MIN_SPLIT_64_ROWS", 64)
+    torch.manual_seed(42)
+    lens = pick([37, 700, 0, 333, 700, 5, 150], [300, 30001, 0, 9001, 30001, 17, 4000])
+    qlens = [1, 2, 1, 0, 1, 2, 1]
+    page, B = 16, len(lens)
+    W = -(-max(lens) // page)
+    cache = torch.randn(B * W + 2, page, 576, device=dev).to(torch.bfloat16)
+    bt = torch.randperm(B * W + 2, device=dev)[: B * W].view(B, W).int()
+    used = torch.zeros(cache.shape[0] * page, dtype=torch.bool, device=dev)
+    for b, L in enumerate(lens):
+        pos = torch.arange(L, device=dev)
+        used[bt[b, pos // page].long() * page + pos % page] = True
+    cache.view(-1, 576)[~used] = float("nan")
+    sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=dev)
+    q = torch.randn(int(qsl[-1]), heads, 576, device=dev).to(torch.bfloat16)
+    plan = openmla.plan_decode(sl, qsl, heads, num_sms=num_sms)
+    order = _check_layout(plan, lens, qlens)
+    assert order != sorted(order) and int(plan.num_merge) >= 2, (order, plan.num_splits.tolist())
+    scale = 576**-0.5
+    out, lse = openmla.mla_decode(q, cache, bt, sl, qsl, scale, plan=plan)
+    out0, lse0 = openmla.mla_decode(q, cache, bt, sl, qsl, scale, plan=_in_batch_order(plan))
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    ref_out, ref_lse = mla_decode_ref(q, cache, bt, sl, qsl, scale)
+    atol, rtol, cos = TOLERANCES[torch.bfloat16]
+    assert_close("out", ref_out, out, atol, rtol, cos)
+    assert_close("lse", ref_lse, lse, 1e-3, 1e-3, 1e-6)
 
 
 def test_overrides_honoured():

@@ -79,6 +79,10 @@ PRESETS = {
                "h16 b8 s4096 q1 minsplit1024 gluon", "h128 b1 s32768 q1 maxsplit2048 maxsplit8192",
                # the fp8 cache (half the bytes) beside the bf16 points above: ws against the portable kernel
                "h16 b128 s8192 q1 fp8 triton", "h64 b128 s8192 q1 fp8 triton", "h128 b128 s8192 q1 fp8"],
+    # ragged batches (issue 34): the plan launches requests longest split first; the uniform control keeps batch order
+    # (an A/B against batch order: --against an older checkout)
+    "ragged": ["h16 b128 s8192~4096 q1", "h16 b128 s4096~4000 q1", "h128 b128 s8192~4096 q1",
+               "h64 b128 s8192~4096 q1", "h16 b128 s8192 q1"],
     # the fp8 cache (half the bytes) at narrow tiles: the narrow kernel (the default up to 32 rows) against ws, beside
     # the bf16 cache on the same shapes (FlashMLA reads bf16 at every point)
     "fp8": ["h16 b128 s8192 q1 fp8 ws", "h16 b128 s8192 q1", "h16 b128 s8192 q2 fp8 ws", "h16 b128 s8192 q2",
