@@ -109,14 +109,15 @@ def _in_batch_order(plan):
     starts = [0, *itertools.accumulate(n)]
     pad = plan.capacity - len(req)
     info = [[b, starts[b], n[b]] for b in range(B) if n[b] > 1]
-    info += [[-1, 0, 0]] * (B - len(info))
+    n_merge = len(info)
+    info += [[-1, 0, 0]] * (B - n_merge)
 
     def t(x):
         return torch.tensor(x, dtype=torch.int32, device=dev)
 
     return dataclasses.replace(
         plan, work_req=t(req + [-1] * pad), work_split=t(split + [0] * pad), work_indptr=t(starts),
-        merge_info=t(info).view(B, 3), num_merge=t([len(info) - (B - sum(x > 1 for x in n))]),
+        merge_info=t(info).view(B, 3), num_merge=t([n_merge]),
         o_part=torch.empty_like(plan.o_part), lse_part=torch.empty_like(plan.lse_part),
     )  # fmt: skip
 

@@ -648,13 +648,19 @@ def test_sparse_gluon_v4_inplace(opts, heads, rows, splits, extra, device):
     # "inplace" fp8_v4 against the reference (two sources or one, lengths, the inverse RoPE, sinks, splits; 300 rows
     # at 128 heads walk the items), and bit for bit against "asym" with the plain producer where the softmax is the
     # same (no "lazy")
+    _v4_variant_matches(opts, ("asym",), heads, rows, splits, extra, device)
+
+
+def _v4_variant_matches(opts, base, heads, rows, splits, extra, device):
+    """An fp8_v4 call (K 128 + K2 512, blocks of 64, sinks) with ``_gluon_opts=opts`` against the reference
+    (``_v4_run``), and bit for bit against ``base`` unless ``opts`` has "lazy" (another softmax)."""
     kw = dict(K=128, K2=512, bs=64, e_bs=64, extra=extra, sink=torch.linspace(-2, 2, heads, device=device),
               seed=rows + heads)  # fmt: skip
     if splits:
         kw["_num_splits_override"] = splits
     b, lb, _, _ = _v4_run(heads, rows, "fp8_v4", device, _gluon_opts=opts, **kw)
     if "lazy" not in opts:
-        a, la, _, _ = _v4_run(heads, rows, "fp8_v4", device, _gluon_opts=("asym",), **kw)
+        a, la, _, _ = _v4_run(heads, rows, "fp8_v4", device, _gluon_opts=base, **kw)
         torch.testing.assert_close(b, a, atol=0, rtol=0)
         torch.testing.assert_close(lb, la, atol=0, rtol=0)
 
@@ -668,15 +674,7 @@ def test_sparse_gluon_v4_staged(opts, heads, rows, splits, extra, device):
     # "staged" fp8_v4 (the consumers dequantise raw rows cp.async'd by the producer) against the reference, and bit
     # for bit against the plain code where the softmax is the same (no "lazy"): NaN in selected rows' bytes,
     # exponents and rope, invalid entries, lengths 0, sinks, splits, the inverse RoPE, one or two sources
-    kw = dict(K=128, K2=512, bs=64, e_bs=64, extra=extra, sink=torch.linspace(-2, 2, heads, device=device),
-              seed=rows + heads)  # fmt: skip
-    if splits:
-        kw["_num_splits_override"] = splits
-    b, lb, _, _ = _v4_run(heads, rows, "fp8_v4", device, _gluon_opts=opts, **kw)
-    if "lazy" not in opts:
-        a, la, _, _ = _v4_run(heads, rows, "fp8_v4", device, _gluon_opts=(), **kw)
-        torch.testing.assert_close(b, a, atol=0, rtol=0)
-        torch.testing.assert_close(lb, la, atol=0, rtol=0)
+    _v4_variant_matches(opts, (), heads, rows, splits, extra, device)
 
 
 def test_sparse_gluon_v4_staged_needs_aligned_blocks():
