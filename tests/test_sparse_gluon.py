@@ -170,16 +170,8 @@ ASYM_VARIANTS = [
     (0, 512, 4, True, True, 1, False, False, 1, True, 18),
     (1, 576, 1, True, True, 64, False, False, 64, False, 19),  # on fp8 rows (private: slower there)
     (2, 512, 1, True, True, 256, True, True, 64, True, 18),
-    (1, 576, 1, True, True, 64, False, False, 64, False, 51),  # "inplace" (+ nanpack, lazy): fp8_ds_mla
-    (1, 576, 4, False, True, 1, False, False, 1, False, 51),
-    (1, 576, 1, True, True, 64, False, False, 64, False, 51, True),  # "inplace" with the walk (prefill)
-    (2, 512, 1, True, True, 256, True, True, 64, True, 50),  # "inplace" fp8_v4: two sources, the inverse RoPE
-    (2, 512, 4, True, True, 64, False, False, 64, False, 51),
-    (2, 512, 1, True, True, 256, True, True, 64, True, 50, True),
 ]
-# by cache format: the private fp8 "asym" builds spill more (the walk of "inplace" fp8_ds_mla rows: 96 B, the
-# scorer's item counters beside its fp8 tile loop)
-ASYM_SPILL_BOUND = {0: 64, 1: 96, 2: 80}
+ASYM_SPILL_BOUND = {0: 64, 1: 88, 2: 80}  # by cache format: the private fp8 "asym" builds spill more
 
 
 @pytest.mark.skipif(not gs.GLUON_AVAILABLE or not HAS_NVIDIA_BACKEND, reason="needs triton's Gluon and NVIDIA backend")
@@ -194,15 +186,7 @@ def test_sparse_gluon_asym_compiles_for_sm90():
         assert r["num_warps"] == 12 and str(gs.ASYM_PV_REGS) in r["setmaxnreg"], f"{v}: {r}"
         assert r["qk"] == 0 and r["qk64"] == 2 * 4 * chunks and r["pv"] == 12, f"{v}: wgmma {r}"
         assert (r["st_v4"] >= 8) == (v[1] == 512 and v[2] == 1), f"{v}: output stores {r}"
-        if v[10] & gs.GLUON_OPTS["inplace"]:  # raw rows by cp.async into the bf16 stage (V3.2: 8 e4m3 chunks 2 a
-            # thread + the rope 4, the scale words 2 of 4 bytes; V4: 7 x 2 + the rope 4, one exponent word); the walk
-            # adds each item's Q (9 or 8 chunks x 4) and its noinc arrive
-            assert str(gs.PRODUCER_REGS[(v[0], v[1])]) in r["setmaxnreg"], f"{v}: {r}"
-            walk = len(v) > 11 and v[11]
-            per_tile = 20 if v[0] == 1 else 18
-            assert r["cp_async"] >= per_tile + walk * 4 * chunks and r["cp_async4"] >= 3 - v[0], f"{v}: {r}"
-            assert r["noinc"] == int(walk), f"{v}: cp.async {r}"
-        elif v[0] == 0:  # the bf16 producer, as with the two-warpgroup consumers (the walk: and each item's Q); the
+        if v[0] == 0:  # the bf16 producer, as with the two-warpgroup consumers (the walk: and each item's Q); the
             # compiler may copy the item loop's body (the plain walk of one item a program: 3 copies), each copy of
             # a tile's or Q's 4 x chunks cp.async ending in one noinc arrive
             walk = len(v) > 11 and v[11]
@@ -230,18 +214,13 @@ def test_sparse_gluon_opts_validation(device):
     assert gs.gluon_opts_bits(("asym", "lazy"), "fp8_v4", 512, True) == 18
     assert gs.gluon_opts_bits(("asym", "lazy"), "auto", 576, False) == 18
     assert gs.gluon_opts_bits(("asym", "nanpack"), "fp8_ds_mla", 576, False) == 17
-    assert gs.gluon_opts_bits(("asym", "inplace", "nanpack", "lazy"), "fp8_ds_mla", 576, False) == 51
-    assert gs.gluon_opts_bits(("asym", "inplace", "nanpack"), "fp8_v4", 512, True) == 49
-    assert gs.gluon_opts_bits(("asym", "inplace"), "fp8_v4", 512, False) == 48
     for args in [(("prefetch",), "fp8_ds_mla", 576, False), ("lazy", "auto", 576, False),
                  (("nanpack",), "fp8_v4", 512, False), (("nanpack", "lazy"), "fp8_ds_mla", 576, True),
                  (("staged",), "auto", 512, True),
                  (("nanpack",), "auto", 576, False), (("staged",), "auto", 576, False),
                  (("staged",), "fp8_ds_mla", 576, True),
                  (("onestore",), "fp8_ds_mla", 576, False),
-                 (("asym", "staged"), "fp8_ds_mla", 576, False),
-                 (("inplace",), "fp8_ds_mla", 576, False), (("asym", "inplace"), "auto", 576, False),
-                 (("asym", "inplace"), "auto", 512, True)]:  # fmt: skip
+                 (("asym", "staged"), "fp8_ds_mla", 576, False)]:  # fmt: skip
         with pytest.raises(ValueError, match="_gluon_opts"):
             gs.gluon_opts_bits(*args)
     q = torch.randn(1, 64, 576, device=device).bfloat16()
@@ -391,9 +370,8 @@ _MAIN = list(itertools.product([64, 128], [64, 100, 2048], [1, 64], CACHE_DTYPES
 # "staged" only with the fp8_ds_mla cache: _opts_kw skips them on bf16 rows)
 # (None: the defaults of gs.DEFAULT_OPTS; (): the plain code; the others cover every bit, bit-identical ones in
 # test_sparse_gluon_staged_matches_default)
-GLUON_OPTS = [None, (), ("nanpack", "lazy"), ("staged", "nanpack", "lazy"), ("staged",), ("asym", "lazy"), ("asym",),
-              ("asym", "inplace", "nanpack", "lazy")]  # fmt: skip
-_FP8_ONLY = ("nanpack", "staged", "inplace")
+GLUON_OPTS = [None, (), ("nanpack", "lazy"), ("staged", "nanpack", "lazy"), ("staged",), ("asym", "lazy"), ("asym",)]
+_FP8_ONLY = ("nanpack", "staged")
 
 
 def _opts_id(opts):
@@ -404,7 +382,7 @@ def _opts_kw(opts, kv_cache_dtype):
     if opts is None:
         return {}
     if any(o in opts for o in _FP8_ONLY) and kv_cache_dtype != "fp8_ds_mla":
-        pytest.skip("nanpack / staged / inplace change the fp8_ds_mla path only")
+        pytest.skip("nanpack / staged change the fp8_ds_mla path only")
     return {"_gluon_opts": opts}
 
 
@@ -498,35 +476,6 @@ def test_sparse_gluon_staged_matches_default(heads, splits, device):
         kw["_num_splits_override"] = splits
     a, la = openmla.sparse_mla(q, cache, idx, SCALE, _gluon_opts=(), **kw)
     for opts in (("staged",), ("staged", "nanpack")):
-        b, lb = openmla.sparse_mla(q, cache, idx, SCALE, _gluon_opts=opts, **kw)
-        torch.testing.assert_close(b, a, atol=0, rtol=0)
-        torch.testing.assert_close(lb, la, atol=0, rtol=0)
-
-
-@_gpu_test
-@pytest.mark.parametrize("splits", [None, 3])
-@pytest.mark.parametrize("heads,T", [(64, 37), (128, 37), (40, 37), (128, 300)])
-def test_sparse_gluon_inplace_matches_asym(heads, T, splits, device):
-    # "inplace" (the producer dequantises raw rows in their bf16 stage) writes the bf16 values the plain fp8 producer
-    # writes, so "asym" computes the same: bit for bit ("nanpack": the same values too), with NaN in selected rows'
-    # bytes, scales and rope, invalid entries, lengths 0, splits; T 300 at 128 heads walks the items (one program an
-    # SM), which "asym" with the plain producer does not
-    K = 2048
-    cache = _cache(device, 4 * K // 64, 64, "fp8_ds_mla")
-    idx, ln = _indices(T, K, cache.shape[0] * 64, device, seed=11)
-    _poison_unused(cache, "fp8_ds_mla", idx, ln)
-    flat = cache.view(-1, 656)
-    row0 = idx[0][(idx[0] >= 0) & (idx[0] < flat.shape[0])]
-    s0, s1, s2 = (int(v) for v in row0[4:7])
-    flat[s0, 9] = 0x7F
-    flat[s1, 516:520] = 0xFF
-    flat[s2, 640:642] = 0xFF
-    q = torch.randn(T, heads, 576, device=device).bfloat16()
-    kw = dict(kv_cache_dtype="fp8_ds_mla", topk_length=ln, _kernel="gluon")
-    if splits:
-        kw["_num_splits_override"] = splits
-    a, la = openmla.sparse_mla(q, cache, idx, SCALE, _gluon_opts=("asym",), **kw)
-    for opts in (("asym", "inplace"), ("asym", "inplace", "nanpack")):
         b, lb = openmla.sparse_mla(q, cache, idx, SCALE, _gluon_opts=opts, **kw)
         torch.testing.assert_close(b, a, atol=0, rtol=0)
         torch.testing.assert_close(lb, la, atol=0, rtol=0)
@@ -639,33 +588,6 @@ def test_sparse_gluon_v4_asym(opts, heads, rows, splits, extra, kv_cache_dtype, 
 
 
 @_gpu_test
-@pytest.mark.parametrize("opts", [("asym", "inplace"), ("asym", "inplace", "nanpack", "lazy")],
-                         ids=lambda v: "+".join(v))  # fmt: skip
-@pytest.mark.parametrize("heads,rows,splits,extra", [(64, 1, None, True), (128, 37, None, True), (96, 300, None, True),
-                                                     (128, 37, 3, True), (64, 37, None, False),
-                                                     (128, 300, None, True)])  # fmt: skip
-def test_sparse_gluon_v4_inplace(opts, heads, rows, splits, extra, device):
-    # "inplace" fp8_v4 against the reference (two sources or one, lengths, the inverse RoPE, sinks, splits; 300 rows
-    # at 128 heads walk the items), and bit for bit against "asym" with the plain producer where the softmax is the
-    # same (no "lazy")
-    _v4_variant_matches(opts, ("asym",), heads, rows, splits, extra, device)
-
-
-def _v4_variant_matches(opts, base, heads, rows, splits, extra, device):
-    """An fp8_v4 call (K 128 + K2 512, blocks of 64, sinks) with ``_gluon_opts=opts`` against the reference
-    (``_v4_run``), and bit for bit against ``base`` unless ``opts`` has "lazy" (another softmax)."""
-    kw = dict(K=128, K2=512, bs=64, e_bs=64, extra=extra, sink=torch.linspace(-2, 2, heads, device=device),
-              seed=rows + heads)  # fmt: skip
-    if splits:
-        kw["_num_splits_override"] = splits
-    b, lb, _, _ = _v4_run(heads, rows, "fp8_v4", device, _gluon_opts=opts, **kw)
-    if "lazy" not in opts:
-        a, la, _, _ = _v4_run(heads, rows, "fp8_v4", device, _gluon_opts=base, **kw)
-        torch.testing.assert_close(b, a, atol=0, rtol=0)
-        torch.testing.assert_close(lb, la, atol=0, rtol=0)
-
-
-@_gpu_test
 @pytest.mark.parametrize("opts", [("staged",), ("staged", "nanpack"), ("staged", "nanpack", "lazy")],
                          ids=lambda v: "+".join(v))  # fmt: skip
 @pytest.mark.parametrize("heads,rows,splits,extra", [(64, 37, None, True), (128, 1, None, True), (96, 300, None, True),
@@ -674,7 +596,15 @@ def test_sparse_gluon_v4_staged(opts, heads, rows, splits, extra, device):
     # "staged" fp8_v4 (the consumers dequantise raw rows cp.async'd by the producer) against the reference, and bit
     # for bit against the plain code where the softmax is the same (no "lazy"): NaN in selected rows' bytes,
     # exponents and rope, invalid entries, lengths 0, sinks, splits, the inverse RoPE, one or two sources
-    _v4_variant_matches(opts, (), heads, rows, splits, extra, device)
+    kw = dict(K=128, K2=512, bs=64, e_bs=64, extra=extra, sink=torch.linspace(-2, 2, heads, device=device),
+              seed=rows + heads)  # fmt: skip
+    if splits:
+        kw["_num_splits_override"] = splits
+    b, lb, _, _ = _v4_run(heads, rows, "fp8_v4", device, _gluon_opts=opts, **kw)
+    if "lazy" not in opts:
+        a, la, _, _ = _v4_run(heads, rows, "fp8_v4", device, _gluon_opts=(), **kw)
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+        torch.testing.assert_close(lb, la, atol=0, rtol=0)
 
 
 def test_sparse_gluon_v4_staged_needs_aligned_blocks():
@@ -692,9 +622,9 @@ def test_sparse_gluon_v4_staged_needs_aligned_blocks():
     a, _ = openmla.sparse_mla(q, padded, idx, V4_SCALE, _gluon_opts=("staged",), **kw)
     b, _ = openmla.sparse_mla(q, padded, idx, V4_SCALE, _gluon_opts=(), **kw)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
-    for opts in (("staged",), ("asym", "inplace")):
-        with pytest.raises(ValueError, match="16-byte aligned"):
-            openmla.sparse_mla(q, cache, idx, V4_SCALE, kv_cache_dtype="fp8_v4", _kernel="gluon", _gluon_opts=opts)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        openmla.sparse_mla(q, cache, idx, V4_SCALE, kv_cache_dtype="fp8_v4", _kernel="gluon",
+                           _gluon_opts=("staged",))  # fmt: skip
 
 
 @_gpu_test
@@ -752,8 +682,7 @@ def test_sparse_gluon_v4_one_source_and_lengths(kv_cache_dtype, device, kernel="
 
 
 @_gpu_test
-@pytest.mark.parametrize("opts", [None, ("staged", "nanpack"), ("asym", "inplace", "nanpack")],
-                         ids=["default", "staged+nanpack", "asym+inplace+nanpack"])  # fmt: skip
+@pytest.mark.parametrize("opts", [None, ("staged", "nanpack")], ids=["default", "staged+nanpack"])
 def test_sparse_gluon_v4_nan_in_selected_rows(opts, device, kernel="gluon"):
     # fp8_v4: a NaN e4m3 byte, an exponent byte 255 (its whole group of 64) and a NaN rope value in selected rows of
     # both sources count as 0 (exponent byte 0, 2^-127, too); "staged": the same rules in the consumers'

@@ -70,10 +70,6 @@ PRESETS = {
     "asym": [f"prefill h{h} t{t} k2048 g:lazy" for h, t in ((128, 4096), (128, 1024), (64, 4096))]
             + [f"decode h{h} b{b} q1 k2048 bf16 g:lazy" for h, b in ((128, 128), (64, 128), (128, 32))]
             + [f"decode {p} q1 k2048 g:asym+nanpack+lazy" for p in ("h128 b128", "h64 b64")],
-    # "inplace": the fp8 producer of the "asym" consumers (raw rows dequantised in their bf16 stage) beside the
-    # default ("staged"), on the fp8_ds_mla decode points of issue 29 at 64 and 128 heads
-    "inplace": [f"decode h{h} b{b} q{q} k2048 g:asym+inplace+nanpack+lazy" for h in (128, 64) for b in (128, 64, 1)
-                for q in (1, 2)],
     # H <= 32: the narrow kernel (the default there) beside the 64-head one ("wide")
     "narrow": [f"decode h{h} b{b} q{q} k2048 g:wide" for h in (16, 32) for b in (1, 64, 128) for q in (1, 2)]
               + ["decode h8 b128 q1 k2048 g:wide", "decode h16 b128 q1 k2048 bf16 g:wide"],

@@ -77,12 +77,6 @@ PRESETS = {
                                       "v4decode h64 b128 q2 w128 k512 bf16")]
             + [f"{p} g:asym+lazy" for p in ("v4decode h64 b128 q2 w128 k512", "v4decode h128 b128 q2 w128 k1024",
                                             "v4prefill h64 t4096 k512 w128 paged")],
-    # "inplace": the fp8 producer of the "asym" consumers (raw rows dequantised in their bf16 stage) beside the
-    # default (the plain code) on the fp8_v4 points: decode, per-row compressed lengths, the paged prefill (the walk)
-    "inplace": [f"{p} g:asym+inplace+nanpack+lazy" for p in (
-        "v4decode h64 b128 q2 w128 k512", "v4decode h128 b128 q2 w128 k1024", "v4decode h64 b128 q2 w128 k512 eb2 elen",
-        "v4decode h128 b128 q2 w128 k1024 eb2 elen", "v4decode h64 b1 q2 w128 k512", "v4decode h64 b64 q2 w128 k512",
-        "v4prefill h64 t4096 k512 w128 paged", "v4prefill h128 t4096 k1024 w128 paged")],
     # H <= 32: the narrow kernel (the default there) beside the 64-head one ("wide")
     "narrow": [f"v4decode h{h} b{b} q2 w128 k512 g:wide" for h in (8, 16, 32) for b in (1, 128)]
               + ["v4decode h16 b128 q2 w128 k512 eb2 elen g:wide", "v4decode h16 b128 q1 w128 k512 g:wide"],

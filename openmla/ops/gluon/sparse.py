@@ -120,12 +120,8 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 #   (m64n64k16), runs the softmax and its half of P V one tile behind the scores; warpgroup 1, a worker partition,
 #   runs the other half of P V from P and the rows' factors in shared memory, beside warpgroup 0's next scores and
 #   softmax (the two-warpgroup consumers run the scores, the softmax and P V in turn, both together)
-# "inplace" (with "asym"; fp8_ds_mla and fp8_v4 rows): the producer cp.asyncs a tile's raw rows into its own bf16
-#   stage and dequantises them there (``_gather_inplace``): the "asym" consumers on fp8 rows, a whole tile in flight
-#   with no register holding it; "nanpack" applies to its dequantisation; fp8_v4 needs 16-byte aligned blocks
-GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4, "wide": 8, "asym": 16, "inplace": 32}
+GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4, "wide": 8, "asym": 16}
 _ASYM = 16
-_INPLACE = 32
 ASYM_PV_REGS = 168  # "asym": warpgroup 1's registers (its half of O is 128 a thread)
 _WIDE = GLUON_OPTS["wide"]
 _FP8_ONLY_OPTS = 1 | 4
@@ -183,11 +179,8 @@ def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool, H: in
         raise ValueError(f"_gluon_opts 'nanpack' / 'staged' change the fp8 paths; the cache is {kv_cache_dtype!r}")
     if bits & _FP8_ONLY_OPTS and kv_cache_dtype == "fp8_ds_mla" and (d_qk != D_QK or has_extra):
         raise ValueError("_gluon_opts 'nanpack' / 'staged' cover fp8_ds_mla calls of one source only")
-    if bits & 1 and kv_cache_dtype == "fp8_v4" and not bits & (_STAGED | _INPLACE):
-        raise ValueError("_gluon_opts 'nanpack' changes fp8_v4 rows only with 'staged' or 'inplace'")
-    if bits & _INPLACE and (not bits & _ASYM or kv_cache_dtype not in ("fp8_ds_mla", "fp8_v4")):
-        raise ValueError("_gluon_opts 'inplace' is the fp8 producer of 'asym': it needs 'asym' and an fp8_ds_mla or "
-                         f"fp8_v4 cache; got {tuple(opts)} on {kv_cache_dtype!r}")  # fmt: skip
+    if bits & 1 and kv_cache_dtype == "fp8_v4" and not bits & _STAGED:
+        raise ValueError("_gluon_opts 'nanpack' changes fp8_v4 rows only with 'staged' (its dequantisation)")
     if bits & _ASYM and bits & _STAGED:
         raise ValueError("_gluon_opts 'asym' runs on the plain path's bf16 ring; 'staged' has one bf16 tile")
     return bits
@@ -603,122 +596,6 @@ if GLUON_AVAILABLE:
         lat.slice(448, 64, dim=1).store(gl.where(b_r != b_r, 0.0, b_r))
 
     @gluon.jit
-    def _v4_word_scale(w0, w1, c: gl.constexpr):
-        """fp8_v4: the scale of a row's e4m3 group c from its two exponent words (fp32 bit patterns of bytes 0..3
-        and 4..7)."""
-        if c < 4:
-            w = w0.to(gl.int32, bitcast=True)
-        else:
-            w = w1.to(gl.int32, bitcast=True)
-        return _e8m0_scale((w >> (8 * (c % 4))) & 255)
-
-    @gluon.jit
-    def _gather_inplace(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1,
-                        n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
-                        PAGE: gl.constexpr, E_PAGE: gl.constexpr, FMT: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, HAS_EXTRA: gl.constexpr, NANPACK: gl.constexpr, t0=0):  # fmt: skip
-        """Producer, fp8 rows, "inplace": a tile's raw rows go by cp.async into its own bf16 stage (no register holds
-        them in flight), then the producer dequantises them there. A stage ``[64, 512]`` bf16 is 8 column chunks of 8
-        KB (128-byte swizzle); chunk c's e4m3 bytes ``[64, 64]`` land in its upper 4 KB, the 4-byte scale (fp8_ds_mla)
-        or exponent (fp8_v4) words ``[words, 64]`` in chunk 0's lower half, the bf16 rope in its place (V3.2: the
-        rope ring; V4: chunk 7). Once they land: two chunks at a time every warp reads the bytes, a partition
-        barrier, then the bf16 values overwrite them (chunk 0's pair after the words are read); the rope's NaN -> 0
-        in place; fence, barrier, one arrive. Values as ``_gather_fp8`` / ``_gather_v4`` (NaN -> 0, invalid rows
-        zero-filled give 0). fp8_v4 needs 16-byte aligned blocks (the launcher checks)."""
-        NW: gl.constexpr = gl.num_warps()
-        V4: gl.constexpr = FMT == 2
-        NCH: gl.constexpr = 7 if V4 else 8  # e4m3 chunks of 64 values a row
-        NWORD: gl.constexpr = 2 if V4 else 4  # 4-byte words a row: exponent bytes (7 of 8) or fp32 group scales
-        B8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])  # e4m3 bytes [64, 64]: 32 B a thread
-        R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])  # rope bf16 [64, 64]
-        WW: gl.constexpr = NWORD if NWORD < NW else NW
-        WL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WW, NW // WW], [1, 0])  # words [word, row]
-        ROW8: gl.constexpr = gl.SliceLayout(1, B8)
-        ROW16: gl.constexpr = gl.SliceLayout(1, R16)
-        ROWW: gl.constexpr = gl.SliceLayout(0, WL)
-        FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        raw = lat._reinterpret(gl.uint8, [STAGES * 16, 64, 64], FLAT)  # 4 KB halves of the stages' chunks
-        words = lat._reinterpret(gl.float32, [STAGES * 16, 16, 64], FLAT)  # the same halves as 4-byte words
-        word_rows = lat._reinterpret(gl.float32, [STAGES * 256, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        o_b = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, B8)), 0)
-        o_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, R16)), 0)
-        o_w = gl.expand_dims(gl.arange(0, NWORD, layout=gl.SliceLayout(1, WL)), 1)
-        for j in range(n_tiles):
-            stage = (t0 + j) % STAGES
-            n0 = lo + j * BLOCK_N
-            if V4:
-                row, _, main, ok = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b,
-                                            stride_ekv_b, PAGE, E_PAGE, BLOCK_N, ROW8, HAS_EXTRA)  # fmt: skip
-                p_b = gl.expand_dims(_pick(main, kv + row, ekv + row, HAS_EXTRA), 1) + o_b
-                _, ex, main_w, ok_w = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b,
-                                               stride_ekv_b, PAGE, E_PAGE, BLOCK_N, ROWW, HAS_EXTRA)  # fmt: skip
-                p_w = gl.expand_dims(_pick(main_w, kv_f32 + ex // 4, ekv_f32 + ex // 4, HAS_EXTRA), 0) + o_w
-                row_r, _, main_r, ok_r = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b,
-                                                  stride_ekv_b, PAGE, E_PAGE, BLOCK_N, ROW16, HAS_EXTRA)  # fmt: skip
-                p_r = gl.expand_dims(_pick(main_r, kv_b16 + row_r // 2, ekv_b16 + row_r // 2, HAS_EXTRA) + 224,
-                                     1) + o_r  # fmt: skip
-            else:
-                slot, ok = _tile_slots(p_idx, n0, hi, num_slots, BLOCK_N, ROW8)
-                p_b = gl.expand_dims(kv + _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE), 1) + o_b
-                slot_w, ok_w = _tile_slots(p_idx, n0, hi, num_slots, BLOCK_N, ROWW)
-                row_w = _row_offsets(slot_w, stride_kv_b, stride_kv_p, PAGE)
-                p_w = gl.expand_dims(kv_f32 + row_w // 4 + 128, 0) + o_w  # the 4 fp32 scales at byte 512
-                slot_r, ok_r = _tile_slots(p_idx, n0, hi, num_slots, BLOCK_N, ROW16)
-                p_r = gl.expand_dims(kv_b16 + _row_offsets(slot_r, stride_kv_b, stride_kv_p, PAGE) // 2 + 264,
-                                     1) + o_r  # 64 bf16 at byte 528  # fmt: skip
-            m2 = gl.expand_dims(ok, 1)
-            m_w = gl.expand_dims(ok_w, 0) & (o_w < NWORD)
-            m_r = gl.expand_dims(ok_r, 1)
-            dst = lat.index(stage)
-            if V4:
-                rope_dst = dst.slice(448, 64, dim=1)
-            else:
-                rope_dst = rope.index(stage)
-            mbarrier.wait(empty.index(stage), (((t0 + j) // STAGES) & 1) ^ 1)  # fresh barriers pass parity 1 at once
-            for c in gl.static_range(NCH):
-                async_copy.async_copy_global_to_shared(raw.index(stage * 16 + 2 * c + 1), p_b + c * 64, mask=m2)
-            wsrc = words.index(stage * 16).slice(0, NWORD, dim=0)
-            async_copy.async_copy_global_to_shared(wsrc, p_w, mask=m_w)
-            async_copy.async_copy_global_to_shared(rope_dst, p_r, mask=m_r)
-            async_copy.commit_group()
-            async_copy.wait_group(0)
-            gl.thread_barrier()  # every producer thread's copies have landed
-            # the words of this thread's rows (chunk 0's lower half: read before chunk 0 is written)
-            w0 = word_rows.index(stage * 256).load(ROW8)
-            w1 = word_rows.index(stage * 256 + 1).load(ROW8)
-            w2 = w0
-            w3 = w1
-            if not V4:
-                w2 = word_rows.index(stage * 256 + 2).load(ROW8)
-                w3 = word_rows.index(stage * 256 + 3).load(ROW8)
-            b_r = rope_dst.load(R16)  # each thread rewrites the rope values it read
-            rope_dst.store(gl.where(b_r != b_r, 0.0, b_r))
-            for k in gl.static_range((NCH + 1) // 2):  # chunks 2k and 2k + 1
-                b0 = raw.index(stage * 16 + 4 * k + 1).load(B8)
-                if 2 * k + 1 < NCH:
-                    b1 = raw.index(stage * 16 + 4 * k + 3).load(B8)
-                gl.thread_barrier()  # every warp has read the pair's bytes (pair 0: and the words)
-                if V4:
-                    dst.slice(128 * k, 64, dim=1).store(_dequant(b0, _v4_word_scale(w0, w1, 2 * k), NANPACK))
-                    if 2 * k + 1 < NCH:
-                        dst.slice(128 * k + 64, 64, dim=1).store(_dequant(b1, _v4_word_scale(w0, w1, 2 * k + 1),
-                                                                          NANPACK))  # fmt: skip
-                else:  # the pair is scale group k
-                    if k == 0:
-                        s = w0
-                    elif k == 1:
-                        s = w1
-                    elif k == 2:
-                        s = w2
-                    else:
-                        s = w3
-                    dst.slice(128 * k, 64, dim=1).store(_dequant(b0, s, NANPACK))
-                    dst.slice(128 * k + 64, 64, dim=1).store(_dequant(b1, s, NANPACK))
-            fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
-            gl.thread_barrier()  # the producer warps' stores are all done
-            mbarrier.arrive(ready.index(stage), count=1)
-
-    @gluon.jit
     def _gather_v4(kv, kv_b16, ekv, ekv_b16, p_idx, p_eidx, lat, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
                    stride_ekv_b, num_slots, e_num_slots, PAGE: gl.constexpr, E_PAGE: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PASSES: gl.constexpr, HAS_EXTRA: gl.constexpr,
@@ -1047,9 +924,9 @@ if GLUON_AVAILABLE:
                        N_HB: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr,
                        E_HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PASSES: gl.constexpr,
                        OPTS: gl.constexpr, WALK: gl.constexpr):  # fmt: skip
-        """Variant "asym", the producer warpgroup, item after item: WALK (persistent programs): each item's Q
-        (``_q_async``), then its tiles into the ring, whose position runs on across items; else (one item a program,
-        the scorer loads Q) the format's gather; "inplace" (OPTS 32): fp8 rows by ``_gather_inplace``, either way."""
+        """Variant "asym", the producer warpgroup, item after item: WALK (bf16 rows, persistent programs): each
+        item's Q (``_q_async``), then its tiles into the ring, whose position runs on across items; else (one item a
+        program, the scorer loads Q): the format's gather."""
         k = gl.program_id(0)
         t = 0
         i = 0
@@ -1060,12 +937,6 @@ if GLUON_AVAILABLE:
                                                                        BLOCK_N)  # fmt: skip
             if WALK:
                 _q_async(q, q_smem, q_ready, q_empty, i, i_t, i_hb * 64, H, stride_q_t, stride_q_h, D_QK)
-            if (OPTS & 32) != 0:  # "inplace": fp8 rows dequantised in their bf16 stage
-                _gather_inplace(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo,
-                                hi, n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots,
-                                e_num_slots, PAGE, E_PAGE, FMT, BLOCK_N, STAGES, HAS_EXTRA, (OPTS & 1) != 0,
-                                t)  # fmt: skip
-            elif WALK:
                 _gather_bf16(kv, ekv, p_idx, p_eidx, lat, rope, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
                              stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N,
                              STAGES, D_QK > 512, HAS_EXTRA, 0, 1, t)  # fmt: skip
@@ -1326,7 +1197,7 @@ if GLUON_AVAILABLE:
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
         OPTS: gl.constexpr = 0,
-        WALK: gl.constexpr = False,  # "asym" (bf16 or "inplace" rows): persistent programs walk many items each
+        WALK: gl.constexpr = False,  # "asym", bf16 rows: persistent programs walk many items each (see the launcher)
     ):
         """One program per (row, 64-head block, split), or ("asym") programs walking those items; see the module
         docstring."""
@@ -1554,10 +1425,9 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
     views, stride_b, stride_p = _cache_views(kv_cache, fmt)
     ekv = extra_kv_cache if has_extra else kv_cache
     eviews, e_stride_b, e_stride_p = _cache_views(ekv, fmt)
-    if fmt == 2 and opts & (_STAGED | _INPLACE):  # cp.async of 16-byte row pieces and 4-byte exponent words
+    if fmt == 2 and opts & _STAGED:  # cp.async of 16-byte row pieces and 4-byte exponent words
         if stride_b % 16 or e_stride_b % 16:
-            name = "staged" if opts & _STAGED else "inplace"
-            raise ValueError(f"_gluon_opts {name!r} needs fp8_v4 blocks 16-byte aligned (padded blocks, or an even "
+            raise ValueError(f"_gluon_opts 'staged' needs fp8_v4 blocks 16-byte aligned (padded blocks, or an even "
                              f"block size); got block strides {stride_b} and {e_stride_b} B")  # fmt: skip
         views[1], eviews[1] = kv_cache.view(torch.float32), ekv.view(torch.float32)
     eidx = extra_indices if has_extra else idx
@@ -1581,12 +1451,12 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
         launch_narrow(args, T, H, num_splits, fmt, bool(opts & GLUON_OPTS["nanpack"]), **shared)
         return
     walk = False
-    if opts & _ASYM:  # a 1-D grid over the items; bf16 / "inplace" rows with many items an SM: one program an SM
+    if opts & _ASYM:  # a 1-D grid over the items; bf16 rows with many items an SM: one program an SM walks them
         n_items = T * n_hb * num_splits
         if n_items >= 2**31 - 2**16:  # the walk's item ids (plus a stride of programs) stay int32
             raise ValueError(f"{T} rows x {n_hb} head blocks x {num_splits} splits exceed 2**31 - 2**16 work items")
         sms = _num_sms(q.device)
-        walk = (fmt == 0 or bool(opts & _INPLACE)) and n_items >= WALK_MIN_ITEMS * sms
+        walk = fmt == 0 and n_items >= WALK_MIN_ITEMS * sms
         grid = (sms if walk else n_items,)
     else:
         grid = (T * n_hb, num_splits)
