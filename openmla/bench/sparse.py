@@ -225,6 +225,13 @@ def run(shape: SparseShape, ctx: BenchContext) -> list[dict]:
                                _kernel=shape.kernel, **priv_g)  # fmt: skip
 
         add_variant(ctx, fns, name, other, out, out_g, shape)
+    if ctx.baseline is not None:  # --against: the older openmla's default on the same inputs, its own buffers
+        out_o, lse_o = torch.empty_like(out), torch.empty_like(lse)
+
+        def before():
+            ctx.baseline.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype=kv_dtype, out=out_o, lse=lse_o, **priv)
+
+        add_variant(ctx, fns, "before", before, out, out_o, shape)
     fm = ctx.peer("flash_mla")
     if fm is not None:
         try:

@@ -62,11 +62,11 @@ PRESETS = {
               "v4prefill h128 t4096 k1024", "v4prefill h64 t4096 k512 w128 paged",
               "v4prefill h64 t4096 k512 w128 paged gather"],
     # the Triton kernel and the Gluon kernel's private variants beside the default (the Gluon kernel on sm90):
-    # "lazy" everywhere, "staged" (+ "nanpack", + "lazy") on the fp8_v4 points
+    # "lazy" everywhere, "staged" (+ "lazy") on the fp8_v4 points
     "kernels": [f"{p} {k}" for p in ("v4decode h64 b128 q2 w128 k512", "v4decode h128 b128 q2 w128 k1024",
                                       "v4decode h16 b128 q2 w128 k512", "v4decode h64 b1 q2 w128 k512",
                                       "v4prefill h64 t4096 k512 w128 paged")
-                for k in ("triton", "g:lazy", "g:staged", "g:staged+nanpack", "g:staged+nanpack+lazy")]
+                for k in ("triton", "g:lazy", "g:staged", "g:staged+lazy")]
                + [f"{p} {k}" for p in ("v4decode h64 b128 q2 w128 k512 bf16", "v4prefill h128 t4096 k1024",
                                         "v4prefill h64 t4096 k512 w128 paged gather")
                   for k in ("triton", "g:lazy")],
@@ -253,6 +253,13 @@ def _run_decode(shape: V4AttnShape, ctx: BenchContext) -> list[dict]:
     own()
     fns, check = {"openmla": own}, None
     _add_kernel(shape, ctx, fns, call, out, lse)
+    if ctx.baseline is not None:  # --against: the older openmla's default on the same inputs, its own buffers
+        out_o, lse_o = torch.empty_like(out), torch.empty_like(lse)
+
+        def before():
+            ctx.baseline.sparse_mla(q, cache, idx, SCALE, out=out_o, lse=lse_o, **kw, **rope)
+
+        add_variant(ctx, fns, "before", before, out, out_o, shape)
     fm = ctx.peer("flash_mla")
     if fm is not None:
         try:

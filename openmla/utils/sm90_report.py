@@ -66,12 +66,14 @@ def resource_report(kernel) -> dict:
 
 
 def run_report_script(script: str, variants: list) -> list[dict]:
-    """Run ``script`` in a subprocess with ``TRITON_INTERPRET=0`` and the repository on the path.
+    """Run ``script`` in a subprocess with ``TRITON_INTERPRET=0``, a fixed hash seed and the repository on the path.
 
     The script reads the JSON list ``variants`` from ``sys.argv[1]`` and prints one line
     ``"REPORT" + json.dumps(list_of_reports)``; that list is returned.
     """
-    env = dict(os.environ, TRITON_INTERPRET="0")
+    # PYTHONHASHSEED fixed: Triton 3.6's compile of a Gluon kernel depends on the string hash seed (set iteration
+    # order), so the same source can spill a few bytes more under one seed (the asym walk build: 56 or 72 bytes)
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONHASHSEED="0")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", script, json.dumps(variants)], check=False, capture_output=True,
