@@ -217,6 +217,7 @@ def test_sparse_gluon_opts_validation(device):
     assert gs.gluon_opts_bits(("asym", "lazy"), "fp8_v4", 512, True) == 18
     assert gs.gluon_opts_bits(("asym", "lazy"), "auto", 576, False) == 18
     assert gs.gluon_opts_bits(("asym", "nanpack"), "fp8_ds_mla", 576, False) == 17
+    assert gs.gluon_opts_bits(("ring",), "fp8_v4", 512, True, 16) == 32
     for args in [(("prefetch",), "fp8_ds_mla", 576, False), ("lazy", "auto", 576, False),
                  (("nanpack",), "fp8_v4", 512, False), (("nanpack", "lazy"), "fp8_ds_mla", 576, True),
                  (("staged", "nanpack"), "fp8_v4", 512, True),
@@ -224,7 +225,9 @@ def test_sparse_gluon_opts_validation(device):
                  (("nanpack",), "auto", 576, False), (("staged",), "auto", 576, False),
                  (("staged",), "fp8_ds_mla", 576, True),
                  (("onestore",), "fp8_ds_mla", 576, False),
-                 (("asym", "staged"), "fp8_ds_mla", 576, False)]:  # fmt: skip
+                 (("asym", "staged"), "fp8_ds_mla", 576, False),
+                 (("ring",), "fp8_v4", 512, True), (("ring",), "fp8_ds_mla", 576, False, 16),
+                 (("ring",), "fp8_v4", 512, True, 32)]:  # fmt: skip
         with pytest.raises(ValueError, match="_gluon_opts"):
             gs.gluon_opts_bits(*args)
     q = torch.randn(1, 64, 576, device=device).bfloat16()
@@ -685,11 +688,12 @@ def test_sparse_gluon_v4_one_source_and_lengths(kv_cache_dtype, device, kernel="
 
 
 @_gpu_test
-@pytest.mark.parametrize("opts", [None, ("staged",)], ids=["default", "staged"])
-def test_sparse_gluon_v4_nan_in_selected_rows(opts, device, kernel="gluon"):
+@pytest.mark.parametrize("opts,heads", [(None, 64), (("staged",), 64), (None, 16), (("ring",), 16)],
+                         ids=["default", "staged", "narrow", "narrow-ring"])  # fmt: skip
+def test_sparse_gluon_v4_nan_in_selected_rows(opts, heads, device, kernel="gluon"):
     # fp8_v4: a NaN e4m3 byte, an exponent byte 255 (its whole group of 64) and a NaN rope value in selected rows of
     # both sources count as 0 (exponent byte 0, 2^-127, too); "staged": the same rules in the consumers'
-    # dequantisation
+    # dequantisation; the narrow kernel (16 heads) with its plain producers and with "ring"
     T, K, bs = 3, 24, 16
     g = torch.Generator().manual_seed(5)
     idx = torch.randint(0, 64, (T, K), generator=g, dtype=torch.int32)
@@ -703,7 +707,7 @@ def test_sparse_gluon_v4_nan_in_selected_rows(opts, device, kernel="gluon"):
         blk[s1 // page, page * 576 + (s1 % page) * 8 + 2] = 0xFF  # NaN scale of group 2
         blk[s2 // page, (s2 % page) * 576 + 448 + 6 : (s2 % page) * 576 + 448 + 8] = 0xFF  # NaN rope value
         blk[s3 // page, page * 576 + (s3 % page) * 8 + 4] = 0  # 2^-127
-    q = torch.randn(T, 64, 512, generator=g).bfloat16().to(device)
+    q = torch.randn(T, heads, 512, generator=g).bfloat16().to(device)
     kw = dict(kv_cache_dtype="fp8_v4", extra_kv_cache=ecache, extra_indices=eidx.to(device))
     out, lse = openmla.sparse_mla(q, cache, idx.to(device), V4_SCALE, _kernel=kernel,
                                   **({} if opts is None else {"_gluon_opts": opts}), **kw)  # fmt: skip
@@ -741,17 +745,20 @@ from openmla.ops.gluon import sparse_narrow as gn
 
 report = []
 for v in json.loads(sys.argv[1]):
-    fmt, d_qk, hb, splits, has_len, has_sink, page, extra, e_len, e_page, rope = v
+    fmt, d_qk, hb, splits, has_len, has_sink, page, extra, e_len, e_page, rope = v[:11]
+    ring = len(v) > 11 and v[11]
     fn = gn._sparse_mla_gluon_narrow_kernel
     cons = dict(PAGE=page, E_PAGE=e_page, FMT=fmt, D_QK=d_qk, HB=hb, NUM_SPLITS=splits, HAS_LEN=has_len,
                 HAS_EXTRA=extra, E_HAS_LEN=e_len, HAS_SINK=has_sink, HAS_ROPE=rope, ROPE=64 if rope else 2,
                 BLOCK_N=gn.BLOCK_N, STAGES=gn.STAGES, FP8_PASSES=gn.FP8_PASSES,
-                PRODUCER_REGS=gn.PRODUCER_REGS[fmt], num_warps=gn.NUM_WARPS, NANPACK=fmt == 1)
+                PRODUCER_REGS=gn.PRODUCER_REGS[fmt], num_warps=gn.NUM_WARPS, NANPACK=fmt == 1, RING=ring)
     kvt = "*bf16" if fmt == 0 else "*u8"
-    views = {"": kvt, "_f32": "*fp32" if fmt == 1 else kvt, "_b16": "*bf16" if fmt else kvt}
+    views = {"": kvt, "_f32": "*fp32" if fmt == 1 or ring else kvt, "_b16": "*bf16" if fmt else kvt}
     k = compile_sm90(fn, cons, views, gn.NUM_WARPS)
     r = resource_report(k)
-    r.update(variant=v, shapes=sorted(set(re.findall(r"wgmma.mma_async.sync.aligned.(m\d+n\d+k\d+)", k.asm["ptx"]))))
+    r.update(variant=v, shapes=sorted(set(re.findall(r"wgmma.mma_async.sync.aligned.(m\d+n\d+k\d+)", k.asm["ptx"]))),
+             cp_async=k.asm["ptx"].count("cp.async.cg.shared.global"),
+             noinc=k.asm["ptx"].count("cp.async.mbarrier.arrive.noinc"))
     report.append(r)
 print("REPORT" + json.dumps(report))
 """
@@ -766,6 +773,8 @@ NARROW_COMPILE_VARIANTS = [
     (2, 512, 16, 1, True, True, 256, True, True, 64, True),
     (2, 512, 32, 4, True, True, 256, True, True, 2, True),
     (0, 512, 8, 1, True, True, 1, False, False, 1, True),
+    (2, 512, 16, 1, True, True, 256, True, True, 64, True, True),  # "ring": raw stages beside the ring at HB 16
+    (2, 512, 8, 4, True, True, 64, False, False, 64, False, True),
 ]
 
 
@@ -778,9 +787,11 @@ def test_sparse_gluon_narrow_compiles_for_sm90():
     for r in run_report_script(_NARROW_COMPILE_SCRIPT, NARROW_COMPILE_VARIANTS):
         v = tuple(r["variant"])
         assert r["regs"] <= 255 and r["stack"] == 0 and r["local"] == 0, f"{v}: spills {r}"
-        assert r["shared"] + r["static_shared"] <= min(SMEM_LIMIT, gn._smem_bytes(v[1], v[2])), f"{v}: {r}"
+        assert r["shared"] + r["static_shared"] <= min(SMEM_LIMIT, gn._smem_bytes(v[1], v[2], len(v) > 11)), f"{v}: {r}"
         assert r["num_warps"] == 12 and r["setmaxnreg"], f"{v}: {r}"
         assert r["shapes"] == [f"m64n{v[2]}k16"] and r["wgmma"] == 4 * (v[1] // 64) + 32, f"{v}: wgmma {r}"
+        if len(v) > 11:  # "ring": the producers' row copies (7 e4m3 groups + rope: 2 + 4 a thread, 16 bytes each)
+            assert r["cp_async"] >= 2 * 18 and r["noinc"] >= 2, f"{v}: cp.async {r}"
 
 
 def test_sparse_gluon_narrow_opts():
@@ -865,6 +876,43 @@ def test_sparse_gluon_narrow_v4(heads, rows, kv_cache_dtype, device):
     # V4 rows: two sources with their own block sizes and lengths, sinks, the fused inverse RoPE (one split: in the
     # kernel's epilogue; the planner's splits at 1 row: in the merge)
     _v4_run(heads, rows, kv_cache_dtype, device, sink=torch.linspace(-2, 2, heads, device=device), seed=heads + rows)
+
+
+def test_sparse_gluon_fp8_v4_default_bits():
+    # the defaults add "ring" for fp8_v4 rows at H <= 16, "staged" + "lazy" at 33-64 heads, in one split with 16-byte
+    # aligned blocks (openmla's caches pad a block to a multiple of 576 bytes; an unpadded cache of odd blocks is not)
+    c, e = openmla.allocate_v4_cache(4, 3), openmla.allocate_v4_cache(2, 2)
+    odd = torch.zeros(4, 3, 584, dtype=torch.uint8)  # block stride 1752
+    ring, staged = gs.GLUON_OPTS["ring"], gs.GLUON_OPTS["staged"] | gs.GLUON_OPTS["lazy"]
+    assert gs.fp8_v4_default_bits(c, e, "fp8_v4", 16, 1) == gs.fp8_v4_default_bits(c, None, "fp8_v4", 1, 1) == ring
+    assert gs.fp8_v4_default_bits(c, e, "fp8_v4", 33, 1) == gs.fp8_v4_default_bits(c, e, "fp8_v4", 64, 1) == staged
+    for args in [(c, e, "fp8_v4", 17, 1), (c, e, "fp8_v4", 32, 1), (c, e, "fp8_v4", 65, 1), (c, e, "fp8_v4", 128, 1),
+                 (c, e, "fp8_v4", 16, 2), (c, e, "fp8_v4", 64, 3), (c, odd, "fp8_v4", 16, 1),
+                 (odd, None, "fp8_v4", 64, 1),
+                 (torch.zeros(4, 3, 656, dtype=torch.uint8), None, "fp8_ds_mla", 16, 1)]:  # fmt: skip
+        assert gs.fp8_v4_default_bits(*args) == 0, args
+    for bits in (ring, staged):  # each a valid variant set at its head counts
+        names = tuple(n for n, b in gs.GLUON_OPTS.items() if bits & b)
+        assert gs.gluon_opts_bits(names, "fp8_v4", 512, True, 16 if bits == ring else 64) == bits
+
+
+@_gpu_test
+@pytest.mark.parametrize("heads,rows,splits,extra,bs,e_bs", [
+    (16, 37, None, True, 256, 64), (1, 300, 1, True, 256, 64), (8, 37, 3, True, 64, 2), (16, 1, None, False, 64, 64),
+    (12, 37, 1, True, 1, 256)])  # fmt: skip
+def test_sparse_gluon_narrow_v4_ring(heads, rows, splits, extra, bs, e_bs, device):
+    # "ring" (fp8_v4 rows cp.async'd into a raw stage per producer, dequantised from there) against the reference, and
+    # bit for bit against the narrow kernel's plain producers (the same bf16 operands, the same consumer): both sources
+    # with their own block sizes and lengths, invalid entries, sinks, the inverse RoPE, splits
+    kw = dict(bs=bs, e_bs=e_bs, extra=extra, sink=torch.linspace(-2, 2, heads, device=device), seed=heads + rows)
+    if splits:
+        kw["_num_splits_override"] = splits
+    a, la, _, _ = _v4_run(heads, rows, "fp8_v4", device, _gluon_opts=("ring",), **kw)
+    b, lb, _, _ = _v4_run(heads, rows, "fp8_v4", device, _gluon_opts=(), **kw)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    if splits in (None, 1) and rows > 100:  # the defaults run "ring" in one split (the planner's at 300 rows)
+        c, lc, _, _ = _v4_run(heads, rows, "fp8_v4", device, **kw)
+        assert torch.equal(a, c) and torch.equal(la, lc)
 
 
 @_gpu_test

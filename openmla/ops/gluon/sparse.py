@@ -117,12 +117,17 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 #   _smem_bytes); fp8_v4 needs 16-byte aligned blocks (openmla's padded blocks, or an even block size unpadded)
 # "wide" (H <= NARROW_MAX_H): the 64-head kernel instead of the narrow one (openmla/ops/gluon/sparse_narrow.py), which
 #   takes "nanpack" only
+# "ring" (the narrow kernel's fp8_v4 rows at H <= RING_MAX_H; the default there in one split with aligned blocks,
+#   ring_by_default): each producer cp.asyncs its next tile's raw rows into its own raw stage while it dequantises the
+#   tile before from registers (openmla/ops/gluon/sparse_narrow.py, _gather_v4_ring)
 # "asym" (not with "staged"; the default for bf16 rows): asymmetric consumers: warpgroup 0 scores the whole tile
 #   (m64n64k16), runs the softmax and its half of P V one tile behind the scores; warpgroup 1, a worker partition,
 #   runs the other half of P V from P and the rows' factors in shared memory, beside warpgroup 0's next scores and
 #   softmax (the two-warpgroup consumers run the scores, the softmax and P V in turn, both together)
-GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4, "wide": 8, "asym": 16}
+GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4, "wide": 8, "asym": 16, "ring": 32}
 _ASYM = 16
+_RING = 32
+RING_MAX_H = 16  # "ring": two raw stages (73 KB) fit beside the narrow kernel's ring at HB <= 16 only
 ASYM_PV_REGS = 168  # "asym": warpgroup 1's registers (its half of O is 128 a thread)
 _WIDE = GLUON_OPTS["wide"]
 _FP8_ONLY_OPTS = 1 | 4
@@ -136,7 +141,8 @@ _V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8
 # the variants a call runs by default, by cache format: measured on the H200 (benchmarks/RESULTS.md): fp8_ds_mla (V3.2,
 # one source) staged + nanpack + lazy 1.12-1.14x the plain code at h16-h128 b64-b128 (preset "gopts", stop 39); bf16
 # rows (V3.2 and V4, one or two sources) asym + lazy 1.08-1.27x the lazy plain code at prefill, 0.98-1.08x at decode
-# (preset "asym", stop 48); fp8_v4 rows the plain code (asym and staged there: slower or within 3%)
+# (preset "asym", stop 48); fp8_v4 rows the plain code, but in one split with aligned blocks "ring" at H <= 16 and
+# "staged" + "lazy" at 33-64 heads (fp8_v4_default_bits: they need the cache's block stride, known only at the call)
 DEFAULT_OPTS = {"fp8_ds_mla": ("staged", "nanpack", "lazy"), "auto": ("asym", "lazy")}
 
 
@@ -157,6 +163,21 @@ def default_opts(kv_cache_dtype: str, d_qk: int, has_extra: bool, H: int = BLOCK
     return DEFAULT_OPTS.get(kv_cache_dtype, ())
 
 
+def fp8_v4_default_bits(kv_cache, extra_kv_cache, kv_cache_dtype: str, H: int, num_splits: int) -> int:
+    """The OPTS bits a call on the defaults (no ``_gluon_opts``) adds for fp8_v4 rows in one split with 16-byte
+    aligned blocks: "ring" at H <= RING_MAX_H (the narrow kernel), "staged" + "lazy" at NARROW_MAX_H < H <= 64 (one head
+    block of the 64-head kernel); 0 otherwise. Each measured faster there (H100, stop 54: ring 1.06-1.16x at
+    h8 / h16 b128; staged + lazy 1.025x at h64 b128, but 0.986x at h128). Split calls (small batches: one-tile
+    programs) keep the plain code: there the staging only adds latency (h8 b1 q2 9.2 -> 9.8 us with "ring")."""
+    from openmla.ops.sparse import _cache_views
+
+    if kv_cache_dtype != "fp8_v4" or num_splits != 1 or RING_MAX_H < H <= NARROW_MAX_H or H > BLOCK_H:
+        return 0
+    if any(_cache_views(c, 2)[1] % 16 for c in (kv_cache, extra_kv_cache) if c is not None):
+        return 0
+    return _RING if H <= RING_MAX_H else _STAGED | GLUON_OPTS["lazy"]
+
+
 def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool, H: int = BLOCK_H) -> int:
     """The kernel's OPTS bits for ``sparse_mla(_gluon_opts=...)`` (names of GLUON_OPTS; () = 0, the plain code).
     ValueError for an unknown name, or a call the variants do not cover ("staged": fp8_ds_mla calls of one source
@@ -171,7 +192,11 @@ def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool, H: in
         bits |= GLUON_OPTS[name]
     if bits & _WIDE and H > NARROW_MAX_H:
         raise ValueError(f"_gluon_opts 'wide' chooses the 64-head kernel at H <= {NARROW_MAX_H}; H is {H}")
+    if bits & _RING and not (is_narrow(H, bits) and kv_cache_dtype == "fp8_v4" and H <= RING_MAX_H):
+        raise ValueError(f"_gluon_opts 'ring' is the narrow kernel's fp8_v4 producer at H <= {RING_MAX_H}")
     if is_narrow(H, bits):
+        if bits & _RING:
+            return bits
         if bits & ~GLUON_OPTS["nanpack"] or (bits and kv_cache_dtype != "fp8_ds_mla"):
             raise ValueError(f"the narrow kernel (H <= {NARROW_MAX_H}) takes 'nanpack' on fp8_ds_mla rows only "
                              f"(or 'wide' for the 64-head kernel); got {tuple(opts)}")  # fmt: skip
@@ -1436,10 +1461,10 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
     views, stride_b, stride_p = _cache_views(kv_cache, fmt)
     ekv = extra_kv_cache if has_extra else kv_cache
     eviews, e_stride_b, e_stride_p = _cache_views(ekv, fmt)
-    if fmt == 2 and opts & _STAGED:  # cp.async of 16-byte row pieces and 4-byte exponent words
+    if fmt == 2 and opts & (_STAGED | _RING):  # cp.async of 16-byte row pieces and 4-byte exponent words
         if stride_b % 16 or e_stride_b % 16:
-            raise ValueError(f"_gluon_opts 'staged' needs fp8_v4 blocks 16-byte aligned (padded blocks, or an even "
-                             f"block size); got block strides {stride_b} and {e_stride_b} B")  # fmt: skip
+            raise ValueError(f"_gluon_opts 'staged' / 'ring' need fp8_v4 blocks 16-byte aligned (padded blocks, or "
+                             f"an even block size); got block strides {stride_b} and {e_stride_b} B")  # fmt: skip
         views[1], eviews[1] = kv_cache.view(torch.float32), ekv.view(torch.float32)
     eidx = extra_indices if has_extra else idx
     if inv_rope is not None:
@@ -1459,7 +1484,7 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
     if is_narrow(H, opts):
         from openmla.ops.gluon.sparse_narrow import launch_narrow
 
-        launch_narrow(args, T, H, num_splits, fmt, bool(opts & GLUON_OPTS["nanpack"]), **shared)
+        launch_narrow(args, T, H, num_splits, fmt, bool(opts & GLUON_OPTS["nanpack"]), bool(opts & _RING), **shared)
         return
     walk = False
     if opts & _ASYM:  # a 1-D grid over the items; bf16 rows with many items an SM: one program an SM walks them

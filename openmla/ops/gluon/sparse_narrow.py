@@ -14,7 +14,10 @@ consumer warpgroup holds it. The producers are the 64-head kernel's (``_producer
 ``fp8_ds_mla`` and ``fp8_v4`` rows loaded and dequantised into the bf16 ring), two warpgroups, each filling one of
 the two stages (tiles 0, 2, 4, ... and 1, 3, 5, ...), issuing a whole fp8 tile's loads before it waits for its
 stage, with the tile's slots loaded while the previous tile was in flight (``AHEAD``): at narrow heads the gather's
-latency, not the MMA, is a tile's cost (docs/sparse_mla.md, "Narrow heads").
+latency, not the MMA, is a tile's cost (docs/sparse_mla.md, "Narrow heads"). With fp8_v4 rows at HB <= 16 ("ring",
+the default in one split) each producer instead has a raw stage: it copies its next tile's rows there by cp.async
+while it dequantises the tile before from registers (``_gather_v4_ring``), so a tile is in flight during the
+conversion.
 
 One program per (query row, split of its key list); the contract, split rule, validity rules, epilogue and outputs
 are the 64-head kernel's (one split writes ``out`` and the sink-free natural-log ``lse``, several write the fp32
@@ -22,7 +25,9 @@ partials the Triton merge kernel combines). The softmax runs over the keys, i.e.
 column max goes across the warpgroup's 4 warps through the compiler's shared-memory reduction; the column sums stay
 per key row until the epilogue.
 
-Shared memory (V3.2, HB 32): Q 36,864 + 2 stages x (65,536 + 8,192) + P 4,096 (+ barriers / reduction scratch).
+Shared memory (V3.2, HB 32): Q 36,864 + 2 stages x (65,536 + 8,192) + P 4,096 (+ barriers / reduction scratch);
+"ring" (V4, HB 16) adds 2 raw stages of 37,376 bytes (7 e4m3 groups, the bf16 rope, the exponent words): 225,592 in
+all of the 232,448.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import triton
 
 from openmla.ops.gluon._lang import (
     GLUON_AVAILABLE,
+    async_copy,
     fence_async_shared,
     gl,
     gluon,
@@ -55,13 +61,29 @@ def narrow_block_h(H: int) -> int:
     return max(8, triton.next_power_of_2(H))
 
 
-def _smem_bytes(d_qk: int, hb: int) -> int:
-    """Shared memory of one program (an upper bound): Q + the bf16 ring + P + barriers / reduction scratch."""
-    return hb * d_qk * 2 + STAGES * BLOCK_N * d_qk * 2 + hb * BLOCK_N * 2 + 4096
+# "ring" (fp8_v4 rows): a raw stage per producer: 7 e4m3 groups [64, 64], the bf16 rope [64, 64], 2 exponent words a row
+RING_STAGE_BYTES = 7 * BLOCK_N * 64 + BLOCK_N * 64 * 2 + 2 * BLOCK_N * 4
+
+
+def _smem_bytes(d_qk: int, hb: int, ring: bool = False) -> int:
+    """Shared memory of one program (an upper bound): Q + the bf16 ring + P + barriers / reduction scratch (+ the raw
+    stages of "ring")."""
+    raw = STAGES * RING_STAGE_BYTES if ring else 0
+    return hb * d_qk * 2 + STAGES * BLOCK_N * d_qk * 2 + hb * BLOCK_N * 2 + 4096 + raw
 
 
 if GLUON_AVAILABLE:
-    from openmla.ops.gluon.sparse import _producer, _q_to_smem, _row_split, _sink_factor, _tile_ok
+    from openmla.ops.gluon.sparse import (
+        _dequant_pow2,
+        _e8m0_bf16,
+        _pick,
+        _producer,
+        _q_to_smem,
+        _row_split,
+        _sink_factor,
+        _tile_ok,
+        _v4_rows,
+    )
     from openmla.ops.gluon.transposed import _finish_t, _scores_t, _softmax_pv_t
 
     @gluon.jit
@@ -88,6 +110,86 @@ if GLUON_AVAILABLE:
         b_sin = gl.load(p_cs + ROPE // 2, mask=m_k, other=0.0).to(gl.float32)
         b_sin = gl.where(o_v % 2 == 0, b_sin, -b_sin)  # even row a: a c + b s; odd row b: b c - a s
         return gl.where(in_rope, x * b_cos + _lane_xor4(x) * b_sin, x)
+
+    @gluon.jit
+    def _ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready, r, n0, hi,
+                    n1, stride_kv_b, stride_ekv_b, num_slots, e_num_slots, PAGE: gl.constexpr, E_PAGE: gl.constexpr,
+                    HAS_EXTRA: gl.constexpr):  # fmt: skip
+        """cp.async of the fp8_v4 rows of entries ``[n0, n0 + 64)`` (either source; invalid rows zero-filled) into raw
+        stage ``r``: the 7 e4m3 groups (16 bytes a copy), the bf16 rope, the exponent bytes as two 4-byte words a row
+        (word-major); each thread's copies complete ``raw_ready[r]`` (noinc arrive)."""
+        NW: gl.constexpr = gl.num_warps()
+        CP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])  # e4m3 bytes [64, 64], 16 a copy
+        R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])  # rope bf16 [64, 64]
+        EXL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [2, NW // 2], [1, 0])  # exponent words [2, 64]
+        o_b = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, CP)), 0)
+        o_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, R16)), 0)
+        o_w = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, EXL)), 1)
+        row, _, main, ok = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b, stride_ekv_b,
+                                    PAGE, E_PAGE, 64, gl.SliceLayout(1, CP), HAS_EXTRA)  # fmt: skip
+        p_b = gl.expand_dims(_pick(main, kv + row, ekv + row, HAS_EXTRA), 1) + o_b
+        m2 = gl.expand_dims(ok, 1)
+        row_r, _, main_r, ok_r = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b,
+                                          stride_ekv_b, PAGE, E_PAGE, 64, gl.SliceLayout(1, R16),
+                                          HAS_EXTRA)  # fmt: skip
+        p_r = gl.expand_dims(_pick(main_r, kv_b16 + row_r // 2, ekv_b16 + row_r // 2, HAS_EXTRA) + 224, 1) + o_r
+        _, ex, main_e, ok_e = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b, stride_ekv_b,
+                                       PAGE, E_PAGE, 64, gl.SliceLayout(0, EXL), HAS_EXTRA)  # fmt: skip
+        p_e = gl.expand_dims(_pick(main_e, kv_f32 + ex // 4, ekv_f32 + ex // 4, HAS_EXTRA), 0) + o_w
+        for c in gl.static_range(7):
+            async_copy.async_copy_global_to_shared(raw8.index(r * 7 + c), p_b + c * 64, mask=m2)
+        async_copy.async_copy_global_to_shared(rope8.index(r), p_r, mask=gl.expand_dims(ok_r, 1))
+        ex8_3 = ex8._reinterpret(gl.float32, [2, 2, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        async_copy.async_copy_global_to_shared(ex8_3.index(r), p_e, mask=gl.expand_dims(ok_e, 0) & (o_w < 2))
+        async_copy.mbarrier_arrive(raw_ready.index(r), increment_count=False)
+
+    @gluon.jit
+    def _gather_v4_ring(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, ready, empty, raw8, ex8, rope8,
+                        raw_ready, lo, hi, n1, n_tiles, stride_kv_b, stride_ekv_b, num_slots, e_num_slots,
+                        PAGE: gl.constexpr, E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        HAS_EXTRA: gl.constexpr, J0: gl.constexpr):  # fmt: skip
+        """Producer ``J0`` of fp8_v4 rows with a raw ring ("ring"): its tiles ``J0, J0 + STAGES, ...`` go by cp.async
+        into its own raw stage; it reads tile j's raw rows into registers, hands the raw stage to tile j + STAGES'
+        copies at once, then dequantises tile j (``_dequant_pow2``) into its bf16 stage. So a producer has a tile
+        in flight while it converts the one before (the plain producer loads a tile only after storing the last)."""
+        NW: gl.constexpr = gl.num_warps()
+        B64: gl.constexpr = gl.BlockedLayout([1, 32], [16, 2], [NW, 1], [1, 0])  # e4m3 bytes [64, 64], 32 a thread
+        R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        ROW: gl.constexpr = gl.SliceLayout(1, B64)
+        if J0 < n_tiles:
+            _ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready, J0,
+                        lo + J0 * BLOCK_N, hi, n1, stride_kv_b, stride_ekv_b, num_slots, e_num_slots, PAGE, E_PAGE,
+                        HAS_EXTRA)  # fmt: skip
+        for j in range(J0, n_tiles, STAGES):
+            mbarrier.wait(raw_ready.index(J0), ((j - J0) // STAGES) & 1)
+            q0 = raw8.index(J0 * 7 + 0).load(B64)
+            q1 = raw8.index(J0 * 7 + 1).load(B64)
+            q2 = raw8.index(J0 * 7 + 2).load(B64)
+            q3 = raw8.index(J0 * 7 + 3).load(B64)
+            q4 = raw8.index(J0 * 7 + 4).load(B64)
+            q5 = raw8.index(J0 * 7 + 5).load(B64)
+            q6 = raw8.index(J0 * 7 + 6).load(B64)
+            w0 = ex8.index(J0 * 2).load(ROW).to(gl.int32, bitcast=True)
+            w1 = ex8.index(J0 * 2 + 1).load(ROW).to(gl.int32, bitcast=True)
+            b_r = rope8.index(J0).load(R16)
+            gl.thread_barrier()  # every warp has read the raw stage: the next tile's copies may land there
+            if j + STAGES < n_tiles:
+                _ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready, J0,
+                            lo + (j + STAGES) * BLOCK_N, hi, n1, stride_kv_b, stride_ekv_b, num_slots, e_num_slots,
+                            PAGE, E_PAGE, HAS_EXTRA)  # fmt: skip
+            mbarrier.wait(empty.index(J0), ((j // STAGES) & 1) ^ 1)
+            dst = lat.index(J0)
+            dst.slice(0, 64, dim=1).store(_dequant_pow2(q0, _e8m0_bf16(w0 & 255)))
+            dst.slice(64, 64, dim=1).store(_dequant_pow2(q1, _e8m0_bf16((w0 >> 8) & 255)))
+            dst.slice(128, 64, dim=1).store(_dequant_pow2(q2, _e8m0_bf16((w0 >> 16) & 255)))
+            dst.slice(192, 64, dim=1).store(_dequant_pow2(q3, _e8m0_bf16((w0 >> 24) & 255)))
+            dst.slice(256, 64, dim=1).store(_dequant_pow2(q4, _e8m0_bf16(w1 & 255)))
+            dst.slice(320, 64, dim=1).store(_dequant_pow2(q5, _e8m0_bf16((w1 >> 8) & 255)))
+            dst.slice(384, 64, dim=1).store(_dequant_pow2(q6, _e8m0_bf16((w1 >> 16) & 255)))
+            dst.slice(448, 64, dim=1).store(gl.where(b_r != b_r, 0.0, b_r))
+            fence_async_shared()  # generic-proxy stores before the consumer's wgmma reads
+            gl.thread_barrier()  # the producer warps' stores are all done
+            mbarrier.arrive(ready.index(J0), count=1)
 
     @gluon.jit
     def _narrow_consumer(q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse, o_part, lse_part,
@@ -203,6 +305,7 @@ if GLUON_AVAILABLE:
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
         NANPACK: gl.constexpr = False,
+        RING: gl.constexpr = False,
     ):
         """One program per (row, split); see the module docstring."""
         gl.static_assert(num_warps == 4, "one consumer warpgroup in the default partition")
@@ -228,32 +331,61 @@ if GLUON_AVAILABLE:
             # bf16: one noinc cp.async arrive per thread of its producer; fp8: one arrive after the partition barrier
             mbarrier.init(ready.index(st), count=4 * 32 if FMT == 0 else 1)
             mbarrier.init(empty.index(st), count=1)
+        if RING:  # fp8_v4 rows at HB <= 16: a raw stage per producer (e4m3 groups, rope, exponent words)
+            RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+            raw8 = gl.allocate_shared_memory(gl.uint8, [STAGES * 7, BLOCK_N, 64], RAW)
+            rope8 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], RAW)
+            ex8 = gl.allocate_shared_memory(gl.float32, [STAGES * 2, BLOCK_N],
+                                            gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # fmt: skip
+            raw_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for st in gl.static_range(STAGES):
+                mbarrier.init(raw_ready.index(st), count=4 * 32)  # one noinc cp.async arrive per producer thread
         fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
         OPTS: gl.constexpr = 1 if NANPACK else 0
         # two producer warpgroups, each filling one stage: tiles 0, 2, 4, ... and 1, 3, 5, ... (each issues a
         # tile's loads before it waits for its stage, so two tiles' rows are in flight beside the consumer's work)
-        gl.warp_specialize([
-            (_narrow_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse, o_part,
-                                lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t,
-                                stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_s, lo, hi, n1, n_tiles,
-                                num_slots, e_num_slots, D_QK, HB, BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA, HAS_SINK,
-                                HAS_ROPE, ROPE, FMT == 0)),
-            (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi,
-                         n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
-                         PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA, OPTS, 0, STAGES,
-                         True)),
-            (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi,
-                         n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots, e_num_slots,
-                         PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA, OPTS, 1, STAGES,
-                         True)),
-        ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])  # fmt: skip
+        if RING:
+            gl.static_assert(FMT == 2 and STAGES == 2, "the raw ring takes fp8_v4 rows, one stage a producer")
+            gl.warp_specialize([
+                (_narrow_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse,
+                                       o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h,
+                                       stride_o_t, stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_s, lo, hi,
+                                       n1, n_tiles, num_slots, e_num_slots, D_QK, HB, BLOCK_N, STAGES, NUM_SPLITS,
+                                       HAS_EXTRA, HAS_SINK, HAS_ROPE, ROPE, FMT == 0)),
+                (_gather_v4_ring, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, ready, empty, raw8,
+                                   ex8, rope8, raw_ready, lo, hi, n1, n_tiles, stride_kv_b, stride_ekv_b, num_slots,
+                                   e_num_slots, PAGE, E_PAGE, BLOCK_N, STAGES, HAS_EXTRA, 0)),
+                (_gather_v4_ring, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, ready, empty, raw8,
+                                   ex8, rope8, raw_ready, lo, hi, n1, n_tiles, stride_kv_b, stride_ekv_b, num_slots,
+                                   e_num_slots, PAGE, E_PAGE, BLOCK_N, STAGES, HAS_EXTRA, 1)),
+            ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])  # fmt: skip
+            for st in gl.static_range(STAGES):
+                mbarrier.invalidate(raw_ready.index(st))
+        else:
+            gl.warp_specialize([
+                (_narrow_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse,
+                                       o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h,
+                                       stride_o_t, stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_s, lo, hi,
+                                       n1, n_tiles, num_slots, e_num_slots, D_QK, HB, BLOCK_N, STAGES, NUM_SPLITS,
+                                       HAS_EXTRA, HAS_SINK, HAS_ROPE, ROPE, FMT == 0)),
+                (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi,
+                             n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots,
+                             e_num_slots, PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA, OPTS,
+                             0, STAGES, True)),
+                (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo, hi,
+                             n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots,
+                             e_num_slots, PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA, OPTS,
+                             1, STAGES, True)),
+            ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])  # fmt: skip
 
         for st in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(st))
             mbarrier.invalidate(empty.index(st))
 
 
-def launch_narrow(args: tuple, T: int, H: int, num_splits: int, fmt: int, nanpack: bool, **constexprs) -> None:
+def launch_narrow(
+    args: tuple, T: int, H: int, num_splits: int, fmt: int, nanpack: bool, ring: bool = False, **constexprs
+) -> None:
     """Launch the narrow kernel over ``T x num_splits`` programs: ``args`` are the 64-head kernel's positional
     arguments and ``constexprs`` its shared ones, as :func:`openmla.ops.gluon.sparse.sparse_mla_fwd_gluon` prepared
     them for a validated call with ``H <= NARROW_MAX_H``."""
@@ -261,5 +393,6 @@ def launch_narrow(args: tuple, T: int, H: int, num_splits: int, fmt: int, nanpac
         raise ValueError(f"the narrow sparse kernel takes H <= {NARROW_MAX_H}; got {H}")
     _sparse_mla_gluon_narrow_kernel[(T, num_splits)](
         *args, HB=narrow_block_h(H), BLOCK_N=BLOCK_N, STAGES=STAGES, FP8_PASSES=FP8_PASSES,
-        PRODUCER_REGS=PRODUCER_REGS[fmt], num_warps=NUM_WARPS, NANPACK=nanpack, **constexprs,
+        PRODUCER_REGS=PRODUCER_REGS[fmt], num_warps=NUM_WARPS, NANPACK=nanpack, **({"RING": True} if ring else {}),
+        **constexprs,
     )  # fmt: skip
