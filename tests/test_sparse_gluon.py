@@ -218,6 +218,7 @@ def test_sparse_gluon_opts_validation(device):
     assert gs.gluon_opts_bits(("asym", "lazy"), "auto", 576, False) == 18
     assert gs.gluon_opts_bits(("asym", "nanpack"), "fp8_ds_mla", 576, False) == 17
     assert gs.gluon_opts_bits(("ring",), "fp8_v4", 512, True, 16) == 32
+    assert gs.gluon_opts_bits(("ring", "nanpack"), "fp8_ds_mla", 576, False, 8) == 33
     for args in [(("prefetch",), "fp8_ds_mla", 576, False), ("lazy", "auto", 576, False),
                  (("nanpack",), "fp8_v4", 512, False), (("nanpack", "lazy"), "fp8_ds_mla", 576, True),
                  (("staged", "nanpack"), "fp8_v4", 512, True),
@@ -226,8 +227,10 @@ def test_sparse_gluon_opts_validation(device):
                  (("staged",), "fp8_ds_mla", 576, True),
                  (("onestore",), "fp8_ds_mla", 576, False),
                  (("asym", "staged"), "fp8_ds_mla", 576, False),
-                 (("ring",), "fp8_v4", 512, True), (("ring",), "fp8_ds_mla", 576, False, 16),
-                 (("ring",), "fp8_v4", 512, True, 32)]:  # fmt: skip
+                 (("ring",), "fp8_v4", 512, True), (("ring",), "fp8_ds_mla", 576, True, 16),
+                 (("ring",), "fp8_v4", 512, True, 32), (("ring",), "auto", 576, False, 16),
+                 (("ring", "lazy"), "fp8_v4", 512, True, 16),
+                 (("ring", "nanpack"), "fp8_v4", 512, True, 16)]:  # fmt: skip
         with pytest.raises(ValueError, match="_gluon_opts"):
             gs.gluon_opts_bits(*args)
     q = torch.randn(1, 64, 576, device=device).bfloat16()
@@ -775,6 +778,7 @@ NARROW_COMPILE_VARIANTS = [
     (0, 512, 8, 1, True, True, 1, False, False, 1, True),
     (2, 512, 16, 1, True, True, 256, True, True, 64, True, True),  # "ring": raw stages beside the ring at HB 16
     (2, 512, 8, 4, True, True, 64, False, False, 64, False, True),
+    (1, 576, 16, 1, True, True, 64, False, False, 64, False, True),  # "ring" on fp8_ds_mla rows: half-tile stages
 ]
 
 
@@ -790,8 +794,9 @@ def test_sparse_gluon_narrow_compiles_for_sm90():
         assert r["shared"] + r["static_shared"] <= min(SMEM_LIMIT, gn._smem_bytes(v[1], v[2], len(v) > 11)), f"{v}: {r}"
         assert r["num_warps"] == 12 and r["setmaxnreg"], f"{v}: {r}"
         assert r["shapes"] == [f"m64n{v[2]}k16"] and r["wgmma"] == 4 * (v[1] // 64) + 32, f"{v}: wgmma {r}"
-        if len(v) > 11:  # "ring": the producers' row copies (7 e4m3 groups + rope: 2 + 4 a thread, 16 bytes each)
-            assert r["cp_async"] >= 2 * 18 and r["noinc"] >= 2, f"{v}: cp.async {r}"
+        if len(v) > 11:  # "ring": the producers' row copies (V4: 7 e4m3 groups, 2 a thread, + rope 4; V3.2 half
+            # tiles: 4 chunks of 128, 2 a thread, + rope 2), 16 bytes each, ending in noinc arrives
+            assert r["cp_async"] >= 2 * (18 if v[0] == 2 else 10) and r["noinc"] >= 2, f"{v}: cp.async {r}"
 
 
 def test_sparse_gluon_narrow_opts():
@@ -824,6 +829,26 @@ _NARROW_MAIN = [
 def test_sparse_gluon_narrow(heads, topk, block_size, kv_cache_dtype, device):
     # 37 rows with invalid entries, index 0, duplicates, an all-invalid row, a length-0 row, NaN in every unused slot
     _run(heads, 37, topk, block_size, kv_cache_dtype, device)
+
+
+@_gpu_test
+@pytest.mark.parametrize("heads,rows,topk,block_size,splits", [(16, 37, 2048, 64, None), (8, 300, 2048, 64, 1),
+                                                               (1, 37, 100, 1, None), (12, 37, 64, 16, 3),
+                                                               (16, 1, 2048, 64, None)])  # fmt: skip
+def test_sparse_gluon_narrow_ring_ds(heads, rows, topk, block_size, splits, device):
+    # "ring" on fp8_ds_mla rows (half tiles cp.async'd into a raw stage per producer) against the reference, and bit for
+    # bit against the narrow kernel's plain producers (the same bf16 operands, the same consumer): invalid entries,
+    # index 0, duplicates, an all-invalid row, a length-0 row, NaN in every unused slot, splits
+    num_blocks = max(2, -(-max(4 * topk, 8192) // block_size))
+    cache = _cache(device, num_blocks, block_size, "fp8_ds_mla")
+    idx, ln = _indices(rows, topk, num_blocks * block_size, device)
+    _poison_unused(cache, "fp8_ds_mla", idx, ln)
+    q = torch.randn(rows, heads, 576, device=device).bfloat16()
+    kw = {} if splits is None else {"_num_splits_override": splits}
+    a, la = _check(q, cache, idx, "fp8_ds_mla", topk_length=ln, _gluon_opts=("ring", "nanpack"), **kw)
+    b, lb = openmla.sparse_mla(q, cache, idx, SCALE, kv_cache_dtype="fp8_ds_mla", topk_length=ln, _kernel="gluon",
+                               _gluon_opts=("nanpack",), **kw)  # fmt: skip
+    assert torch.equal(a, b) and torch.equal(la, lb)
 
 
 @_gpu_test

@@ -117,9 +117,10 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 #   _smem_bytes); fp8_v4 needs 16-byte aligned blocks (openmla's padded blocks, or an even block size unpadded)
 # "wide" (H <= NARROW_MAX_H): the 64-head kernel instead of the narrow one (openmla/ops/gluon/sparse_narrow.py), which
 #   takes "nanpack" only
-# "ring" (the narrow kernel's fp8_v4 rows at H <= RING_MAX_H; the default there in one split with aligned blocks,
-#   ring_by_default): each producer cp.asyncs its next tile's raw rows into its own raw stage while it dequantises the
-#   tile before from registers (openmla/ops/gluon/sparse_narrow.py, _gather_v4_ring)
+# "ring" (the narrow kernel's fp8_v4 rows, or fp8_ds_mla rows of one source, at H <= RING_MAX_H; for fp8_v4 the
+#   default in one split with aligned blocks, fp8_v4_default_bits): each producer cp.asyncs its next tile's (V3.2: half
+#   tile's) raw rows into its own raw stage while it dequantises the one before from registers
+#   (openmla/ops/gluon/sparse_narrow.py, _gather_v4_ring / _gather_ds_ring)
 # "asym" (not with "staged"; the default for bf16 rows): asymmetric consumers: warpgroup 0 scores the whole tile
 #   (m64n64k16), runs the softmax and its half of P V one tile behind the scores; warpgroup 1, a worker partition,
 #   runs the other half of P V from P and the rows' factors in shared memory, beside warpgroup 0's next scores and
@@ -127,7 +128,7 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 GLUON_OPTS = {"nanpack": 1, "lazy": 2, "staged": 4, "wide": 8, "asym": 16, "ring": 32}
 _ASYM = 16
 _RING = 32
-RING_MAX_H = 16  # "ring": two raw stages (73 KB) fit beside the narrow kernel's ring at HB <= 16 only
+RING_MAX_H = 16  # "ring": two raw (half-)stages (73 / 41 KB) fit beside the narrow kernel's ring at HB <= 16 only
 ASYM_PV_REGS = 168  # "asym": warpgroup 1's registers (its half of O is 128 a thread)
 _WIDE = GLUON_OPTS["wide"]
 _FP8_ONLY_OPTS = 1 | 4
@@ -192,11 +193,15 @@ def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool, H: in
         bits |= GLUON_OPTS[name]
     if bits & _WIDE and H > NARROW_MAX_H:
         raise ValueError(f"_gluon_opts 'wide' chooses the 64-head kernel at H <= {NARROW_MAX_H}; H is {H}")
-    if bits & _RING and not (is_narrow(H, bits) and kv_cache_dtype == "fp8_v4" and H <= RING_MAX_H):
-        raise ValueError(f"_gluon_opts 'ring' is the narrow kernel's fp8_v4 producer at H <= {RING_MAX_H}")
+    ring_ok = kv_cache_dtype == "fp8_v4" or (kv_cache_dtype == "fp8_ds_mla" and not has_extra)
+    if bits & _RING and not (is_narrow(H, bits) and ring_ok and H <= RING_MAX_H):
+        raise ValueError(f"_gluon_opts 'ring' is the narrow kernel's producer of fp8_v4 rows or of fp8_ds_mla rows of "
+                         f"one source at H <= {RING_MAX_H}")  # fmt: skip
+    if is_narrow(H, bits) and bits & _RING:
+        if bits & ~(_RING | GLUON_OPTS["nanpack"]) or (bits & 1 and kv_cache_dtype != "fp8_ds_mla"):
+            raise ValueError(f"_gluon_opts 'ring' takes 'nanpack' on fp8_ds_mla rows only; got {tuple(opts)}")
+        return bits
     if is_narrow(H, bits):
-        if bits & _RING:
-            return bits
         if bits & ~GLUON_OPTS["nanpack"] or (bits and kv_cache_dtype != "fp8_ds_mla"):
             raise ValueError(f"the narrow kernel (H <= {NARROW_MAX_H}) takes 'nanpack' on fp8_ds_mla rows only "
                              f"(or 'wide' for the 64-head kernel); got {tuple(opts)}")  # fmt: skip
@@ -1466,6 +1471,9 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
             raise ValueError(f"_gluon_opts 'staged' / 'ring' need fp8_v4 blocks 16-byte aligned (padded blocks, or "
                              f"an even block size); got block strides {stride_b} and {e_stride_b} B")  # fmt: skip
         views[1], eviews[1] = kv_cache.view(torch.float32), ekv.view(torch.float32)
+    if fmt == 1 and opts & _RING and (stride_b % 16 or stride_p % 16):  # 16-byte cp.async of row pieces
+        raise ValueError(f"_gluon_opts 'ring' needs fp8_ds_mla rows 16-byte aligned; got block / row strides "
+                         f"{stride_b} / {stride_p} B")  # fmt: skip
     eidx = extra_indices if has_extra else idx
     if inv_rope is not None:
         cos_sin = inv_rope[1]

@@ -61,27 +61,32 @@ def narrow_block_h(H: int) -> int:
     return max(8, triton.next_power_of_2(H))
 
 
-# "ring" (fp8_v4 rows): a raw stage per producer: 7 e4m3 groups [64, 64], the bf16 rope [64, 64], 2 exponent words a row
-RING_STAGE_BYTES = 7 * BLOCK_N * 64 + BLOCK_N * 64 * 2 + 2 * BLOCK_N * 4
+# "ring": a raw stage per producer: fp8_v4 (D 512) 7 e4m3 groups [64, 64], the bf16 rope [64, 64], 2 exponent words a
+# row; fp8_ds_mla (D 576) half a tile: e4m3 [32, 512], the bf16 rope [32, 64], 4 fp32 scales a row
+RING_STAGE_BYTES = {512: 7 * BLOCK_N * 64 + BLOCK_N * 64 * 2 + 2 * BLOCK_N * 4,
+                    576: BLOCK_N // 2 * (512 + 64 * 2 + 4 * 4)}  # fmt: skip
 
 
 def _smem_bytes(d_qk: int, hb: int, ring: bool = False) -> int:
     """Shared memory of one program (an upper bound): Q + the bf16 ring + P + barriers / reduction scratch (+ the raw
     stages of "ring")."""
-    raw = STAGES * RING_STAGE_BYTES if ring else 0
+    raw = STAGES * RING_STAGE_BYTES[d_qk] if ring else 0
     return hb * d_qk * 2 + STAGES * BLOCK_N * d_qk * 2 + hb * BLOCK_N * 2 + 4096 + raw
 
 
 if GLUON_AVAILABLE:
     from openmla.ops.gluon.sparse import (
+        _dequant,
         _dequant_pow2,
         _e8m0_bf16,
         _pick,
         _producer,
         _q_to_smem,
+        _row_offsets,
         _row_split,
         _sink_factor,
         _tile_ok,
+        _tile_slots,
         _v4_rows,
     )
     from openmla.ops.gluon.transposed import _finish_t, _scores_t, _softmax_pv_t
@@ -187,6 +192,79 @@ if GLUON_AVAILABLE:
             dst.slice(320, 64, dim=1).store(_dequant_pow2(q5, _e8m0_bf16((w1 >> 8) & 255)))
             dst.slice(384, 64, dim=1).store(_dequant_pow2(q6, _e8m0_bf16((w1 >> 16) & 255)))
             dst.slice(448, 64, dim=1).store(gl.where(b_r != b_r, 0.0, b_r))
+            fence_async_shared()  # generic-proxy stores before the consumer's wgmma reads
+            gl.thread_barrier()  # the producer warps' stores are all done
+            mbarrier.arrive(ready.index(J0), count=1)
+
+    @gluon.jit
+    def _ring_issue_ds(kv, kv_f32, kv_b16, p_idx, raw8, sc8, rope8, raw_ready, r, n0, hi, num_slots, stride_kv_b,
+                       stride_kv_p, PAGE: gl.constexpr):  # fmt: skip
+        """cp.async of the fp8_ds_mla rows of entries ``[n0, n0 + 32)`` (invalid rows zero-filled) into raw half-stage
+        ``r``: the 4 e4m3 chunks of 128 (16 bytes a copy), the 4 fp32 scales (scale-major rows ``4 r + g`` of
+        ``sc8``: 4 bytes a copy), the bf16 rope; each thread's copies complete ``raw_ready[r]`` (noinc arrive)."""
+        NW: gl.constexpr = gl.num_warps()
+        CP: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])  # e4m3 bytes [32, 128], 16 a copy
+        R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])  # rope bf16 [32, 64]
+        SCL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])  # scales [4, 32]: one a thread
+        o_b = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, CP)), 0)
+        o_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, R16)), 0)
+        o_g = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, SCL)), 1)
+        slot, ok = _tile_slots(p_idx, n0, hi, num_slots, 32, gl.SliceLayout(1, CP))
+        p_b = gl.expand_dims(kv + _row_offsets(slot, stride_kv_b, stride_kv_p, PAGE), 1) + o_b
+        slot_r, ok_r = _tile_slots(p_idx, n0, hi, num_slots, 32, gl.SliceLayout(1, R16))
+        row_r = _row_offsets(slot_r, stride_kv_b, stride_kv_p, PAGE)  # bytes
+        p_r = gl.expand_dims(kv_b16 + row_r // 2 + 264, 1) + o_r  # 64 bf16 at byte 528
+        slot_s, ok_s = _tile_slots(p_idx, n0, hi, num_slots, 32, gl.SliceLayout(0, SCL))
+        row_s = _row_offsets(slot_s, stride_kv_b, stride_kv_p, PAGE)
+        p_s = gl.expand_dims(kv_f32 + row_s // 4 + 128, 0) + o_g  # 4 fp32 at byte 512
+        for c in gl.static_range(4):
+            async_copy.async_copy_global_to_shared(raw8.index(r * 4 + c), p_b + c * 128, mask=gl.expand_dims(ok, 1))
+        async_copy.async_copy_global_to_shared(rope8.index(r), p_r, mask=gl.expand_dims(ok_r, 1))
+        sc8_3 = sc8._reinterpret(gl.float32, [2, 4, 32], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        async_copy.async_copy_global_to_shared(sc8_3.index(r), p_s, mask=gl.expand_dims(ok_s, 0) & (o_g < 4))
+        async_copy.mbarrier_arrive(raw_ready.index(r), increment_count=False)
+
+    @gluon.jit
+    def _gather_ds_ring(kv, kv_f32, kv_b16, p_idx, lat, rope, ready, empty, raw8, sc8, rope8, raw_ready, lo, hi,
+                        n_tiles, stride_kv_b, stride_kv_p, num_slots, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, NANPACK: gl.constexpr, J0: gl.constexpr):  # fmt: skip
+        """Producer ``J0`` of fp8_ds_mla rows with a raw ring ("ring"): ``_gather_v4_ring`` in half tiles of 32 rows
+        (a tile's raw rows, 42 KB, fit only once beside V3.2's bf16 ring): each half's copies are issued before the
+        half before is dequantised (``_dequant``: fp32 products, as the plain producer)."""
+        NW: gl.constexpr = gl.num_warps()
+        B8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])  # e4m3 bytes [32, 128]
+        R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        ROW: gl.constexpr = gl.SliceLayout(1, B8)
+        if J0 < n_tiles:
+            _ring_issue_ds(kv, kv_f32, kv_b16, p_idx, raw8, sc8, rope8, raw_ready, J0, lo + J0 * BLOCK_N, hi,
+                           num_slots, stride_kv_b, stride_kv_p, PAGE)  # fmt: skip
+        for j in range(J0, n_tiles, STAGES):
+            for h in gl.static_range(2):
+                mbarrier.wait(raw_ready.index(J0), h)  # two completions a tile: phases 0 then 1
+                q0 = raw8.index(J0 * 4 + 0).load(B8)
+                q1 = raw8.index(J0 * 4 + 1).load(B8)
+                q2 = raw8.index(J0 * 4 + 2).load(B8)
+                q3 = raw8.index(J0 * 4 + 3).load(B8)
+                s0 = sc8.index(J0 * 4 + 0).load(ROW)
+                s1 = sc8.index(J0 * 4 + 1).load(ROW)
+                s2 = sc8.index(J0 * 4 + 2).load(ROW)
+                s3 = sc8.index(J0 * 4 + 3).load(ROW)
+                b_r = rope8.index(J0).load(R16)
+                gl.thread_barrier()  # every warp has read the half-stage: the next half's copies may land there
+                if h == 0:
+                    _ring_issue_ds(kv, kv_f32, kv_b16, p_idx, raw8, sc8, rope8, raw_ready, J0, lo + j * BLOCK_N + 32,
+                                   hi, num_slots, stride_kv_b, stride_kv_p, PAGE)  # fmt: skip
+                    mbarrier.wait(empty.index(J0), ((j // STAGES) & 1) ^ 1)
+                elif j + STAGES < n_tiles:
+                    _ring_issue_ds(kv, kv_f32, kv_b16, p_idx, raw8, sc8, rope8, raw_ready, J0,
+                                   lo + (j + STAGES) * BLOCK_N, hi, num_slots, stride_kv_b, stride_kv_p,
+                                   PAGE)  # fmt: skip
+                part = lat.index(J0).slice(h * 32, 32, dim=0)
+                part.slice(0, 128, dim=1).store(_dequant(q0, s0, NANPACK))
+                part.slice(128, 128, dim=1).store(_dequant(q1, s1, NANPACK))
+                part.slice(256, 128, dim=1).store(_dequant(q2, s2, NANPACK))
+                part.slice(384, 128, dim=1).store(_dequant(q3, s3, NANPACK))
+                rope.index(J0).slice(h * 32, 32, dim=0).store(gl.where(b_r != b_r, 0.0, b_r))
             fence_async_shared()  # generic-proxy stores before the consumer's wgmma reads
             gl.thread_barrier()  # the producer warps' stores are all done
             mbarrier.arrive(ready.index(J0), count=1)
@@ -331,7 +409,16 @@ if GLUON_AVAILABLE:
             # bf16: one noinc cp.async arrive per thread of its producer; fp8: one arrive after the partition barrier
             mbarrier.init(ready.index(st), count=4 * 32 if FMT == 0 else 1)
             mbarrier.init(empty.index(st), count=1)
-        if RING:  # fp8_v4 rows at HB <= 16: a raw stage per producer (e4m3 groups, rope, exponent words)
+        if RING and FMT == 1:  # fp8_ds_mla rows at HB <= 16: a raw half-stage per producer (e4m3, scales, rope)
+            RAW1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+            raw8 = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, BLOCK_N // 2, 128], RAW1)
+            rope8 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N // 2, 64], RAW1)
+            sc8 = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N // 2],
+                                            gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # fmt: skip
+            raw_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for st in gl.static_range(STAGES):
+                mbarrier.init(raw_ready.index(st), count=4 * 32)  # one noinc cp.async arrive per producer thread
+        if RING and FMT == 2:  # fp8_v4 rows at HB <= 16: a raw stage per producer (e4m3 groups, rope, exponent words)
             RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
             raw8 = gl.allocate_shared_memory(gl.uint8, [STAGES * 7, BLOCK_N, 64], RAW)
             rope8 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], RAW)
@@ -344,7 +431,24 @@ if GLUON_AVAILABLE:
         OPTS: gl.constexpr = 1 if NANPACK else 0
         # two producer warpgroups, each filling one stage: tiles 0, 2, 4, ... and 1, 3, 5, ... (each issues a
         # tile's loads before it waits for its stage, so two tiles' rows are in flight beside the consumer's work)
-        if RING:
+        if RING and FMT == 1:
+            gl.static_assert(STAGES == 2 and BLOCK_N == 64, "one raw half-stage a producer")
+            gl.warp_specialize([
+                (_narrow_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse,
+                                    o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h,
+                                    stride_o_t, stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_s, lo, hi,
+                                    n1, n_tiles, num_slots, e_num_slots, D_QK, HB, BLOCK_N, STAGES, NUM_SPLITS,
+                                    HAS_EXTRA, HAS_SINK, HAS_ROPE, ROPE, FMT == 0)),
+                (_gather_ds_ring, (kv, kv_f32, kv_b16, p_idx, lat, rope, ready, empty, raw8, sc8, rope8, raw_ready, lo,
+                                   hi, n_tiles, stride_kv_b, stride_kv_p, num_slots, PAGE, BLOCK_N, STAGES, NANPACK,
+                                   0)),
+                (_gather_ds_ring, (kv, kv_f32, kv_b16, p_idx, lat, rope, ready, empty, raw8, sc8, rope8, raw_ready, lo,
+                                   hi, n_tiles, stride_kv_b, stride_kv_p, num_slots, PAGE, BLOCK_N, STAGES, NANPACK,
+                                   1)),
+            ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])  # fmt: skip
+            for st in gl.static_range(STAGES):
+                mbarrier.invalidate(raw_ready.index(st))
+        elif RING:
             gl.static_assert(FMT == 2 and STAGES == 2, "the raw ring takes fp8_v4 rows, one stage a producer")
             gl.warp_specialize([
                 (_narrow_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, p_idx, p_eidx, sink, out, lse,
