@@ -120,7 +120,8 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 # "ring" (the narrow kernel's fp8_v4 rows, or fp8_ds_mla rows of one source, at H <= RING_MAX_H; for fp8_v4 the
 #   default in one split with aligned blocks, fp8_v4_default_bits): each producer cp.asyncs its next tile's (V3.2: half
 #   tile's) raw rows into its own raw stage while it dequantises the one before from registers
-#   (openmla/ops/gluon/sparse_narrow.py, _gather_v4_ring / _gather_ds_ring)
+#   (openmla/ops/gluon/sparse_narrow.py, _gather_v4_ring / _gather_ds_ring); on the 64-head kernel (fp8_v4, not with
+#   "staged" / "asym"; private, untimed) one raw half-stage, a tile in two halves (_gather_v4_halves)
 # "asym" (not with "staged"; the default for bf16 rows): asymmetric consumers: warpgroup 0 scores the whole tile
 #   (m64n64k16), runs the softmax and its half of P V one tile behind the scores; warpgroup 1, a worker partition,
 #   runs the other half of P V from P and the rows' factors in shared memory, beside warpgroup 0's next scores and
@@ -136,6 +137,7 @@ _STAGED = 4
 # the staged producers only compute addresses, by format (fp8_ds_mla 56: consumers 224, as with bf16 rows; fp8_v4
 # 48: consumers 232, which V4's widening needs (sm90 offline: 8-16 bytes spilled at 224))
 STAGED_PRODUCER_REGS = {1: 56, 2: 48}
+RING_PRODUCER_REGS = 80  # the 64-head kernel's "ring" producer (sm90 offline: 32 bytes spilled at 72; consumers 216)
 _V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8 exponent bytes after the block's rows
 
 
@@ -194,9 +196,12 @@ def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool, H: in
     if bits & _WIDE and H > NARROW_MAX_H:
         raise ValueError(f"_gluon_opts 'wide' chooses the 64-head kernel at H <= {NARROW_MAX_H}; H is {H}")
     ring_ok = kv_cache_dtype == "fp8_v4" or (kv_cache_dtype == "fp8_ds_mla" and not has_extra)
-    if bits & _RING and not (is_narrow(H, bits) and ring_ok and H <= RING_MAX_H):
+    narrow_ring = is_narrow(H, bits) and ring_ok and H <= RING_MAX_H
+    wide_ring = not is_narrow(H, bits) and kv_cache_dtype == "fp8_v4" and not bits & (_STAGED | _ASYM)
+    if bits & _RING and not (narrow_ring or wide_ring):
         raise ValueError(f"_gluon_opts 'ring' is the narrow kernel's producer of fp8_v4 rows or of fp8_ds_mla rows of "
-                         f"one source at H <= {RING_MAX_H}")  # fmt: skip
+                         f"one source at H <= {RING_MAX_H}, or the 64-head kernel's of fp8_v4 rows (not with "
+                         f"'staged' / 'asym')")  # fmt: skip
     if is_narrow(H, bits) and bits & _RING:
         if bits & ~(_RING | GLUON_OPTS["nanpack"]) or (bits & 1 and kv_cache_dtype != "fp8_ds_mla"):
             raise ValueError(f"_gluon_opts 'ring' takes 'nanpack' on fp8_ds_mla rows only; got {tuple(opts)}")
@@ -221,6 +226,8 @@ def producer_regs(fmt: int, d_qk: int, opts: int = 0) -> int:
     """The producer's setmaxnreg count for (cache format, row width, OPTS bits)."""
     if opts & _STAGED:
         return STAGED_PRODUCER_REGS[fmt]
+    if opts & _RING and fmt == 2:  # the 64-head kernel's "ring": a half tile's raw bytes and the next half's addresses
+        return RING_PRODUCER_REGS
     return PRODUCER_REGS[(fmt, d_qk)]
 
 
@@ -235,7 +242,8 @@ def _smem_bytes(d_qk: int = D_QK, opts: int = 0) -> int:
         return (BLOCK_H * D_QK * 2 + BLOCK_N * D_V * 2 + STAGES * BLOCK_N * D_R * 2
                 + STAGES * BLOCK_N * (D_V + 16) + 2048)  # fmt: skip
     asym = 2 * BLOCK_H * 4 if opts & _ASYM else 0  # the rows' factors, per tile and final
-    return BLOCK_H * d_qk * 2 + STAGES * BLOCK_N * d_qk * 2 + BLOCK_H * BLOCK_N * 2 + asym + 2048
+    ring = BLOCK_N // 2 * (7 * 64 + 64 * 2 + 2 * 4) if opts & _RING else 0  # "ring": one raw half-stage (fp8_v4)
+    return BLOCK_H * d_qk * 2 + STAGES * BLOCK_N * d_qk * 2 + BLOCK_H * BLOCK_N * 2 + asym + ring + 2048
 
 
 if GLUON_AVAILABLE:
@@ -636,6 +644,93 @@ if GLUON_AVAILABLE:
             lat.slice(c * 64, 64, dim=1).store(_dequant_pow2(b_q, b_s))
         b_r = rope_s.load(R16)
         lat.slice(448, 64, dim=1).store(gl.where(b_r != b_r, 0.0, b_r))
+
+    @gluon.jit
+    def _v4_ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready, r, n0, hi,
+                       n1, stride_kv_b, stride_ekv_b, num_slots, e_num_slots, PAGE: gl.constexpr,
+                       E_PAGE: gl.constexpr, HAS_EXTRA: gl.constexpr):  # fmt: skip
+        """cp.async of the fp8_v4 rows of entries ``[n0, n0 + ROWS)`` (either source; invalid rows zero-filled) into
+        raw stage ``r`` (``raw8 [NS * 7, ROWS, 64]`` e4m3 groups, 16 bytes a copy; ``rope8 [NS, ROWS, 64]`` bf16;
+        ``ex8 [NS * 2, ROWS]`` the exponent bytes as two 4-byte words a row, word-major); each thread's copies
+        complete ``raw_ready[r]`` (noinc arrive). "ring": the narrow kernel's tiles, the 64-head kernel's halves."""
+        ROWS: gl.constexpr = raw8.shape[1]
+        NS: gl.constexpr = rope8.shape[0]
+        NW: gl.constexpr = gl.num_warps()
+        CP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])  # e4m3 bytes [ROWS, 64], 16 a copy
+        R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])  # rope bf16 [ROWS, 64]
+        EXL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [2, NW // 2], [1, 0])  # exponent words [2, ROWS]
+        o_b = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, CP)), 0)
+        o_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, R16)), 0)
+        o_w = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, EXL)), 1)
+        row, _, main, ok = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b, stride_ekv_b,
+                                    PAGE, E_PAGE, ROWS, gl.SliceLayout(1, CP), HAS_EXTRA)  # fmt: skip
+        p_b = gl.expand_dims(_pick(main, kv + row, ekv + row, HAS_EXTRA), 1) + o_b
+        m2 = gl.expand_dims(ok, 1)
+        row_r, _, main_r, ok_r = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b,
+                                          stride_ekv_b, PAGE, E_PAGE, ROWS, gl.SliceLayout(1, R16),
+                                          HAS_EXTRA)  # fmt: skip
+        p_r = gl.expand_dims(_pick(main_r, kv_b16 + row_r // 2, ekv_b16 + row_r // 2, HAS_EXTRA) + 224, 1) + o_r
+        _, ex, main_e, ok_e = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b, stride_ekv_b,
+                                       PAGE, E_PAGE, ROWS, gl.SliceLayout(0, EXL), HAS_EXTRA)  # fmt: skip
+        p_e = gl.expand_dims(_pick(main_e, kv_f32 + ex // 4, ekv_f32 + ex // 4, HAS_EXTRA), 0) + o_w
+        for c in gl.static_range(7):
+            async_copy.async_copy_global_to_shared(raw8.index(r * 7 + c), p_b + c * 64, mask=m2)
+        async_copy.async_copy_global_to_shared(rope8.index(r), p_r, mask=gl.expand_dims(ok_r, 1))
+        ex8_3 = ex8._reinterpret(gl.float32, [NS, 2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        async_copy.async_copy_global_to_shared(ex8_3.index(r), p_e, mask=gl.expand_dims(ok_e, 0) & (o_w < 2))
+        async_copy.mbarrier_arrive(raw_ready.index(r), increment_count=False)
+
+    @gluon.jit
+    def _gather_v4_halves(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, ready, empty, raw8, ex8, rope8,
+                          raw_ready, lo, hi, n1, n_tiles, stride_kv_b, stride_ekv_b, num_slots, e_num_slots,
+                          PAGE: gl.constexpr, E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          HAS_EXTRA: gl.constexpr):  # fmt: skip
+        """Producer of fp8_v4 rows with one raw half-stage ("ring" in the 64-head kernel, whose shared memory holds
+        only 32 rows' raw bytes beside Q and the bf16 ring): a tile in two halves of 32 rows, each copied by
+        cp.async (``_v4_ring_issue``) before the half before it is dequantised from registers (``_dequant_pow2``),
+        so a half's latency runs beside the other half's conversion (the plain producer's two passes wait in turn)."""
+        NW: gl.constexpr = gl.num_warps()
+        R: gl.constexpr = BLOCK_N // 2
+        B64: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])  # e4m3 bytes [32, 64], 16 a thread
+        R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        ROW: gl.constexpr = gl.SliceLayout(1, B64)
+        if n_tiles > 0:
+            _v4_ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready, 0, lo,
+                           hi, n1, stride_kv_b, stride_ekv_b, num_slots, e_num_slots, PAGE, E_PAGE,
+                           HAS_EXTRA)  # fmt: skip
+        for j in range(n_tiles):
+            stage = j % STAGES
+            for h in gl.static_range(2):
+                mbarrier.wait(raw_ready.index(0), h)  # two completions a tile: phases 0 then 1
+                q0 = raw8.index(0).load(B64)
+                q1 = raw8.index(1).load(B64)
+                q2 = raw8.index(2).load(B64)
+                q3 = raw8.index(3).load(B64)
+                q4 = raw8.index(4).load(B64)
+                q5 = raw8.index(5).load(B64)
+                q6 = raw8.index(6).load(B64)
+                w0 = ex8.index(0).load(ROW).to(gl.int32, bitcast=True)
+                w1 = ex8.index(1).load(ROW).to(gl.int32, bitcast=True)
+                b_r = rope8.index(0).load(R16)
+                gl.thread_barrier()  # every warp has read the half-stage: the next half's copies may land there
+                if h == 0 or j + 1 < n_tiles:
+                    _v4_ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8,
+                                   raw_ready, 0, lo + j * BLOCK_N + (h + 1) * R, hi, n1, stride_kv_b, stride_ekv_b,
+                                   num_slots, e_num_slots, PAGE, E_PAGE, HAS_EXTRA)  # fmt: skip
+                if h == 0:
+                    mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+                part = lat.index(stage).slice(h * R, R, dim=0)
+                part.slice(0, 64, dim=1).store(_dequant_pow2(q0, _e8m0_bf16(w0 & 255)))
+                part.slice(64, 64, dim=1).store(_dequant_pow2(q1, _e8m0_bf16((w0 >> 8) & 255)))
+                part.slice(128, 64, dim=1).store(_dequant_pow2(q2, _e8m0_bf16((w0 >> 16) & 255)))
+                part.slice(192, 64, dim=1).store(_dequant_pow2(q3, _e8m0_bf16((w0 >> 24) & 255)))
+                part.slice(256, 64, dim=1).store(_dequant_pow2(q4, _e8m0_bf16(w1 & 255)))
+                part.slice(320, 64, dim=1).store(_dequant_pow2(q5, _e8m0_bf16((w1 >> 8) & 255)))
+                part.slice(384, 64, dim=1).store(_dequant_pow2(q6, _e8m0_bf16((w1 >> 16) & 255)))
+                part.slice(448, 64, dim=1).store(gl.where(b_r != b_r, 0.0, b_r))
+            fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
+            gl.thread_barrier()  # the producer warps' stores are all done
+            mbarrier.arrive(ready.index(stage), count=1)
 
     @gluon.jit
     def _gather_v4(kv, kv_b16, ekv, ekv_b16, p_idx, p_eidx, lat, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
@@ -1257,6 +1352,7 @@ if GLUON_AVAILABLE:
         SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.bfloat16)
         STAGED: gl.constexpr = (OPTS & 4) != 0
+        RING: gl.constexpr = (OPTS & 32) != 0
         PW: gl.constexpr = 4  # producer warps (one warpgroup)
         if STAGED and FMT == 2:
             # "staged", V4: ONE bf16 tile (448 latent + 64 rope columns), P apart, STAGES fp8 stages (raw e4m3 rows
@@ -1377,6 +1473,40 @@ if GLUON_AVAILABLE:
                 mbarrier.invalidate(empty.index(st))
             for b in gl.static_range(6):
                 mbarrier.invalidate(sync.index(b))
+        elif RING:
+            # "ring" (fp8_v4): the plain path's ring and P, and one raw half-stage for the producer
+            gl.static_assert(FMT == 2 and D_QK == 512, "the 64-head kernel's ring: fp8_v4 rows")
+            RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+            q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, 64, 64], SW)
+            lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], SW)
+            p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK_N], P_SMEM)
+            raw8 = gl.allocate_shared_memory(gl.uint8, [7, BLOCK_N // 2, 64], RAW)
+            rope8 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N // 2, 64], RAW)
+            ex8 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N // 2], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            raw_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            for st in gl.static_range(STAGES):
+                mbarrier.init(ready.index(st), count=1)  # one arrive after the partition barrier
+                mbarrier.init(empty.index(st), count=1)
+            mbarrier.init(raw_ready.index(0), count=PW * 32)  # one noinc cp.async arrive per producer thread
+            fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
+
+            gl.warp_specialize([
+                (_consumer, (q, q_smem, lat, lat, p_smem, ready, empty, lat, lat, empty, p_idx, p_eidx, sink, out,
+                             lse, o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t,
+                             stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles,
+                             num_slots, e_num_slots, D_QK, BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA, HAS_SINK, HAS_ROPE,
+                             ROPE, False, OPTS)),
+                (_gather_v4_halves, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, ready, empty,
+                                     raw8, ex8, rope8, raw_ready, lo, hi, n1, n_tiles, stride_kv_b, stride_ekv_b,
+                                     num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N, STAGES, HAS_EXTRA)),
+            ], [PW], [PRODUCER_REGS])  # fmt: skip
+
+            for st in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(st))
+                mbarrier.invalidate(empty.index(st))
+            mbarrier.invalidate(raw_ready.index(0))
         else:
             q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, 64, 64], SW)
             lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], SW)

@@ -79,7 +79,6 @@ if GLUON_AVAILABLE:
         _dequant,
         _dequant_pow2,
         _e8m0_bf16,
-        _pick,
         _producer,
         _q_to_smem,
         _row_offsets,
@@ -87,7 +86,7 @@ if GLUON_AVAILABLE:
         _sink_factor,
         _tile_ok,
         _tile_slots,
-        _v4_rows,
+        _v4_ring_issue,
     )
     from openmla.ops.gluon.transposed import _finish_t, _scores_t, _softmax_pv_t
 
@@ -117,38 +116,6 @@ if GLUON_AVAILABLE:
         return gl.where(in_rope, x * b_cos + _lane_xor4(x) * b_sin, x)
 
     @gluon.jit
-    def _ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready, r, n0, hi,
-                    n1, stride_kv_b, stride_ekv_b, num_slots, e_num_slots, PAGE: gl.constexpr, E_PAGE: gl.constexpr,
-                    HAS_EXTRA: gl.constexpr):  # fmt: skip
-        """cp.async of the fp8_v4 rows of entries ``[n0, n0 + 64)`` (either source; invalid rows zero-filled) into raw
-        stage ``r``: the 7 e4m3 groups (16 bytes a copy), the bf16 rope, the exponent bytes as two 4-byte words a row
-        (word-major); each thread's copies complete ``raw_ready[r]`` (noinc arrive)."""
-        NW: gl.constexpr = gl.num_warps()
-        CP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])  # e4m3 bytes [64, 64], 16 a copy
-        R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])  # rope bf16 [64, 64]
-        EXL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [2, NW // 2], [1, 0])  # exponent words [2, 64]
-        o_b = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, CP)), 0)
-        o_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, R16)), 0)
-        o_w = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, EXL)), 1)
-        row, _, main, ok = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b, stride_ekv_b,
-                                    PAGE, E_PAGE, 64, gl.SliceLayout(1, CP), HAS_EXTRA)  # fmt: skip
-        p_b = gl.expand_dims(_pick(main, kv + row, ekv + row, HAS_EXTRA), 1) + o_b
-        m2 = gl.expand_dims(ok, 1)
-        row_r, _, main_r, ok_r = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b,
-                                          stride_ekv_b, PAGE, E_PAGE, 64, gl.SliceLayout(1, R16),
-                                          HAS_EXTRA)  # fmt: skip
-        p_r = gl.expand_dims(_pick(main_r, kv_b16 + row_r // 2, ekv_b16 + row_r // 2, HAS_EXTRA) + 224, 1) + o_r
-        _, ex, main_e, ok_e = _v4_rows(p_idx, p_eidx, n0, hi, n1, num_slots, e_num_slots, stride_kv_b, stride_ekv_b,
-                                       PAGE, E_PAGE, 64, gl.SliceLayout(0, EXL), HAS_EXTRA)  # fmt: skip
-        p_e = gl.expand_dims(_pick(main_e, kv_f32 + ex // 4, ekv_f32 + ex // 4, HAS_EXTRA), 0) + o_w
-        for c in gl.static_range(7):
-            async_copy.async_copy_global_to_shared(raw8.index(r * 7 + c), p_b + c * 64, mask=m2)
-        async_copy.async_copy_global_to_shared(rope8.index(r), p_r, mask=gl.expand_dims(ok_r, 1))
-        ex8_3 = ex8._reinterpret(gl.float32, [2, 2, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        async_copy.async_copy_global_to_shared(ex8_3.index(r), p_e, mask=gl.expand_dims(ok_e, 0) & (o_w < 2))
-        async_copy.mbarrier_arrive(raw_ready.index(r), increment_count=False)
-
-    @gluon.jit
     def _gather_v4_ring(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, ready, empty, raw8, ex8, rope8,
                         raw_ready, lo, hi, n1, n_tiles, stride_kv_b, stride_ekv_b, num_slots, e_num_slots,
                         PAGE: gl.constexpr, E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -162,9 +129,9 @@ if GLUON_AVAILABLE:
         R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
         ROW: gl.constexpr = gl.SliceLayout(1, B64)
         if J0 < n_tiles:
-            _ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready, J0,
-                        lo + J0 * BLOCK_N, hi, n1, stride_kv_b, stride_ekv_b, num_slots, e_num_slots, PAGE, E_PAGE,
-                        HAS_EXTRA)  # fmt: skip
+            _v4_ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready, J0,
+                           lo + J0 * BLOCK_N, hi, n1, stride_kv_b, stride_ekv_b, num_slots, e_num_slots, PAGE, E_PAGE,
+                           HAS_EXTRA)  # fmt: skip
         for j in range(J0, n_tiles, STAGES):
             mbarrier.wait(raw_ready.index(J0), ((j - J0) // STAGES) & 1)
             q0 = raw8.index(J0 * 7 + 0).load(B64)
@@ -179,9 +146,9 @@ if GLUON_AVAILABLE:
             b_r = rope8.index(J0).load(R16)
             gl.thread_barrier()  # every warp has read the raw stage: the next tile's copies may land there
             if j + STAGES < n_tiles:
-                _ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready, J0,
-                            lo + (j + STAGES) * BLOCK_N, hi, n1, stride_kv_b, stride_ekv_b, num_slots, e_num_slots,
-                            PAGE, E_PAGE, HAS_EXTRA)  # fmt: skip
+                _v4_ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready,
+                               J0, lo + (j + STAGES) * BLOCK_N, hi, n1, stride_kv_b, stride_ekv_b, num_slots,
+                               e_num_slots, PAGE, E_PAGE, HAS_EXTRA)  # fmt: skip
             mbarrier.wait(empty.index(J0), ((j // STAGES) & 1) ^ 1)
             dst = lat.index(J0)
             dst.slice(0, 64, dim=1).store(_dequant_pow2(q0, _e8m0_bf16(w0 & 255)))
