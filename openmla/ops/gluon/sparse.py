@@ -681,6 +681,32 @@ if GLUON_AVAILABLE:
         async_copy.mbarrier_arrive(raw_ready.index(r), increment_count=False)
 
     @gluon.jit
+    def _v4_raw_load(raw8, ex8, rope8, r, L8: gl.constexpr, R16: gl.constexpr):
+        """Raw stage ``r`` of fp8_v4 rows (``_v4_ring_issue``'s buffers) into registers: the 7 e4m3 groups in layout
+        L8, the two exponent words of each row, the bf16 rope in layout R16."""
+        ROW: gl.constexpr = gl.SliceLayout(1, L8)
+        return (raw8.index(r * 7 + 0).load(L8), raw8.index(r * 7 + 1).load(L8), raw8.index(r * 7 + 2).load(L8),
+                raw8.index(r * 7 + 3).load(L8), raw8.index(r * 7 + 4).load(L8), raw8.index(r * 7 + 5).load(L8),
+                raw8.index(r * 7 + 6).load(L8), ex8.index(r * 2).load(ROW).to(gl.int32, bitcast=True),
+                ex8.index(r * 2 + 1).load(ROW).to(gl.int32, bitcast=True), rope8.index(r).load(R16))  # fmt: skip
+
+    @gluon.jit
+    def _v4_store_rows(dst, raw):
+        """``_v4_raw_load``'s rows dequantised (``_dequant_pow2``, the exponent byte of group c in word c // 4) into
+        the bf16 rows ``dst`` [R, 512]: columns 0..447 the latent, 448..511 the rope (NaN -> 0)."""
+        w0 = raw[7]
+        w1 = raw[8]
+        dst.slice(0, 64, dim=1).store(_dequant_pow2(raw[0], _e8m0_bf16(w0 & 255)))
+        dst.slice(64, 64, dim=1).store(_dequant_pow2(raw[1], _e8m0_bf16((w0 >> 8) & 255)))
+        dst.slice(128, 64, dim=1).store(_dequant_pow2(raw[2], _e8m0_bf16((w0 >> 16) & 255)))
+        dst.slice(192, 64, dim=1).store(_dequant_pow2(raw[3], _e8m0_bf16((w0 >> 24) & 255)))
+        dst.slice(256, 64, dim=1).store(_dequant_pow2(raw[4], _e8m0_bf16(w1 & 255)))
+        dst.slice(320, 64, dim=1).store(_dequant_pow2(raw[5], _e8m0_bf16((w1 >> 8) & 255)))
+        dst.slice(384, 64, dim=1).store(_dequant_pow2(raw[6], _e8m0_bf16((w1 >> 16) & 255)))
+        b_r = raw[9]
+        dst.slice(448, 64, dim=1).store(gl.where(b_r != b_r, 0.0, b_r))
+
+    @gluon.jit
     def _gather_v4_halves(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, ready, empty, raw8, ex8, rope8,
                           raw_ready, lo, hi, n1, n_tiles, stride_kv_b, stride_ekv_b, num_slots, e_num_slots,
                           PAGE: gl.constexpr, E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -693,7 +719,6 @@ if GLUON_AVAILABLE:
         R: gl.constexpr = BLOCK_N // 2
         B64: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])  # e4m3 bytes [32, 64], 16 a thread
         R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-        ROW: gl.constexpr = gl.SliceLayout(1, B64)
         if n_tiles > 0:
             _v4_ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready, 0, lo,
                            hi, n1, stride_kv_b, stride_ekv_b, num_slots, e_num_slots, PAGE, E_PAGE,
@@ -702,16 +727,7 @@ if GLUON_AVAILABLE:
             stage = j % STAGES
             for h in gl.static_range(2):
                 mbarrier.wait(raw_ready.index(0), h)  # two completions a tile: phases 0 then 1
-                q0 = raw8.index(0).load(B64)
-                q1 = raw8.index(1).load(B64)
-                q2 = raw8.index(2).load(B64)
-                q3 = raw8.index(3).load(B64)
-                q4 = raw8.index(4).load(B64)
-                q5 = raw8.index(5).load(B64)
-                q6 = raw8.index(6).load(B64)
-                w0 = ex8.index(0).load(ROW).to(gl.int32, bitcast=True)
-                w1 = ex8.index(1).load(ROW).to(gl.int32, bitcast=True)
-                b_r = rope8.index(0).load(R16)
+                raw = _v4_raw_load(raw8, ex8, rope8, 0, B64, R16)
                 gl.thread_barrier()  # every warp has read the half-stage: the next half's copies may land there
                 if h == 0 or j + 1 < n_tiles:
                     _v4_ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8,
@@ -719,15 +735,7 @@ if GLUON_AVAILABLE:
                                    num_slots, e_num_slots, PAGE, E_PAGE, HAS_EXTRA)  # fmt: skip
                 if h == 0:
                     mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
-                part = lat.index(stage).slice(h * R, R, dim=0)
-                part.slice(0, 64, dim=1).store(_dequant_pow2(q0, _e8m0_bf16(w0 & 255)))
-                part.slice(64, 64, dim=1).store(_dequant_pow2(q1, _e8m0_bf16((w0 >> 8) & 255)))
-                part.slice(128, 64, dim=1).store(_dequant_pow2(q2, _e8m0_bf16((w0 >> 16) & 255)))
-                part.slice(192, 64, dim=1).store(_dequant_pow2(q3, _e8m0_bf16((w0 >> 24) & 255)))
-                part.slice(256, 64, dim=1).store(_dequant_pow2(q4, _e8m0_bf16(w1 & 255)))
-                part.slice(320, 64, dim=1).store(_dequant_pow2(q5, _e8m0_bf16((w1 >> 8) & 255)))
-                part.slice(384, 64, dim=1).store(_dequant_pow2(q6, _e8m0_bf16((w1 >> 16) & 255)))
-                part.slice(448, 64, dim=1).store(gl.where(b_r != b_r, 0.0, b_r))
+                _v4_store_rows(lat.index(stage).slice(h * R, R, dim=0), raw)
             fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
             gl.thread_barrier()  # the producer warps' stores are all done
             mbarrier.arrive(ready.index(stage), count=1)
@@ -1473,40 +1481,6 @@ if GLUON_AVAILABLE:
                 mbarrier.invalidate(empty.index(st))
             for b in gl.static_range(6):
                 mbarrier.invalidate(sync.index(b))
-        elif RING:
-            # "ring" (fp8_v4): the plain path's ring and P, and one raw half-stage for the producer
-            gl.static_assert(FMT == 2 and D_QK == 512, "the 64-head kernel's ring: fp8_v4 rows")
-            RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-            q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, 64, 64], SW)
-            lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], SW)
-            p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK_N], P_SMEM)
-            raw8 = gl.allocate_shared_memory(gl.uint8, [7, BLOCK_N // 2, 64], RAW)
-            rope8 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N // 2, 64], RAW)
-            ex8 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N // 2], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            raw_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            for st in gl.static_range(STAGES):
-                mbarrier.init(ready.index(st), count=1)  # one arrive after the partition barrier
-                mbarrier.init(empty.index(st), count=1)
-            mbarrier.init(raw_ready.index(0), count=PW * 32)  # one noinc cp.async arrive per producer thread
-            fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
-
-            gl.warp_specialize([
-                (_consumer, (q, q_smem, lat, lat, p_smem, ready, empty, lat, lat, empty, p_idx, p_eidx, sink, out,
-                             lse, o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t,
-                             stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles,
-                             num_slots, e_num_slots, D_QK, BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA, HAS_SINK, HAS_ROPE,
-                             ROPE, False, OPTS)),
-                (_gather_v4_halves, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, ready, empty,
-                                     raw8, ex8, rope8, raw_ready, lo, hi, n1, n_tiles, stride_kv_b, stride_ekv_b,
-                                     num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N, STAGES, HAS_EXTRA)),
-            ], [PW], [PRODUCER_REGS])  # fmt: skip
-
-            for st in gl.static_range(STAGES):
-                mbarrier.invalidate(ready.index(st))
-                mbarrier.invalidate(empty.index(st))
-            mbarrier.invalidate(raw_ready.index(0))
         else:
             q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_QK // 64, 64, 64], SW)
             lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 512], SW)
@@ -1521,19 +1495,41 @@ if GLUON_AVAILABLE:
                 # bf16: one noinc cp.async arrive per producer thread; fp8: one arrive after the partition barrier
                 mbarrier.init(ready.index(st), count=PW * 32 if FMT == 0 else 1)
                 mbarrier.init(empty.index(st), count=1)
+            if RING:  # "ring" (fp8_v4): one raw half-stage for the producer beside the ring
+                gl.static_assert(FMT == 2 and D_QK == 512, "the 64-head kernel's ring: fp8_v4 rows")
+                RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+                raw8 = gl.allocate_shared_memory(gl.uint8, [7, BLOCK_N // 2, 64], RAW)
+                rope8 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N // 2, 64], RAW)
+                ex8 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N // 2],
+                                                gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # fmt: skip
+                raw_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+                mbarrier.init(raw_ready.index(0), count=PW * 32)  # one noinc cp.async arrive per producer thread
             fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
 
-            gl.warp_specialize([
-                (_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, lat, lat, empty, p_idx, p_eidx, sink, out,
-                             lse, o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h, stride_o_t,
-                             stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi, n1, n_tiles,
-                             num_slots, e_num_slots, D_QK, BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA, HAS_SINK, HAS_ROPE,
-                             ROPE, FMT == 0, OPTS)),
-                (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty, lo,
-                             hi, n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots,
-                             e_num_slots, PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA,
-                             OPTS)),
-            ], [PW], [PRODUCER_REGS])  # fmt: skip
+            if RING:
+                gl.warp_specialize([
+                    (_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, lat, lat, empty, p_idx, p_eidx, sink,
+                                 out, lse, o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h,
+                                 stride_o_t, stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi,
+                                 n1, n_tiles, num_slots, e_num_slots, D_QK, BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA,
+                                 HAS_SINK, HAS_ROPE, ROPE, FMT == 0, OPTS)),
+                    (_gather_v4_halves, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, ready, empty,
+                                         raw8, ex8, rope8, raw_ready, lo, hi, n1, n_tiles, stride_kv_b, stride_ekv_b,
+                                         num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N, STAGES, HAS_EXTRA)),
+                ], [PW], [PRODUCER_REGS])  # fmt: skip
+                mbarrier.invalidate(raw_ready.index(0))
+            else:
+                gl.warp_specialize([
+                    (_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, lat, lat, empty, p_idx, p_eidx, sink,
+                                 out, lse, o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h,
+                                 stride_o_t, stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi,
+                                 n1, n_tiles, num_slots, e_num_slots, D_QK, BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA,
+                                 HAS_SINK, HAS_ROPE, ROPE, FMT == 0, OPTS)),
+                    (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty,
+                                 lo, hi, n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots,
+                                 e_num_slots, PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA,
+                                 OPTS)),
+                ], [PW], [PRODUCER_REGS])  # fmt: skip
 
             for st in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(st))

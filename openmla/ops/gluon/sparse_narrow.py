@@ -77,8 +77,6 @@ def _smem_bytes(d_qk: int, hb: int, ring: bool = False) -> int:
 if GLUON_AVAILABLE:
     from openmla.ops.gluon.sparse import (
         _dequant,
-        _dequant_pow2,
-        _e8m0_bf16,
         _producer,
         _q_to_smem,
         _row_offsets,
@@ -86,7 +84,9 @@ if GLUON_AVAILABLE:
         _sink_factor,
         _tile_ok,
         _tile_slots,
+        _v4_raw_load,
         _v4_ring_issue,
+        _v4_store_rows,
     )
     from openmla.ops.gluon.transposed import _finish_t, _scores_t, _softmax_pv_t
 
@@ -127,38 +127,20 @@ if GLUON_AVAILABLE:
         NW: gl.constexpr = gl.num_warps()
         B64: gl.constexpr = gl.BlockedLayout([1, 32], [16, 2], [NW, 1], [1, 0])  # e4m3 bytes [64, 64], 32 a thread
         R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-        ROW: gl.constexpr = gl.SliceLayout(1, B64)
         if J0 < n_tiles:
             _v4_ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready, J0,
                            lo + J0 * BLOCK_N, hi, n1, stride_kv_b, stride_ekv_b, num_slots, e_num_slots, PAGE, E_PAGE,
                            HAS_EXTRA)  # fmt: skip
         for j in range(J0, n_tiles, STAGES):
             mbarrier.wait(raw_ready.index(J0), ((j - J0) // STAGES) & 1)
-            q0 = raw8.index(J0 * 7 + 0).load(B64)
-            q1 = raw8.index(J0 * 7 + 1).load(B64)
-            q2 = raw8.index(J0 * 7 + 2).load(B64)
-            q3 = raw8.index(J0 * 7 + 3).load(B64)
-            q4 = raw8.index(J0 * 7 + 4).load(B64)
-            q5 = raw8.index(J0 * 7 + 5).load(B64)
-            q6 = raw8.index(J0 * 7 + 6).load(B64)
-            w0 = ex8.index(J0 * 2).load(ROW).to(gl.int32, bitcast=True)
-            w1 = ex8.index(J0 * 2 + 1).load(ROW).to(gl.int32, bitcast=True)
-            b_r = rope8.index(J0).load(R16)
+            raw = _v4_raw_load(raw8, ex8, rope8, J0, B64, R16)
             gl.thread_barrier()  # every warp has read the raw stage: the next tile's copies may land there
             if j + STAGES < n_tiles:
                 _v4_ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready,
                                J0, lo + (j + STAGES) * BLOCK_N, hi, n1, stride_kv_b, stride_ekv_b, num_slots,
                                e_num_slots, PAGE, E_PAGE, HAS_EXTRA)  # fmt: skip
             mbarrier.wait(empty.index(J0), ((j // STAGES) & 1) ^ 1)
-            dst = lat.index(J0)
-            dst.slice(0, 64, dim=1).store(_dequant_pow2(q0, _e8m0_bf16(w0 & 255)))
-            dst.slice(64, 64, dim=1).store(_dequant_pow2(q1, _e8m0_bf16((w0 >> 8) & 255)))
-            dst.slice(128, 64, dim=1).store(_dequant_pow2(q2, _e8m0_bf16((w0 >> 16) & 255)))
-            dst.slice(192, 64, dim=1).store(_dequant_pow2(q3, _e8m0_bf16((w0 >> 24) & 255)))
-            dst.slice(256, 64, dim=1).store(_dequant_pow2(q4, _e8m0_bf16(w1 & 255)))
-            dst.slice(320, 64, dim=1).store(_dequant_pow2(q5, _e8m0_bf16((w1 >> 8) & 255)))
-            dst.slice(384, 64, dim=1).store(_dequant_pow2(q6, _e8m0_bf16((w1 >> 16) & 255)))
-            dst.slice(448, 64, dim=1).store(gl.where(b_r != b_r, 0.0, b_r))
+            _v4_store_rows(lat.index(J0), raw)
             fence_async_shared()  # generic-proxy stores before the consumer's wgmma reads
             gl.thread_barrier()  # the producer warps' stores are all done
             mbarrier.arrive(ready.index(J0), count=1)
