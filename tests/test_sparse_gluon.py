@@ -182,7 +182,10 @@ ASYM_VARIANTS = [
     (1, 576, 1, True, True, 64, False, False, 64, False, 19),  # on fp8 rows (private: slower there)
     (2, 512, 1, True, True, 256, True, True, 64, True, 18),
 ]
-ASYM_SPILL_BOUND = {0: 64, 1: 88, 2: 80}  # by cache format: the private fp8 "asym" builds spill more
+# by cache format: the private fp8 "asym" builds spill more; the bf16 walk build (the V3.2 prefill default) compiles to
+# 56, 64 or 72 bytes as Triton 3.6's iteration order varies with the hash seed and the module's source (stop 54:
+# seeds 0-3 gave 72 / 64 / 64 / 64 on the same source, and a source edit elsewhere in the module moved seed 0 from 56)
+ASYM_SPILL_BOUND = {0: 72, 1: 88, 2: 80}
 
 
 @pytest.mark.skipif(not gs.GLUON_AVAILABLE or not HAS_NVIDIA_BACKEND, reason="needs triton's Gluon and NVIDIA backend")
