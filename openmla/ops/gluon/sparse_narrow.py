@@ -42,6 +42,7 @@ from openmla.ops.gluon._lang import (
     gluon,
     mbarrier,
 )
+from openmla.ops.gluon.decode import SMEM_LIMIT
 from openmla.ops.gluon.sparse import NARROW_MAX_H
 
 __all__ = ["NARROW_MAX_H", "launch_narrow", "narrow_block_h"]
@@ -444,6 +445,10 @@ def launch_narrow(
     them for a validated call with ``H <= NARROW_MAX_H``."""
     if H > NARROW_MAX_H:  # pragma: no cover - the caller's rule
         raise ValueError(f"the narrow sparse kernel takes H <= {NARROW_MAX_H}; got {H}")
+    d_qk = constexprs["D_QK"]
+    if _smem_bytes(d_qk, narrow_block_h(H), ring) > SMEM_LIMIT:  # pragma: no cover - the callers' rules
+        raise ValueError(f"the narrow sparse kernel needs {_smem_bytes(d_qk, narrow_block_h(H), ring)} B of shared "
+                         f"memory at H = {H} (> {SMEM_LIMIT})")  # fmt: skip
     _sparse_mla_gluon_narrow_kernel[(T, num_splits)](
         *args, HB=narrow_block_h(H), BLOCK_N=BLOCK_N, STAGES=STAGES, FP8_PASSES=FP8_PASSES,
         PRODUCER_REGS=PRODUCER_REGS[fmt], num_warps=NUM_WARPS, NANPACK=nanpack, **({"RING": True} if ring else {}),
