@@ -918,22 +918,31 @@ def test_sparse_gluon_narrow_v4(heads, rows, kv_cache_dtype, device):
     _v4_run(heads, rows, kv_cache_dtype, device, sink=torch.linspace(-2, 2, heads, device=device), seed=heads + rows)
 
 
-def test_sparse_gluon_fp8_v4_default_bits():
-    # the defaults add "ring" for fp8_v4 rows at H <= 16, "staged" + "lazy" at 33-64 heads, in one split with 16-byte
-    # aligned blocks (openmla's caches pad a block to a multiple of 576 bytes; an unpadded cache of odd blocks is not)
+def test_sparse_gluon_fp8_default_bits():
+    # the defaults add "ring" for fp8_v4 rows and for fp8_ds_mla rows of one source at H <= 16, "staged" + "lazy" for
+    # fp8_v4 rows at 33-64 heads, in one split with 16-byte aligned blocks (openmla's fp8_v4 caches pad a block to a
+    # multiple of 576 bytes; an unpadded cache of odd blocks is not; fp8_ds_mla rows of 656 bytes always are)
     c, e = openmla.allocate_v4_cache(4, 3), openmla.allocate_v4_cache(2, 2)
     odd = torch.zeros(4, 3, 584, dtype=torch.uint8)  # block stride 1752
+    ds = torch.zeros(4, 3, 656, dtype=torch.uint8)
     ring, staged = gs.GLUON_OPTS["ring"], gs.GLUON_OPTS["staged"] | gs.GLUON_OPTS["lazy"]
-    assert gs.fp8_v4_default_bits(c, e, "fp8_v4", 16, 1) == gs.fp8_v4_default_bits(c, None, "fp8_v4", 1, 1) == ring
-    assert gs.fp8_v4_default_bits(c, e, "fp8_v4", 33, 1) == gs.fp8_v4_default_bits(c, e, "fp8_v4", 64, 1) == staged
+    assert gs.fp8_default_bits(c, e, "fp8_v4", 16, 1) == gs.fp8_default_bits(c, None, "fp8_v4", 1, 1) == ring
+    assert gs.fp8_default_bits(c, e, "fp8_v4", 33, 1) == gs.fp8_default_bits(c, e, "fp8_v4", 64, 1) == staged
+    assert gs.fp8_default_bits(ds, None, "fp8_ds_mla", 16, 1) == ring
+    assert gs.fp8_default_bits(ds, None, "fp8_ds_mla", 1, 1) == ring
     for args in [(c, e, "fp8_v4", 17, 1), (c, e, "fp8_v4", 32, 1), (c, e, "fp8_v4", 65, 1), (c, e, "fp8_v4", 128, 1),
                  (c, e, "fp8_v4", 16, 2), (c, e, "fp8_v4", 64, 3), (c, odd, "fp8_v4", 16, 1),
-                 (odd, None, "fp8_v4", 64, 1),
-                 (torch.zeros(4, 3, 656, dtype=torch.uint8), None, "fp8_ds_mla", 16, 1)]:  # fmt: skip
-        assert gs.fp8_v4_default_bits(*args) == 0, args
-    for bits in (ring, staged):  # each a valid variant set at its head counts
-        names = tuple(n for n, b in gs.GLUON_OPTS.items() if bits & b)
-        assert gs.gluon_opts_bits(names, "fp8_v4", 512, True, 16 if bits == ring else 64) == bits
+                 (odd, None, "fp8_v4", 64, 1), (ds, None, "fp8_ds_mla", 17, 1), (ds, None, "fp8_ds_mla", 64, 1),
+                 (ds, None, "fp8_ds_mla", 16, 2), (ds, ds, "fp8_ds_mla", 16, 1),
+                 (torch.zeros(4, 3, 664, dtype=torch.uint8)[:, :, :656], None, "fp8_ds_mla", 16, 1),  # 664-byte rows
+                 (torch.zeros(4, 3, 576, dtype=torch.bfloat16), None, "auto", 16, 1)]:  # fmt: skip
+        assert gs.fp8_default_bits(*args) == 0, args
+    # rows in a 672-byte stride: aligned
+    assert gs.fp8_default_bits(torch.zeros(4, 3, 672, dtype=torch.uint8)[:, :, :656], None, "fp8_ds_mla", 16, 1) == ring
+    for bits, names, fmt, d, extra in ((ring, ("ring",), "fp8_v4", 512, True),
+                                       (ring | 1, ("ring", "nanpack"), "fp8_ds_mla", 576, False),
+                                       (staged, ("staged", "lazy"), "fp8_v4", 512, True)):  # fmt: skip
+        assert gs.gluon_opts_bits(names, fmt, d, extra, 64 if bits == staged else 16) == bits
 
 
 @_gpu_test

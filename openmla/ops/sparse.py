@@ -862,8 +862,8 @@ def sparse_mla(
         lse_part = torch.empty(splits, T, H, dtype=torch.float32, device=dev)
     else:
         o_part, lse_part = lse, lse  # unused
-    if use_gluon and _gluon_opts is None:  # the defaults: fp8_v4 staging where it measured faster (one split)
-        gluon_bits |= gluon_sparse.fp8_v4_default_bits(kv_cache, extra_kv_cache if has_extra else None, kv_cache_dtype,
+    if use_gluon and _gluon_opts is None:  # the defaults: fp8 staging where it measured faster (one split)
+        gluon_bits |= gluon_sparse.fp8_default_bits(kv_cache, extra_kv_cache if has_extra else None, kv_cache_dtype,
                                                        H, splits)  # fmt: skip
     if use_gluon:
         gluon_sparse.sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype, idx, topk_length, attn_sink, out, lse, o_part,

@@ -118,7 +118,7 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 # "wide" (H <= NARROW_MAX_H): the 64-head kernel instead of the narrow one (openmla/ops/gluon/sparse_narrow.py), which
 #   takes "nanpack" only
 # "ring" (the narrow kernel's fp8_v4 rows, or fp8_ds_mla rows of one source, at H <= RING_MAX_H; for fp8_v4 the
-#   default in one split with aligned blocks, fp8_v4_default_bits): each producer cp.asyncs its next tile's (V3.2: half
+#   default in one split with aligned blocks, fp8_default_bits): each producer cp.asyncs its next tile's (V3.2: half
 #   tile's) raw rows into its own raw stage while it dequantises the one before from registers
 #   (openmla/ops/gluon/sparse_narrow.py, _gather_v4_ring / _gather_ds_ring); on the 64-head kernel (fp8_v4, not with
 #   "staged" / "asym"; private, untimed) one raw half-stage, a tile in two halves (_gather_v4_halves)
@@ -144,8 +144,9 @@ _V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8
 # the variants a call runs by default, by cache format: measured on the H200 (benchmarks/RESULTS.md): fp8_ds_mla (V3.2,
 # one source) staged + nanpack + lazy 1.12-1.14x the plain code at h16-h128 b64-b128 (preset "gopts", stop 39); bf16
 # rows (V3.2 and V4, one or two sources) asym + lazy 1.08-1.27x the lazy plain code at prefill, 0.98-1.08x at decode
-# (preset "asym", stop 48); fp8_v4 rows the plain code, but in one split with aligned blocks "ring" at H <= 16 and
-# "staged" + "lazy" at 33-64 heads (fp8_v4_default_bits: they need the cache's block stride, known only at the call)
+# (preset "asym", stop 48); fp8_v4 rows the plain code; in one split with aligned blocks "ring" at H <= 16 (fp8_v4, and
+# fp8_ds_mla of one source) and for fp8_v4 "staged" + "lazy" at 33-64 heads (fp8_default_bits: they need the cache's
+# strides, known only at the call)
 DEFAULT_OPTS = {"fp8_ds_mla": ("staged", "nanpack", "lazy"), "auto": ("asym", "lazy")}
 
 
@@ -166,18 +167,26 @@ def default_opts(kv_cache_dtype: str, d_qk: int, has_extra: bool, H: int = BLOCK
     return DEFAULT_OPTS.get(kv_cache_dtype, ())
 
 
-def fp8_v4_default_bits(kv_cache, extra_kv_cache, kv_cache_dtype: str, H: int, num_splits: int) -> int:
-    """The OPTS bits a call on the defaults (no ``_gluon_opts``) adds for fp8_v4 rows in one split with 16-byte
-    aligned blocks: "ring" at H <= RING_MAX_H (the narrow kernel), "staged" + "lazy" at NARROW_MAX_H < H <= 64 (one head
-    block of the 64-head kernel); 0 otherwise. Each measured faster there (H100, stop 54: ring 1.06-1.16x at
-    h8 / h16 b128; staged + lazy 1.025x at h64 b128, but 0.986x at h128). Split calls (small batches: one-tile
-    programs) keep the plain code: there the staging only adds latency (h8 b1 q2 9.2 -> 9.8 us with "ring")."""
+def fp8_default_bits(kv_cache, extra_kv_cache, kv_cache_dtype: str, H: int, num_splits: int) -> int:
+    """The OPTS bits a call on the defaults (no ``_gluon_opts``) adds for fp8 rows in one split with 16-byte aligned
+    blocks (and rows): "ring" at H <= RING_MAX_H (the narrow kernel; fp8_ds_mla rows of one source or fp8_v4 rows),
+    "staged" + "lazy" for fp8_v4 rows at NARROW_MAX_H < H <= 64 (one head block of the 64-head kernel); 0 otherwise.
+    Each measured faster there (H100: ring 1.06-1.16x at fp8_v4 h8 / h16 b128 (stop 54) and 1.08x at fp8_ds_mla h16
+    b128 q1 / q2 (stop 55); staged + lazy 1.025x at fp8_v4 h64 b128, but 0.986x at h128). Split calls (small batches:
+    one-tile programs) keep the plain code: there the staging only adds latency (fp8_v4 h8 b1 q2 9.2 -> 9.8 us with
+    "ring")."""
     from openmla.ops.sparse import _cache_views
 
-    if kv_cache_dtype != "fp8_v4" or num_splits != 1 or RING_MAX_H < H <= NARROW_MAX_H or H > BLOCK_H:
+    if kv_cache_dtype not in ("fp8_v4", "fp8_ds_mla") or num_splits != 1 or H > BLOCK_H:
         return 0
-    if any(_cache_views(c, 2)[1] % 16 for c in (kv_cache, extra_kv_cache) if c is not None):
+    if kv_cache_dtype == "fp8_ds_mla" and (extra_kv_cache is not None or H > RING_MAX_H):
         return 0
+    if RING_MAX_H < H <= NARROW_MAX_H:
+        return 0
+    fmt = _FORMATS[kv_cache_dtype]
+    for c in (kv_cache, extra_kv_cache):
+        if c is not None and any(stride % 16 for stride in _cache_views(c, fmt)[1:]):
+            return 0
     return _RING if H <= RING_MAX_H else _STAGED | GLUON_OPTS["lazy"]
 
 
