@@ -117,8 +117,8 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 #   _smem_bytes); fp8_v4 needs 16-byte aligned blocks (openmla's padded blocks, or an even block size unpadded)
 # "wide" (H <= NARROW_MAX_H): the 64-head kernel instead of the narrow one (openmla/ops/gluon/sparse_narrow.py), which
 #   takes "nanpack" only
-# "ring" (the narrow kernel's fp8_v4 rows, or fp8_ds_mla rows of one source, at H <= RING_MAX_H; for fp8_v4 the
-#   default in one split with aligned blocks, fp8_default_bits): each producer cp.asyncs its next tile's (V3.2: half
+# "ring" (the narrow kernel's fp8_v4 rows, or fp8_ds_mla rows of one source, at H <= RING_MAX_H; the default in one
+#   split with aligned blocks and rows, fp8_default_bits): each producer cp.asyncs its next tile's (V3.2: half
 #   tile's) raw rows into its own raw stage while it dequantises the one before from registers
 #   (openmla/ops/gluon/sparse_narrow.py, _gather_v4_ring / _gather_ds_ring); on the 64-head kernel (fp8_v4, not with
 #   "staged" / "asym"; private, untimed) one raw half-stage, a tile in two halves (_gather_v4_halves)
