@@ -1593,9 +1593,6 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
 
     fmt = _FORMATS[kv_cache_dtype]
     T, H, d_qk = q.shape
-    if not is_narrow(H, opts) and _smem_bytes(d_qk, opts) > SMEM_LIMIT:  # pragma: no cover - a constant check
-        raise ValueError(f"the Gluon sparse kernel needs {_smem_bytes(d_qk, opts)} B of shared memory "
-                         f"(> {SMEM_LIMIT})")  # fmt: skip
     n_hb = triton.cdiv(H, BLOCK_H)
     has_extra = extra_kv_cache is not None
     views, stride_b, stride_p = _cache_views(kv_cache, fmt)
@@ -1629,6 +1626,9 @@ def sparse_mla_fwd_gluon(q, kv_cache, kv_cache_dtype: str, idx, lens, sink, out,
 
         launch_narrow(args, T, H, num_splits, fmt, bool(opts & GLUON_OPTS["nanpack"]), bool(opts & _RING), **shared)
         return
+    if _smem_bytes(d_qk, opts) > SMEM_LIMIT:  # pragma: no cover - a constant check (the narrow kernel has its own)
+        raise ValueError(f"the Gluon sparse kernel needs {_smem_bytes(d_qk, opts)} B of shared memory "
+                         f"(> {SMEM_LIMIT})")  # fmt: skip
     walk = False
     if opts & _ASYM:  # a 1-D grid over the items; bf16 rows with many items an SM: one program an SM walks them
         n_items = T * n_hb * num_splits
