@@ -47,7 +47,17 @@ def test_bench_end_to_end(tmp_path):
     n_dec, n_pre = len(decode.PRESETS["tiny"]), len(prefill.PRESETS["tiny"])
     assert fams[: n_dec + n_pre] == ["decode"] * n_dec + ["prefill"] * n_pre
     assert {r["dtype"] for r in own if r["family"] in ("decode", "prefill")} == {"bf16", "fp8"}
-    assert {r["op"] for r in rows if r["family"] == "roofline"} == {"read", "matmul"}
+    # the sparse families declare their rows' sizes: the run measures the random-row gather rate of each
+    assert {r["op"] for r in rows if r["family"] == "roofline"} == {"read", "matmul", "gather584", "gather656"}
+    assert sorted(doc["meta"]["gather_gbs"]) == ["584", "656"] and min(doc["meta"]["gather_gbs"].values()) > 0
+    for r in own:  # frac_gather on the fp8 sparse decode points (their rows at random slots), empty elsewhere
+        fp8_sparse_decode = "decode" in r["shape"] and r["family"].startswith("sparse") and r["dtype"] == "fp8"
+        if fp8_sparse_decode:
+            rb = 656 if r["family"] == "sparse" else 584
+            want = float(r["gbs"]) / doc["meta"]["gather_gbs"][str(rb)]
+            assert math.isclose(float(r["frac_gather"]), want, rel_tol=1e-6), r
+        else:
+            assert r["frac_gather"] == "", r
     for r in own:
         p50, p20, p80 = (float(r[k]) for k in ("p50_us", "p20_us", "p80_us"))
         assert 0 < p20 <= p50 <= p80, r
@@ -143,6 +153,29 @@ def test_rows_ratio_and_peer_dtype():
                       nbytes=1.0, dtype="bf16", peer="flashmla")  # fmt: skip
     assert failed[0]["ratio"] == "" and failed[1]["error"] == "boom" and failed[1]["p50_us"] == ""
     assert "boom" in report.table_lines(failed)[0]
+
+
+def test_gather_yardstick():
+    """The gather yardstick's kernel reads every word of each selected row (its per-program XOR against torch's), and
+    bad row sizes are refused."""
+    from openmla.bench.timing import _gather_rows_kernel, gather_bandwidth
+
+    g = torch.Generator().manual_seed(0)
+    words, rows, n = 146, 16, 37  # 584-byte rows; the last program holds 5 rows
+    pool = torch.randint(-(2**31), 2**31 - 1, (50 * words,), dtype=torch.int32, generator=g).to(DEV)
+    slots = torch.randint(0, 50, (n,), dtype=torch.int32, generator=g).to(DEV)
+    out = torch.empty(3, dtype=torch.int32, device=DEV)
+    _gather_rows_kernel[(3,)](pool, slots, out, n, ROW_WORDS=words, BLOCK_W=256, ROWS=rows, num_warps=4)
+    picked = pool.view(50, words)[slots.long()].cpu()
+    for p in range(3):
+        want = 0
+        for w in picked[p * rows : (p + 1) * rows].flatten().tolist():
+            want ^= w
+        assert int(out[p]) == want
+    gbs, sweep = gather_bandwidth(DEV, 584)
+    assert gbs > 0 and gbs == max(v for _, v in sweep)
+    with pytest.raises(ValueError, match="row_bytes"):
+        gather_bandwidth(DEV, 582)
 
 
 def test_registry_plugin(tmp_path, monkeypatch):

@@ -6,7 +6,10 @@ checkout whose ``cli.py`` predates this subpackage). It uses only the public ``o
 
 Every run first measures its yardsticks: the read bandwidth (``torch.sum`` over bf16 buffers of 0.5-4 GiB, the
 best) and the bf16 matmul peak (square ``torch.matmul`` of 4096-16384, the best); each row states its GB/s and
-TFLOPS as fractions of them, so that figures of one run compare with each other and not across boards.
+TFLOPS as fractions of them, so that figures of one run compare with each other and not across boards. A family
+that reads cache rows at random slots names their sizes in ``GATHER_ROW_BYTES`` (optional); the run then also
+measures the gather rate of such rows (a Triton kernel reading whole rows at random slots of a 1 GiB pool, the best
+of a few tilings), and ``ctx.rows(..., gather_bytes=n)`` fills the column ``frac_gather`` (GB/s over that rate).
 
 Op families (the registry below, one module each) plug in through four names::
 

@@ -123,7 +123,7 @@ def run(args) -> int:
 
     from openmla.bench import report
     from openmla.bench.context import BenchContext
-    from openmla.bench.timing import Timer, environment, matmul_peak, read_bandwidth
+    from openmla.bench.timing import GATHER_ROWS, Timer, environment, gather_bandwidth, matmul_peak, read_bandwidth
 
     if args.list:
         for name in FAMILIES:
@@ -159,7 +159,19 @@ def run(args) -> int:
         + f"; bf16 matmul peak: {peak:.1f} TFLOPS, the best of "
         + ", ".join(f"n{n} {t:.1f}" for n, t in peak_sweep)
     )
+    # the random-row gather rate for the row sizes the planned families read (GATHER_ROW_BYTES: sparse decode)
+    gather, gather_sweeps = {}, {}
+    for rb in sorted({b for f in plan for b in getattr(load_family(f), "GATHER_ROW_BYTES", ())}):
+        gather[rb], gather_sweeps[rb] = gather_bandwidth(device, rb, args.quick)
+        print(f"# gather of {rb}-byte rows at random slots: {gather[rb]:.4g} GB/s, the best of "
+              + ", ".join(f"{r} rows x {w} warps {v:.4g}" for (r, w), v in gather_sweeps[rb]))  # fmt: skip
     rows: list[dict] = []
+    for rb, g in gather.items():
+        row = dict.fromkeys(report.COLUMNS, "")
+        us = (GATHER_ROWS if device.type == "cuda" else 64) * rb / g / 1e3
+        row.update(env, family="roofline", op=f"gather{rb}", provider="triton", shape=f"{rb}B", dtype="uint8",
+                   p50_us=us, gbs=g, bw_gbs=bw, frac_bw=g / bw, peak_tflops=peak, _point="")  # fmt: skip
+        rows.append(row)
     for key, sweep, unit in (("read", bw_sweep, "gbs"), ("matmul", peak_sweep, "tflops")):
         for size, val in sweep:
             us = size * 2**30 / val / 1e3 if unit == "gbs" else 2.0 * size**3 / val / 1e6
@@ -172,7 +184,8 @@ def run(args) -> int:
     out_dir = report.ensure_dir(args.out)
     stem = os.path.join(out_dir, report.file_stem(args.label))
     meta = dict(env, device=str(device), started=started, finished=None, bw_gbs=bw, bw_sweep=bw_sweep,
-                peak_tflops=peak, peak_sweep=peak_sweep, rounds=rounds, rep_ms=args.rep, peers=not args.no_peers,
+                peak_tflops=peak, peak_sweep=peak_sweep, gather_gbs=gather, gather_sweeps=gather_sweeps, rounds=rounds,
+                rep_ms=args.rep, peers=not args.no_peers,
                 against=_against_rev(args.against), argv=sys.argv[1:])  # fmt: skip
 
     def save() -> None:  # after every point: a run cut short (a time limit) keeps what it measured
@@ -181,7 +194,7 @@ def run(args) -> int:
 
     progress = report.Progress(sum(len(v) for v in plan.values()))
     ctx = BenchContext(device, Timer(device, args.rep, rounds), peers=not args.no_peers, quick=args.quick, bw_gbs=bw,
-                       peak_tflops=peak, env=env, note=progress.line, baseline=baseline)  # fmt: skip
+                       peak_tflops=peak, env=env, note=progress.line, baseline=baseline, gather_gbs=gather)  # fmt: skip
     failed = 0
     try:
         for fam, shapes in plan.items():

@@ -40,6 +40,8 @@ class BenchContext:
         peers (bool): peers may be timed (False with ``--no-peers``).
         quick (bool): ``--quick`` was given (families may time less).
         bw_gbs (float): the read bandwidth measured in this run (GB/s). peak_tflops (float): the bf16 matmul peak.
+        gather_gbs (dict): ``{row bytes: GB/s}``, the random-row gather rate measured in this run for the row sizes
+            the planned families declare (``GATHER_ROW_BYTES``).
         env (dict): gpu, torch, triton, git and label, copied into every row.
         baseline (module | None): an older openmla package (``--against``), renamed ``openmla_old``; a family that
             supports it times its ops as provider ``"before"`` in the same rounds (``speedup`` = before / openmla).
@@ -47,11 +49,12 @@ class BenchContext:
 
     def __init__(self, device: torch.device, timer: Timer, *, peers: bool, quick: bool, bw_gbs: float,
                  peak_tflops: float, env: dict, note: Callable[[str], None] = print,
-                 baseline=None) -> None:  # fmt: skip
+                 baseline=None, gather_gbs: dict | None = None) -> None:  # fmt: skip
         self.device, self.timer, self.peers, self.quick = device, timer, peers, quick
         self.bw_gbs, self.peak_tflops, self.env = bw_gbs, peak_tflops, env
         self.note = note  # prints a line beside the progress bar
         self.baseline = baseline
+        self.gather_gbs = gather_gbs or {}
         self.family = ""  # set by the runner before each family's points
         self._peer_cache: dict[str, object] = {}
         self._point = 0
@@ -74,14 +77,18 @@ class BenchContext:
         return self.timer.alternate(fns, graph=graph)
 
     def rows(self, op: str, shape: str, timings: dict[str, Timing], *, flops: float, nbytes: float | dict,
-             dtype: str | dict, peer: str | None = None, check: float | None = None) -> list[dict]:  # fmt: skip
+             dtype: str | dict, peer: str | None = None, check: float | None = None,
+             gather_bytes: int | None = None) -> list[dict]:  # fmt: skip
         """The rows of one point: one per provider in ``timings`` (``"openmla"`` first).
 
         ``nbytes`` and ``dtype`` are one value or ``{provider: value}`` (a peer may read another dtype).
         ``peer`` names the provider the openmla row is compared with: its ``ratio`` = peer p50 / openmla p50
         (> 1: openmla faster). ``check``: cosine similarity of openmla's output with the peer's.
+        ``gather_bytes``: the cache's row size, when the point reads its rows at random slots: ``frac_gather`` is then
+        GB/s over this run's gather rate for rows of that size (where measured).
         """
         self._point += 1
+        g_gbs = self.gather_gbs.get(gather_bytes, float("nan"))
         rows = []
         for prov, t in timings.items():
             nb = nbytes[prov] if isinstance(nbytes, dict) else nbytes
@@ -92,7 +99,8 @@ class BenchContext:
             row = dict(self.env, family=self.family, op=op, provider=prov, shape=shape,
                        dtype=dtype[prov] if isinstance(dtype, dict) else dtype, p50_us=us, p20_us=t.p20, p80_us=t.p80,
                        gbs=gbs, tflops=tflops, frac_bw=gbs / self.bw_gbs, frac_peak=tflops / self.peak_tflops,
-                       peer="", ratio=float("nan"), check=float("nan"), speedup=float("nan"), timer=t.timer,
+                       frac_gather=gbs / g_gbs, peer="", ratio=float("nan"), check=float("nan"), speedup=float("nan"),
+                       timer=t.timer,
                        samples=len(t.samples_us),
                        flops=flops, bytes=nb, bw_gbs=self.bw_gbs, peak_tflops=self.peak_tflops, error=t.error,
                        _point=f"{self.family}#{self._point}")  # fmt: skip
@@ -110,7 +118,8 @@ class BenchContext:
     def error_row(self, op: str, shape: str, dtype: str, error: str) -> dict:
         """The row of a point that failed before it was timed (setup, first call)."""
         self._point += 1
-        row = dict.fromkeys(("p50_us", "p20_us", "p80_us", "gbs", "tflops", "frac_bw", "frac_peak", "peer", "ratio",
+        row = dict.fromkeys(("p50_us", "p20_us", "p80_us", "gbs", "tflops", "frac_bw", "frac_peak", "frac_gather",
+                             "peer", "ratio",
                              "check", "speedup", "timer", "samples", "flops", "bytes"), "")  # fmt: skip
         row.update(
             self.env,

@@ -12,8 +12,8 @@ import time
 # One CSV row per (point, provider); the same keys in the JSON rows.
 COLUMNS = [
     "label", "family", "op", "provider", "shape", "dtype", "p50_us", "p20_us", "p80_us", "gbs", "tflops", "frac_bw",
-    "frac_peak", "peer", "ratio", "check", "speedup", "timer", "samples", "flops", "bytes", "bw_gbs", "peak_tflops",
-    "gpu", "torch", "triton", "git", "error",
+    "frac_peak", "frac_gather", "peer", "ratio", "check", "speedup", "timer", "samples", "flops", "bytes", "bw_gbs",
+    "peak_tflops", "gpu", "torch", "triton", "git", "error",
 ]  # fmt: skip
 
 
@@ -98,6 +98,8 @@ def table_lines(rows: list[dict], width: int = 26) -> list[str]:
         before = next((p for p in rows if p["provider"] == "before" and p["_point"] == r["_point"]), None)
         if before is not None:  # --against: the older openmla, timed in the same rounds
             line += f"  | before {_f(before['p50_us'], '.1f', 9).strip()} us, {_f(r['speedup'], '.3f', 5).strip()}x"
+        if r.get("frac_gather", "") != "":  # a sparse decode point: its share of the run's random-row gather rate
+            line += f"  | gather {r['frac_gather'] * 100:.1f}%"
         if r["error"]:
             line += f"  ERROR: {r['error']}"
         lines.append(line.rstrip())

@@ -37,6 +37,7 @@ ROW_BYTES = {"fp8": 656, "bf16": 2 * D_QK}
 SCALE = 192**-0.5
 POOL_GIB = 2.0
 PEER_HEADS = (64, 128)  # the head counts FlashMLA's sparse decode takes
+GATHER_ROW_BYTES = (ROW_BYTES["fp8"],)  # the run measures the random-row gather rate of these (column frac_gather)
 
 _DECODE = [f"decode h{h} b{b} q{q} k2048" for q in (1, 2) for h in (16, 32, 64, 128) for b in (1, 64, 128)]
 PRESETS = {
@@ -273,5 +274,6 @@ def run(shape: SparseShape, ctx: BenchContext) -> list[dict]:
             ctx.note(f"# flashmla failed at {shape}: {type(exc).__name__}: {exc}".splitlines()[0])
     timings = ctx.time(fns, graph=shape.mode == "decode")
     nbytes = decode_bytes(rows * k, ROW_BYTES[shape.dtype], rows, h)
+    gather = ROW_BYTES["fp8"] if shape.mode == "decode" and shape.dtype == "fp8" else None  # rows at random slots
     return ctx.rows(OP, str(shape), timings, flops=decode_flops(rows * k, h), nbytes=nbytes, dtype=shape.dtype,
-                    peer="flashmla", check=check)  # fmt: skip
+                    peer="flashmla", check=check, gather_bytes=gather)  # fmt: skip

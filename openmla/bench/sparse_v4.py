@@ -48,6 +48,9 @@ SCALE = 512**-0.5
 FP8_ROW, BF16_ROW = 584, 1024
 POOL_GIB = 1.0  # each decode cache on the GPU at least (larger than L2)
 PEER_HEADS = (64, 128)  # the head counts FlashMLA's sparse decode takes
+# the run measures the random-row gather rate of fp8_v4 rows (576 data + 8 exponent bytes, read as one 584-byte row;
+# column frac_gather of the decode points, whose window rows are in order: it can pass 1)
+GATHER_ROW_BYTES = (FP8_ROW,)
 NUM_POS = 1 << 16  # rows of the cos / sin table (positions drawn below it)
 PREFILL_RATIO = 4  # compressed entries per token of a paged prefill point (CSA)
 
@@ -298,7 +301,7 @@ def _run_decode(shape: V4AttnShape, ctx: BenchContext) -> list[dict]:
     row_bytes = FP8_ROW if kv_dtype == "fp8_v4" else BF16_ROW
     nbytes = decode_bytes(int(b * (w + ql - 1) + e_keys), row_bytes, rows, h, d_qk=D, d_v=D)
     return ctx.rows(OP, str(shape), timings, flops=2.0 * h * keys * 2 * D, nbytes=nbytes, dtype=shape.dtype,
-                    peer="flashmla", check=check)  # fmt: skip
+                    peer="flashmla", check=check, gather_bytes=FP8_ROW if kv_dtype == "fp8_v4" else None)  # fmt: skip
 
 
 def _run_prefill_ws(shape: V4AttnShape, ctx: BenchContext) -> list[dict]:

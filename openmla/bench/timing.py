@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import triton  # after openmla (the parent package), which sets TRITON_INTERPRET on a machine without CUDA
+import triton.language as tl
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -148,6 +149,55 @@ def matmul_peak(device: torch.device, quick: bool = False) -> tuple[float, list[
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return max(t for _, t in sweep), sweep
+
+
+@triton.jit
+def _gather_rows_kernel(pool, slots, out, n_rows, ROW_WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
+                        ROWS: tl.constexpr):  # fmt: skip
+    # ROWS whole rows of ROW_WORDS int32 words at the given slots, folded into one word a program (kept live)
+    o_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    m_r = o_r < n_rows
+    s = tl.load(slots + o_r, mask=m_r, other=0).to(tl.int64)
+    o_w = tl.arange(0, BLOCK_W)
+    x = tl.load(pool + s[:, None] * ROW_WORDS + o_w[None, :], mask=m_r[:, None] & (o_w[None, :] < ROW_WORDS), other=0)
+    tl.store(out + tl.program_id(0), tl.xor_sum(tl.xor_sum(x, axis=1), axis=0))
+
+
+# (rows a program, warps) the gather yardstick tries; the best one is the run's figure
+GATHER_CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8))
+GATHER_ROWS = 262144  # rows gathered a call: V3.2 decode's b128 q1 top-k 2048
+GATHER_POOL_GIB = 1.0  # the pool they are drawn from (far larger than L2)
+
+
+def gather_bandwidth(device: torch.device, row_bytes: int, quick: bool = False) -> tuple[float, list]:
+    """GB/s of reading whole ``row_bytes``-byte rows (a multiple of 4) at uniformly random slots of a 1 GiB pool:
+    the roofline of a sparse decode, which reads each selected cache row whole from a random place. Returns the best
+    of :data:`GATHER_CONFIGS` and ``[((rows a program, warps), GB/s), ...]``. The CPU (interpreter) gathers 64 rows
+    of a small pool, to check the plumbing."""
+    if row_bytes % 4:
+        raise ValueError(f"row_bytes must be a multiple of 4, got {row_bytes}")
+    cuda = device.type == "cuda"
+    words = row_bytes // 4
+    n_slots = int(GATHER_POOL_GIB * 2**30) // row_bytes if cuda else 1024
+    n_rows = GATHER_ROWS if cuda else 64
+    pool = torch.ones(n_slots * words, dtype=torch.int32, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    slots = torch.randint(0, n_slots, (n_rows,), dtype=torch.int32, device=device, generator=g)
+    configs = (GATHER_CONFIGS[1:3] if quick else GATHER_CONFIGS) if cuda else GATHER_CONFIGS[:1]
+    sweep = []
+    for rows, warps in configs:
+        grid = (triton.cdiv(n_rows, rows),)
+        out = torch.empty(grid[0], dtype=torch.int32, device=device)
+
+        def fn(rows=rows, warps=warps, grid=grid, out=out):
+            _gather_rows_kernel[grid](pool, slots, out, n_rows, ROW_WORDS=words,
+                                      BLOCK_W=triton.next_power_of_2(words), ROWS=rows, num_warps=warps)  # fmt: skip
+
+        sweep.append(((rows, warps), n_rows * row_bytes / _seconds(fn, device, 10) / 1e9))
+    pool = None
+    if cuda:
+        torch.cuda.empty_cache()
+    return max(v for _, v in sweep), sweep
 
 
 def environment(label: str = "") -> dict:
