@@ -42,8 +42,6 @@ COMPILE_VARIANTS = [
 SPILL_BOUND = {2: 8}
 # "staged" fp8_v4: the consumers dequantise (224 registers) and spill up to 16 bytes (one LDL a tile)
 STAGED_SPILL_BOUND = {1: 0, 2: 16}
-# "ring" in the 64-head kernel (fp8_v4): its producer (80 registers) keeps 16 bytes in local memory (sm90 offline)
-RING_SPILL_BOUND = 16
 # the private variants (sparse_mla(_gluon_opts=...), OPTS bits of gs.GLUON_OPTS) on V3.2 specialisations: the same
 # bounds (no spill), the 11th field is OPTS
 OPTS_VARIANTS = [
@@ -51,8 +49,6 @@ OPTS_VARIANTS = [
     (2, 512, 1, True, True, 256, True, True, 64, True, 4),  # staged fp8_v4: two sources, the inverse RoPE
     (2, 512, 1, True, True, 256, True, True, 64, True, 6),  # staged + lazy
     (2, 512, 4, True, True, 64, False, False, 64, False, 4),  # one source, splits
-    (2, 512, 1, True, True, 256, True, True, 64, True, 34),  # ring + lazy: the 64-head kernel's raw half-stage
-    (2, 512, 4, True, False, 64, False, False, 64, False, 32),
     (1, 576, 1, True, True, 64, False, False, 64, False, 1),  # nanpack
     (1, 576, 4, False, True, 1, False, False, 1, False, 3),  # nanpack + lazy
     (0, 576, 1, True, True, 64, False, False, 64, False, 2),  # lazy, bf16 rows (their default before "asym")
@@ -113,7 +109,7 @@ for v in json.loads(sys.argv[1]):
                 OPTS=opts)
     cons["WALK"] = bool(len(v) > 11 and v[11])  # a constexpr, as the launcher's (not an i32 with both paths)
     kvt = "*bf16" if fmt == 0 else "*u8"
-    f32 = {0: kvt, 1: "*fp32", 2: "*fp32" if opts & 36 else kvt}[fmt]  # staged / ring fp8_v4: the exponent words
+    f32 = {0: kvt, 1: "*fp32", 2: "*fp32" if opts & 4 else kvt}[fmt]  # staged fp8_v4: the exponent words
     views = {"": kvt, "_f32": f32, "_b16": "*bf16" if fmt else kvt}
     k = compile_sm90(fn, cons, views, cons["num_warps"])
     ptx = k.asm["ptx"]
@@ -144,8 +140,7 @@ def test_sparse_gluon_compiles_for_sm90():
                "HAS_ROPE={}".format(*v[:10]) + (f" OPTS={v[10]}" if len(v) > 10 else "")  # fmt: skip
         chunks = v[1] // 64
         staged = len(v) > 10 and v[10] & gs.GLUON_OPTS["staged"]
-        ring = len(v) > 10 and v[10] & gs.GLUON_OPTS["ring"]
-        bound = STAGED_SPILL_BOUND[v[0]] if staged else RING_SPILL_BOUND if ring else SPILL_BOUND.get(v[0], 0)
+        bound = STAGED_SPILL_BOUND[v[0]] if staged else SPILL_BOUND.get(v[0], 0)
         assert r["regs"] <= 255 and r["stack"] <= bound and r["local"] == 0, f"{name}: spills {r}"
         assert r["shared"] + r["static_shared"] <= SMEM_LIMIT, f"{name}: shared memory {r}"
         assert r["num_warps"] == 12 and r["setmaxnreg"], f"{name}: {r}"
@@ -157,9 +152,6 @@ def test_sparse_gluon_compiles_for_sm90():
         assert (r["mul_bf16x2"] > 0) == (v[0] == 2), f"{name}: dequantisation {r}"
         if v[0] == 0:
             assert r["cp_async"] == 4 * chunks and r["noinc"] == 1, f"{name}: cp.async {r}"
-        elif ring:  # a half tile a time: 7 e4m3 groups and the rope, 16 bytes a copy; the exponent words; noinc
-            assert r["cp_async"] >= 9 and r["cp_async4"] >= 1 and r["noinc"] >= 2, f"{name}: cp.async {r}"
-            assert str(gs.RING_PRODUCER_REGS) in r["setmaxnreg"], f"{name}: {r}"
         elif staged:  # V3.2: 16 + 4 16-byte copies, 2 of the scales; V4: 16 + 4, 1 exponent word
             assert r["cp_async"] == 20 and r["cp_async4"] == 3 - v[0] and r["noinc"] == 1, f"{name}: cp.async {r}"
             assert str(gs.STAGED_PRODUCER_REGS[v[0]]) in r["setmaxnreg"], f"{name}: {r}"
@@ -230,7 +222,6 @@ def test_sparse_gluon_opts_validation(device):
     assert gs.gluon_opts_bits(("asym", "nanpack"), "fp8_ds_mla", 576, False) == 17
     assert gs.gluon_opts_bits(("ring",), "fp8_v4", 512, True, 16) == 32
     assert gs.gluon_opts_bits(("ring", "nanpack"), "fp8_ds_mla", 576, False, 8) == 33
-    assert gs.gluon_opts_bits(("ring", "lazy"), "fp8_v4", 512, True, 128) == 34  # the 64-head kernel's half-stage
     for args in [(("prefetch",), "fp8_ds_mla", 576, False), ("lazy", "auto", 576, False),
                  (("nanpack",), "fp8_v4", 512, False), (("nanpack", "lazy"), "fp8_ds_mla", 576, True),
                  (("staged", "nanpack"), "fp8_v4", 512, True),
@@ -242,6 +233,7 @@ def test_sparse_gluon_opts_validation(device):
                  (("ring", "staged"), "fp8_v4", 512, True), (("ring", "asym"), "fp8_v4", 512, True),
                  (("ring",), "fp8_ds_mla", 576, False), (("ring",), "fp8_ds_mla", 576, True, 16),
                  (("ring",), "fp8_v4", 512, True, 32), (("ring",), "auto", 576, False, 16),
+                 (("ring", "lazy"), "fp8_v4", 512, True, 128), (("ring",), "fp8_v4", 512, True, 64),
                  (("ring", "lazy"), "fp8_v4", 512, True, 16),
                  (("ring", "nanpack"), "fp8_v4", 512, True, 16)]:  # fmt: skip
         with pytest.raises(ValueError, match="_gluon_opts"):
@@ -611,15 +603,13 @@ def test_sparse_gluon_v4_asym(opts, heads, rows, splits, extra, kv_cache_dtype, 
 
 
 @_gpu_test
-@pytest.mark.parametrize("opts", [("staged",), ("staged", "lazy"), ("ring",), ("ring", "lazy")],
-                         ids=lambda v: "+".join(v))  # fmt: skip
+@pytest.mark.parametrize("opts", [("staged",), ("staged", "lazy")], ids=lambda v: "+".join(v))
 @pytest.mark.parametrize("heads,rows,splits,extra", [(64, 37, None, True), (128, 1, None, True), (96, 300, None, True),
                                                      (128, 37, 3, True), (64, 37, None, False)])  # fmt: skip
 def test_sparse_gluon_v4_staged(opts, heads, rows, splits, extra, device):
     # the 64-head kernel's staging of fp8_v4 rows, "staged" (the consumers dequantise raw rows cp.async'd by the
-    # producer) and "ring" (the producer, a half tile at a time through one raw half-stage), against the reference,
-    # and bit for bit against the plain code where the softmax is the same (no "lazy"): invalid entries, lengths 0,
-    # sinks, splits, the inverse RoPE, one or two sources
+    # producer), against the reference, and bit for bit against the plain code where the softmax is the same (no
+    # "lazy"): invalid entries, lengths 0, sinks, splits, the inverse RoPE, one or two sources
     kw = dict(K=128, K2=512, bs=64, e_bs=64, extra=extra, sink=torch.linspace(-2, 2, heads, device=device),
               seed=rows + heads)  # fmt: skip
     if splits:
@@ -919,18 +909,18 @@ def test_sparse_gluon_narrow_v4(heads, rows, kv_cache_dtype, device):
 
 
 def test_sparse_gluon_fp8_default_bits():
-    # the defaults add "ring" for fp8_v4 rows and for fp8_ds_mla rows of one source at H <= 16, "staged" + "lazy" for
-    # fp8_v4 rows at 33-64 heads, in one split with 16-byte aligned blocks (openmla's fp8_v4 caches pad a block to a
-    # multiple of 576 bytes; an unpadded cache of odd blocks is not; fp8_ds_mla rows of 656 bytes always are)
+    # the defaults add "ring" for fp8_v4 rows and for fp8_ds_mla rows of one source at H <= 16, in one split with
+    # 16-byte aligned blocks (openmla's fp8_v4 caches pad a block to a multiple of 576 bytes; an unpadded cache of odd
+    # blocks is not; fp8_ds_mla rows of 656 bytes always are); nothing at 17-128 heads (fp8_v4 33-64: the plain code)
     c, e = openmla.allocate_v4_cache(4, 3), openmla.allocate_v4_cache(2, 2)
     odd = torch.zeros(4, 3, 584, dtype=torch.uint8)  # block stride 1752
     ds = torch.zeros(4, 3, 656, dtype=torch.uint8)
     ring, staged = gs.GLUON_OPTS["ring"], gs.GLUON_OPTS["staged"] | gs.GLUON_OPTS["lazy"]
     assert gs.fp8_default_bits(c, e, "fp8_v4", 16, 1) == gs.fp8_default_bits(c, None, "fp8_v4", 1, 1) == ring
-    assert gs.fp8_default_bits(c, e, "fp8_v4", 33, 1) == gs.fp8_default_bits(c, e, "fp8_v4", 64, 1) == staged
     assert gs.fp8_default_bits(ds, None, "fp8_ds_mla", 16, 1) == ring
     assert gs.fp8_default_bits(ds, None, "fp8_ds_mla", 1, 1) == ring
-    for args in [(c, e, "fp8_v4", 17, 1), (c, e, "fp8_v4", 32, 1), (c, e, "fp8_v4", 65, 1), (c, e, "fp8_v4", 128, 1),
+    for args in [(c, e, "fp8_v4", 17, 1), (c, e, "fp8_v4", 32, 1), (c, e, "fp8_v4", 33, 1), (c, e, "fp8_v4", 64, 1),
+                 (c, None, "fp8_v4", 64, 1), (c, e, "fp8_v4", 65, 1), (c, e, "fp8_v4", 128, 1),
                  (c, e, "fp8_v4", 16, 2), (c, e, "fp8_v4", 64, 3), (c, odd, "fp8_v4", 16, 1),
                  (odd, None, "fp8_v4", 64, 1), (ds, None, "fp8_ds_mla", 17, 1), (ds, None, "fp8_ds_mla", 64, 1),
                  (ds, None, "fp8_ds_mla", 16, 2), (ds, ds, "fp8_ds_mla", 16, 1),

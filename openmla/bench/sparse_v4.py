@@ -83,12 +83,12 @@ PRESETS = {
     # H <= 32: the narrow kernel (the default there) beside the 64-head one ("wide")
     "narrow": [f"v4decode h{h} b{b} q2 w128 k512 g:wide" for h in (8, 16, 32) for b in (1, 128)]
               + ["v4decode h16 b128 q2 w128 k512 eb2 elen g:wide", "v4decode h16 b128 q1 w128 k512 g:wide"],
-    # the fp8_v4 staging defaults of stop 54 beside the plain code ("ring" at h8 / h16, staged + lazy at h64)
-    "staging": [f"v4decode h{h} b128 q2 w128 k{k} g:plain" for h, k in ((8, 512), (16, 512), (64, 512), (128, 1024))]
-               + ["v4decode h16 b128 q2 w128 k512 eb2 elen g:plain", "v4prefill h64 t4096 k512 w128 paged g:plain"]
-               # the 64-head kernel's private "ring" (one raw half-stage), untimed so far
-               + [f"v4decode h{h} b128 q2 w128 k{k} g:{g}" for h, k in ((64, 512), (128, 1024))
-                  for g in ("ring", "ring+lazy")],
+    # the fp8_v4 staging default ("ring" at h8 / h16) beside the plain code, and the 64-head kernel's private
+    # "staged" (+ "lazy"; the default at 33-64 heads in stops 54-55) beside its default (the plain code)
+    "staging": [f"v4decode h{h} b128 q2 w128 k512 g:plain" for h in (8, 16)]
+               + ["v4decode h16 b128 q2 w128 k512 eb2 elen g:plain"]
+               + [f"{p} g:{g}" for p in ("v4decode h64 b128 q2 w128 k512", "v4prefill h64 t4096 k512 w128 paged")
+                  for g in ("staged", "staged+lazy")],
     "tiny": ["v4decode h2 b2 q2 w8 k8 wb16 eb4", "v4decode h3 b1 q1 w4 k6 eb2 elen bf16",
              "v4prefill h2 t6 k8 s32", "v4prefill h2 t6 k8 w4 paged gather"],  # CPU (interpreter)
     # tuning: tiles (32x8x2 spills 8-16 bytes at 64 heads offline, the others none; 16-key tiles at 16 heads take

@@ -120,8 +120,8 @@ _FORMATS = {"auto": 0, "fp8_ds_mla": 1, "fp8_v4": 2}
 # "ring" (the narrow kernel's fp8_v4 rows, or fp8_ds_mla rows of one source, at H <= RING_MAX_H; the default in one
 #   split with aligned blocks and rows, fp8_default_bits): each producer cp.asyncs its next tile's (V3.2: half
 #   tile's) raw rows into its own raw stage while it dequantises the one before from registers
-#   (openmla/ops/gluon/sparse_narrow.py, _gather_v4_ring / _gather_ds_ring); on the 64-head kernel (fp8_v4, not with
-#   "staged" / "asym"; private, untimed) one raw half-stage, a tile in two halves (_gather_v4_halves)
+#   (openmla/ops/gluon/sparse_narrow.py, _gather_v4_ring / _gather_ds_ring); the narrow kernel's only (the 64-head
+#   kernel's with one raw half-stage: 0.89x / 0.85x the plain code at fp8_v4 h64 / h128 b128, H200 stop 56: dropped)
 # "asym" (not with "staged"; the default for bf16 rows): asymmetric consumers: warpgroup 0 scores the whole tile
 #   (m64n64k16), runs the softmax and its half of P V one tile behind the scores; warpgroup 1, a worker partition,
 #   runs the other half of P V from P and the rows' factors in shared memory, beside warpgroup 0's next scores and
@@ -137,7 +137,6 @@ _STAGED = 4
 # the staged producers only compute addresses, by format (fp8_ds_mla 56: consumers 224, as with bf16 rows; fp8_v4
 # 48: consumers 232, which V4's widening needs (sm90 offline: 8-16 bytes spilled at 224))
 STAGED_PRODUCER_REGS = {1: 56, 2: 48}
-RING_PRODUCER_REGS = 80  # the 64-head kernel's "ring" producer (sm90 offline: 32 bytes spilled at 72; consumers 216)
 _V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8 exponent bytes after the block's rows
 
 
@@ -145,8 +144,7 @@ _V4_DATA_BYTES = 576  # fp8_v4: a token's 448 e4m3 + 64 bf16 in its block; its 8
 # one source) staged + nanpack + lazy 1.12-1.14x the plain code at h16-h128 b64-b128 (preset "gopts", stop 39); bf16
 # rows (V3.2 and V4, one or two sources) asym + lazy 1.08-1.27x the lazy plain code at prefill, 0.98-1.08x at decode
 # (preset "asym", stop 48); fp8_v4 rows the plain code; in one split with aligned blocks "ring" at H <= 16 (fp8_v4, and
-# fp8_ds_mla of one source) and for fp8_v4 "staged" + "lazy" at 33-64 heads (fp8_default_bits: they need the cache's
-# strides, known only at the call)
+# fp8_ds_mla of one source; fp8_default_bits: it needs the cache's strides, known only at the call)
 DEFAULT_OPTS = {"fp8_ds_mla": ("staged", "nanpack", "lazy"), "auto": ("asym", "lazy")}
 
 
@@ -169,25 +167,23 @@ def default_opts(kv_cache_dtype: str, d_qk: int, has_extra: bool, H: int = BLOCK
 
 def fp8_default_bits(kv_cache, extra_kv_cache, kv_cache_dtype: str, H: int, num_splits: int) -> int:
     """The OPTS bits a call on the defaults (no ``_gluon_opts``) adds for fp8 rows in one split with 16-byte aligned
-    blocks (and rows): "ring" at H <= RING_MAX_H (the narrow kernel; fp8_ds_mla rows of one source or fp8_v4 rows),
-    "staged" + "lazy" for fp8_v4 rows at NARROW_MAX_H < H <= 64 (one head block of the 64-head kernel); 0 otherwise.
-    Each measured faster there (H100: ring 1.06-1.16x at fp8_v4 h8 / h16 b128 (stop 54) and 1.08x at fp8_ds_mla h16
-    b128 q1 / q2 (stop 55); staged + lazy 1.025x at fp8_v4 h64 b128, but 0.986x at h128). Split calls (small batches:
-    one-tile programs) keep the plain code: there the staging only adds latency (fp8_v4 h8 b1 q2 9.2 -> 9.8 us with
-    "ring")."""
+    blocks (and rows): "ring" at H <= RING_MAX_H (the narrow kernel; fp8_ds_mla rows of one source or fp8_v4 rows);
+    0 otherwise. Measured faster there: ring 1.01-1.14x at fp8_v4 h8 / h16 b128 q2 and 1.04-1.07x at fp8_ds_mla h8 /
+    h16 b64-b128 (H200, stop 56; H100 1.06-1.16x and 1.08x, stops 54-55). Split calls (small batches: one-tile
+    programs) keep the plain code: there the staging only adds latency (fp8_v4 h8 b1 q2 9.2 -> 9.8 us with "ring").
+    fp8_v4 rows at 33-64 heads keep the plain code too: "staged" + "lazy" was 1.025x there on the H100 (h64 b128 q2)
+    but 0.993x on the H200 and 0.86x at a paged prefill (h64 t4096: 1527.6 against 1311.0 us, stop 56)."""
     from openmla.ops.sparse import _cache_views
 
-    if kv_cache_dtype not in ("fp8_v4", "fp8_ds_mla") or num_splits != 1 or H > BLOCK_H:
+    if kv_cache_dtype not in ("fp8_v4", "fp8_ds_mla") or num_splits != 1 or H > RING_MAX_H:
         return 0
-    if kv_cache_dtype == "fp8_ds_mla" and (extra_kv_cache is not None or H > RING_MAX_H):
-        return 0
-    if RING_MAX_H < H <= NARROW_MAX_H:
+    if kv_cache_dtype == "fp8_ds_mla" and extra_kv_cache is not None:
         return 0
     fmt = _FORMATS[kv_cache_dtype]
     for c in (kv_cache, extra_kv_cache):
         if c is not None and any(stride % 16 for stride in _cache_views(c, fmt)[1:]):
             return 0
-    return _RING if H <= RING_MAX_H else _STAGED | GLUON_OPTS["lazy"]
+    return _RING
 
 
 def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool, H: int = BLOCK_H) -> int:
@@ -205,12 +201,9 @@ def gluon_opts_bits(opts, kv_cache_dtype: str, d_qk: int, has_extra: bool, H: in
     if bits & _WIDE and H > NARROW_MAX_H:
         raise ValueError(f"_gluon_opts 'wide' chooses the 64-head kernel at H <= {NARROW_MAX_H}; H is {H}")
     ring_ok = kv_cache_dtype == "fp8_v4" or (kv_cache_dtype == "fp8_ds_mla" and not has_extra)
-    narrow_ring = is_narrow(H, bits) and ring_ok and H <= RING_MAX_H
-    wide_ring = not is_narrow(H, bits) and kv_cache_dtype == "fp8_v4" and not bits & (_STAGED | _ASYM)
-    if bits & _RING and not (narrow_ring or wide_ring):
+    if bits & _RING and not (is_narrow(H, bits) and ring_ok and H <= RING_MAX_H):
         raise ValueError(f"_gluon_opts 'ring' is the narrow kernel's producer of fp8_v4 rows or of fp8_ds_mla rows of "
-                         f"one source at H <= {RING_MAX_H}, or the 64-head kernel's of fp8_v4 rows (not with "
-                         f"'staged' / 'asym')")  # fmt: skip
+                         f"one source at H <= {RING_MAX_H}")  # fmt: skip
     if is_narrow(H, bits) and bits & _RING:
         if bits & ~(_RING | GLUON_OPTS["nanpack"]) or (bits & 1 and kv_cache_dtype != "fp8_ds_mla"):
             raise ValueError(f"_gluon_opts 'ring' takes 'nanpack' on fp8_ds_mla rows only; got {tuple(opts)}")
@@ -235,8 +228,6 @@ def producer_regs(fmt: int, d_qk: int, opts: int = 0) -> int:
     """The producer's setmaxnreg count for (cache format, row width, OPTS bits)."""
     if opts & _STAGED:
         return STAGED_PRODUCER_REGS[fmt]
-    if opts & _RING and fmt == 2:  # the 64-head kernel's "ring": a half tile's raw bytes and the next half's addresses
-        return RING_PRODUCER_REGS
     return PRODUCER_REGS[(fmt, d_qk)]
 
 
@@ -251,8 +242,7 @@ def _smem_bytes(d_qk: int = D_QK, opts: int = 0) -> int:
         return (BLOCK_H * D_QK * 2 + BLOCK_N * D_V * 2 + STAGES * BLOCK_N * D_R * 2
                 + STAGES * BLOCK_N * (D_V + 16) + 2048)  # fmt: skip
     asym = 2 * BLOCK_H * 4 if opts & _ASYM else 0  # the rows' factors, per tile and final
-    ring = BLOCK_N // 2 * (7 * 64 + 64 * 2 + 2 * 4) if opts & _RING else 0  # "ring": one raw half-stage (fp8_v4)
-    return BLOCK_H * d_qk * 2 + STAGES * BLOCK_N * d_qk * 2 + BLOCK_H * BLOCK_N * 2 + asym + ring + 2048
+    return BLOCK_H * d_qk * 2 + STAGES * BLOCK_N * d_qk * 2 + BLOCK_H * BLOCK_N * 2 + asym + 2048
 
 
 if GLUON_AVAILABLE:
@@ -661,7 +651,7 @@ if GLUON_AVAILABLE:
         """cp.async of the fp8_v4 rows of entries ``[n0, n0 + ROWS)`` (either source; invalid rows zero-filled) into
         raw stage ``r`` (``raw8 [NS * 7, ROWS, 64]`` e4m3 groups, 16 bytes a copy; ``rope8 [NS, ROWS, 64]`` bf16;
         ``ex8 [NS * 2, ROWS]`` the exponent bytes as two 4-byte words a row, word-major); each thread's copies
-        complete ``raw_ready[r]`` (noinc arrive). "ring": the narrow kernel's tiles, the 64-head kernel's halves."""
+        complete ``raw_ready[r]`` (noinc arrive). "ring": the narrow kernel's tiles."""
         ROWS: gl.constexpr = raw8.shape[1]
         NS: gl.constexpr = rope8.shape[0]
         NW: gl.constexpr = gl.num_warps()
@@ -714,40 +704,6 @@ if GLUON_AVAILABLE:
         dst.slice(384, 64, dim=1).store(_dequant_pow2(raw[6], _e8m0_bf16((w1 >> 16) & 255)))
         b_r = raw[9]
         dst.slice(448, 64, dim=1).store(gl.where(b_r != b_r, 0.0, b_r))
-
-    @gluon.jit
-    def _gather_v4_halves(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, ready, empty, raw8, ex8, rope8,
-                          raw_ready, lo, hi, n1, n_tiles, stride_kv_b, stride_ekv_b, num_slots, e_num_slots,
-                          PAGE: gl.constexpr, E_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          HAS_EXTRA: gl.constexpr):  # fmt: skip
-        """Producer of fp8_v4 rows with one raw half-stage ("ring" in the 64-head kernel, whose shared memory holds
-        only 32 rows' raw bytes beside Q and the bf16 ring): a tile in two halves of 32 rows, each copied by
-        cp.async (``_v4_ring_issue``) before the half before it is dequantised from registers (``_dequant_pow2``),
-        so a half's latency runs beside the other half's conversion (the plain producer's two passes wait in turn)."""
-        NW: gl.constexpr = gl.num_warps()
-        R: gl.constexpr = BLOCK_N // 2
-        B64: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])  # e4m3 bytes [32, 64], 16 a thread
-        R16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-        if n_tiles > 0:
-            _v4_ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8, raw_ready, 0, lo,
-                           hi, n1, stride_kv_b, stride_ekv_b, num_slots, e_num_slots, PAGE, E_PAGE,
-                           HAS_EXTRA)  # fmt: skip
-        for j in range(n_tiles):
-            stage = j % STAGES
-            for h in gl.static_range(2):
-                mbarrier.wait(raw_ready.index(0), h)  # two completions a tile: phases 0 then 1
-                raw = _v4_raw_load(raw8, ex8, rope8, 0, B64, R16)
-                gl.thread_barrier()  # every warp has read the half-stage: the next half's copies may land there
-                if h == 0 or j + 1 < n_tiles:
-                    _v4_ring_issue(kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, raw8, ex8, rope8,
-                                   raw_ready, 0, lo + j * BLOCK_N + (h + 1) * R, hi, n1, stride_kv_b, stride_ekv_b,
-                                   num_slots, e_num_slots, PAGE, E_PAGE, HAS_EXTRA)  # fmt: skip
-                if h == 0:
-                    mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
-                _v4_store_rows(lat.index(stage).slice(h * R, R, dim=0), raw)
-            fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
-            gl.thread_barrier()  # the producer warps' stores are all done
-            mbarrier.arrive(ready.index(stage), count=1)
 
     @gluon.jit
     def _gather_v4(kv, kv_b16, ekv, ekv_b16, p_idx, p_eidx, lat, ready, empty, lo, hi, n1, n_tiles, stride_kv_b,
@@ -1369,7 +1325,6 @@ if GLUON_AVAILABLE:
         SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.bfloat16)
         STAGED: gl.constexpr = (OPTS & 4) != 0
-        RING: gl.constexpr = (OPTS & 32) != 0
         PW: gl.constexpr = 4  # producer warps (one warpgroup)
         if STAGED and FMT == 2:
             # "staged", V4: ONE bf16 tile (448 latent + 64 rope columns), P apart, STAGES fp8 stages (raw e4m3 rows
@@ -1504,41 +1459,19 @@ if GLUON_AVAILABLE:
                 # bf16: one noinc cp.async arrive per producer thread; fp8: one arrive after the partition barrier
                 mbarrier.init(ready.index(st), count=PW * 32 if FMT == 0 else 1)
                 mbarrier.init(empty.index(st), count=1)
-            if RING:  # "ring" (fp8_v4): one raw half-stage for the producer beside the ring
-                gl.static_assert(FMT == 2 and D_QK == 512, "the 64-head kernel's ring: fp8_v4 rows")
-                RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-                raw8 = gl.allocate_shared_memory(gl.uint8, [7, BLOCK_N // 2, 64], RAW)
-                rope8 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N // 2, 64], RAW)
-                ex8 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N // 2],
-                                                gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # fmt: skip
-                raw_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-                mbarrier.init(raw_ready.index(0), count=PW * 32)  # one noinc cp.async arrive per producer thread
             fence_async_shared()  # barrier inits visible to the async proxy and the other partitions
 
-            if RING:
-                gl.warp_specialize([
-                    (_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, lat, lat, empty, p_idx, p_eidx, sink,
-                                 out, lse, o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h,
-                                 stride_o_t, stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi,
-                                 n1, n_tiles, num_slots, e_num_slots, D_QK, BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA,
-                                 HAS_SINK, HAS_ROPE, ROPE, FMT == 0, OPTS)),
-                    (_gather_v4_halves, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, ready, empty,
-                                         raw8, ex8, rope8, raw_ready, lo, hi, n1, n_tiles, stride_kv_b, stride_ekv_b,
-                                         num_slots, e_num_slots, PAGE, E_PAGE, BLOCK_N, STAGES, HAS_EXTRA)),
-                ], [PW], [PRODUCER_REGS])  # fmt: skip
-                mbarrier.invalidate(raw_ready.index(0))
-            else:
-                gl.warp_specialize([
-                    (_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, lat, lat, empty, p_idx, p_eidx, sink,
-                                 out, lse, o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h,
-                                 stride_o_t, stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi,
-                                 n1, n_tiles, num_slots, e_num_slots, D_QK, BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA,
-                                 HAS_SINK, HAS_ROPE, ROPE, FMT == 0, OPTS)),
-                    (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty,
-                                 lo, hi, n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots,
-                                 e_num_slots, PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA,
-                                 OPTS)),
-                ], [PW], [PRODUCER_REGS])  # fmt: skip
+            gl.warp_specialize([
+                (_consumer, (q, q_smem, lat, rope, p_smem, ready, empty, lat, lat, empty, p_idx, p_eidx, sink,
+                             out, lse, o_part, lse_part, rope_pos, cos_sin, scale_log2, stride_q_t, stride_q_h,
+                             stride_o_t, stride_o_h, stride_l_t, stride_cs, num_pos, T, H, i_t, i_hb, i_s, lo, hi,
+                             n1, n_tiles, num_slots, e_num_slots, D_QK, BLOCK_N, STAGES, NUM_SPLITS, HAS_EXTRA,
+                             HAS_SINK, HAS_ROPE, ROPE, FMT == 0, OPTS)),
+                (_producer, (kv, kv_f32, kv_b16, ekv, ekv_f32, ekv_b16, p_idx, p_eidx, lat, rope, ready, empty,
+                             lo, hi, n1, n_tiles, stride_kv_b, stride_kv_p, stride_ekv_b, stride_ekv_p, num_slots,
+                             e_num_slots, PAGE, E_PAGE, FMT, BLOCK_N, STAGES, FP8_PASSES, D_QK > 512, HAS_EXTRA,
+                             OPTS)),
+            ], [PW], [PRODUCER_REGS])  # fmt: skip
 
             for st in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(st))
