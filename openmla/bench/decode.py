@@ -81,10 +81,12 @@ PRESETS = {
                "h16 b128 s8192 q1 fp8 triton", "h64 b128 s8192 q1 fp8 triton", "h128 b128 s8192 q1 fp8"],
     # h16 / h32 with wide batches (issue 34: 0.976x FlashMLA at b128 q1 on the H200, stop 56): the pair kernel (64-row
     # blocks: 32 heads x 2 query slots, 16 x 4) against the default (seesaw); stop 56 measured pair 308.6 us against
-    # 321.9 at h32 b128 q1 (FlashMLA 314.2), the other points are not timed yet
-    "narrowpair": [f"h{h} b{b} s8192 q{q} pair" for h, b, q in ((32, 128, 1), (32, 128, 2), (16, 128, 1), (16, 128, 2),
-                                                                (32, 64, 1), (16, 64, 1))]
-                  + ["h16 b128 s8192~4096 q1 pair", "h32 b128 s8192~4096 q1 pair"],
+    # 321.9 at h32 b128 q1 (FlashMLA 314.2), the other points are not timed yet; h32 q2 plans 64-row tiles, so the
+    # pair kernel can run the request-spanning schedule there (spans1: all 132 SMs busy, not 128)
+    "narrowpair": [f"h{h} b{b} s8192 q{q} pair" for h, b, q in ((32, 128, 1), (16, 128, 1), (16, 128, 2), (32, 64, 1),
+                                                                (16, 64, 1))]
+                  + ["h32 b128 s8192 q2 pair pair+spans1", "h16 b128 s8192~4096 q1 pair",
+                     "h32 b128 s8192~4096 q1 pair"],
     # ragged batches (issue 34): the plan launches requests longest split first; the uniform control keeps batch order
     # (an A/B against batch order: --against an older checkout)
     "ragged": ["h16 b128 s8192~4096 q1", "h16 b128 s4096~4000 q1", "h128 b128 s8192~4096 q1",
