@@ -163,8 +163,9 @@ def _gather_rows_kernel(pool, slots, out, n_rows, ROW_WORDS: tl.constexpr, BLOCK
     tl.store(out + tl.program_id(0), tl.xor_sum(tl.xor_sum(x, axis=1), axis=0))
 
 
-# (rows a program, warps) the gather yardstick tries; the best one is the run's figure
-GATHER_CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8))
+# (rows a program, warps) the gather yardstick tries; the best one is the run's figure (H200, stop 56: 16 x 4 the best
+# of the last four, so smaller tiles are tried too)
+GATHER_CONFIGS = ((16, 4), (8, 2), (8, 4), (32, 4), (32, 8), (64, 8))
 GATHER_ROWS = 262144  # rows gathered a call: V3.2 decode's b128 q1 top-k 2048
 GATHER_POOL_GIB = 1.0  # the pool they are drawn from (far larger than L2)
 
@@ -183,7 +184,7 @@ def gather_bandwidth(device: torch.device, row_bytes: int, quick: bool = False) 
     pool = torch.ones(n_slots * words, dtype=torch.int32, device=device)
     g = torch.Generator(device=device).manual_seed(0)
     slots = torch.randint(0, n_slots, (n_rows,), dtype=torch.int32, device=device, generator=g)
-    configs = (GATHER_CONFIGS[1:3] if quick else GATHER_CONFIGS) if cuda else GATHER_CONFIGS[:1]
+    configs = (GATHER_CONFIGS[:3] if quick else GATHER_CONFIGS) if cuda else GATHER_CONFIGS[:1]
     sweep = []
     for rows, warps in configs:
         grid = (triton.cdiv(n_rows, rows),)
