@@ -123,7 +123,7 @@ def run(args) -> int:
 
     from openmla.bench import report
     from openmla.bench.context import BenchContext
-    from openmla.bench.timing import GATHER_ROWS, Timer, environment, gather_bandwidth, matmul_peak, read_bandwidth
+    from openmla.bench.timing import Timer, environment, gather_bandwidth, gather_rows, matmul_peak, read_bandwidth
 
     if args.list:
         for name in FAMILIES:
@@ -168,7 +168,7 @@ def run(args) -> int:
     rows: list[dict] = []
     for rb, g in gather.items():
         row = dict.fromkeys(report.COLUMNS, "")
-        us = (GATHER_ROWS if device.type == "cuda" else 64) * rb / g / 1e3
+        us = gather_rows(device) * rb / g / 1e3
         row.update(env, family="roofline", op=f"gather{rb}", provider="triton", shape=f"{rb}B", dtype="uint8",
                    p50_us=us, gbs=g, bw_gbs=bw, frac_bw=g / bw, peak_tflops=peak, _point="")  # fmt: skip
         rows.append(row)

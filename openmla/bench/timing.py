@@ -170,6 +170,11 @@ GATHER_ROWS = 262144  # rows gathered a call: V3.2 decode's b128 q1 top-k 2048
 GATHER_POOL_GIB = 1.0  # the pool they are drawn from (far larger than L2)
 
 
+def gather_rows(device: torch.device) -> int:
+    """Rows a call of the gather yardstick reads: GATHER_ROWS on a GPU, 64 under the interpreter."""
+    return GATHER_ROWS if device.type == "cuda" else 64
+
+
 def gather_bandwidth(device: torch.device, row_bytes: int, quick: bool = False) -> tuple[float, list]:
     """GB/s of reading whole ``row_bytes``-byte rows (a multiple of 4) at uniformly random slots of a 1 GiB pool:
     the roofline of a sparse decode, which reads each selected cache row whole from a random place. Returns the best
@@ -180,7 +185,7 @@ def gather_bandwidth(device: torch.device, row_bytes: int, quick: bool = False) 
     cuda = device.type == "cuda"
     words = row_bytes // 4
     n_slots = int(GATHER_POOL_GIB * 2**30) // row_bytes if cuda else 1024
-    n_rows = GATHER_ROWS if cuda else 64
+    n_rows = gather_rows(device)
     pool = torch.ones(n_slots * words, dtype=torch.int32, device=device)
     g = torch.Generator(device=device).manual_seed(0)
     slots = torch.randint(0, n_slots, (n_rows,), dtype=torch.int32, device=device, generator=g)
