@@ -117,8 +117,12 @@ def test_plan_decode_spans_switch(device):
     ptr = plan.spans.work_lo.data_ptr()
     again = openmla.plan_decode(sl, qsl, 128, num_sms=16, max_query_len=2, out=plan, _spans=True)
     assert again.spans.work_lo.data_ptr() == ptr and again.work_req.data_ptr() == plan.work_req.data_ptr()
-    # 16-row tiles: the pair kernel does not run
-    assert openmla.plan_decode(sl, qsl, 16, num_sms=16, _spans=True).spans is None
+    # 16 heads (16-row portable tiles; the Gluon kernels' 64-row blocks hold 16 heads x 4 query tokens: one reader)
+    narrow = openmla.plan_decode(sl, qsl, 16, num_sms=16, _spans=True)
+    assert narrow.spans is not None and narrow.spans.num_groups == 16 and narrow.spans.readers == 1
+    _check_schedule(narrow.spans, lens, qlens, 16)
+    # the default adds none off sm90 (nor on it below 64 heads: the seesaw kernel runs there)
+    assert openmla.plan_decode(sl, qsl, 16, num_sms=16).spans is None
     assert openmla.plan_decode(sl, qsl, 128, num_sms=16, _spans=False).spans is None
     with pytest.raises(ValueError, match="mode"):
         plan_spans(sl, qsl, 4, 1, 8, mode="even")

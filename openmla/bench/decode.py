@@ -85,8 +85,11 @@ PRESETS = {
     # pair kernel can run the request-spanning schedule there (spans1: all 132 SMs busy, not 128)
     "narrowpair": [f"h{h} b{b} s8192 q{q} pair" for h, b, q in ((32, 128, 1), (16, 128, 1), (16, 128, 2), (32, 64, 1),
                                                                 (16, 64, 1))]
-                  + ["h32 b128 s8192 q2 pair pair+spans1", "h16 b128 s8192~4096 q1 pair",
-                     "h32 b128 s8192~4096 q1 pair"],
+                  + ["h32 b128 s8192 q2 pair pair+spans1", "h16 b128 s8192~4096 q1 pair pair+spans1",
+                     "h32 b128 s8192~4096 q1 pair pair+spans1"]
+                  # the spanning schedule at 16 / 32 heads (one reader a tile): "cut" spreads a uniform batch over all
+                  # 132 SMs (auto snaps it onto 128), a ragged one is cut under auto
+                  + [f"h{h} b128 s8192 q1 pair+spans1+spanscut" for h in (16, 32)],
     # ragged batches (issue 34): the plan launches requests longest split first; the uniform control keeps batch order
     # (an A/B against batch order: --against an older checkout)
     "ragged": ["h16 b128 s8192~4096 q1", "h16 b128 s4096~4000 q1", "h128 b128 s8192~4096 q1",

@@ -277,12 +277,19 @@ def pair_wanted(num_heads: int, readers: int, batch: int, num_sms: int) -> bool:
     return num_heads >= 64 and batch * readers >= _PAIR_MIN_FILL * num_sms
 
 
-def _spans_wanted(tiling: DecodeTiling, kv_cache_dtype: str, num_heads: int, readers: int, batch: int, num_sms: int,
-                  device: torch.device, force: bool | None = None) -> bool:  # fmt: skip
+def _pair_readers(num_heads: int, max_query_len: int) -> int:
+    """Programs that read each KV tile in the sm90 Gluon kernels: 64-row blocks of heads x query tokens, heads
+    first (``openmla.ops.gluon.decode.gluon_decode_config``), whatever the portable tiling."""
+    block_h = min(triton_next_pow2(num_heads), 64)
+    return triton_cdiv(num_heads, block_h) * triton_cdiv(max_query_len, 64 // block_h)
+
+
+def _spans_wanted(kv_cache_dtype: str, num_heads: int, readers: int, batch: int, num_sms: int, device: torch.device,
+                  force: bool | None = None) -> bool:  # fmt: skip
     """Whether ``plan_decode`` adds the request-spanning schedule: where ``mla_decode`` runs the pair kernel
-    (sm90, 64-row tiles of a bf16 cache, :func:`pair_wanted`).
-    ``force`` (tests): True adds it for every 64-row tiling of a bf16 cache, False never."""
-    if force is False or tiling.block_m != 64 or kv_cache_dtype != "auto" or readers > num_sms:
+    (sm90, a bf16 cache, :func:`pair_wanted`; the Gluon kernels run 64-row blocks whatever the portable tiling).
+    ``force`` (tests, bench): True adds it for every bf16 cache, False never."""
+    if force is False or kv_cache_dtype != "auto" or readers > num_sms:
         return False
     return force is True or (_gluon_tier(device) and pair_wanted(num_heads, readers, batch, num_sms))
 
@@ -332,8 +339,8 @@ def plan_decode(
             never waits for the device.
         out (DecodePlan | None): a plan built earlier for the same batch size, heads and
             ``max_query_len``: its buffers are rewritten in place (stable addresses for CUDA graphs).
-        _spans (bool | None): tests only: True adds the request-spanning schedule for every 64-row tiling of a
-            bf16 cache, False never; None (default) where ``mla_decode`` runs the pair kernel.
+        _spans (bool | None): tests only: True adds the request-spanning schedule for every bf16 cache, False
+            never; None (default) where ``mla_decode`` runs the pair kernel.
         _min_split, _max_split, _item_cost, _slots (int | None): tuning only (``openmla bench``): the shortest and
             longest split in tokens (``_max_split`` a multiple of ``tiling.block_n``, at most ``tiling.max_split``;
             both equal: that split length), a work item's fixed cost in tokens, and the work items that run at once,
@@ -419,10 +426,11 @@ def plan_decode(
             max_splits=max_splits,
         )  # fmt: skip
     spans = None
-    if _spans_wanted(tiling, kv_cache_dtype, num_heads, programs_per_split, B, num_sms, dev, _spans):
-        groups = num_sms // programs_per_split
+    readers = _pair_readers(num_heads, max_query_len)
+    if _spans_wanted(kv_cache_dtype, num_heads, readers, B, num_sms, dev, _spans):
+        groups = num_sms // readers
         reuse = out.spans if out is not None and out.spans is not None and out.spans.num_groups == groups else None
-        spans = plan_spans(seq_lens, query_start_loc, groups, programs_per_split, capacity, out=reuse,
+        spans = plan_spans(seq_lens, query_start_loc, groups, readers, capacity, out=reuse,
                            mode=_spans_mode or "auto", cut_cost=_span_cut)  # fmt: skip
     if spans is not plan.spans or max_splits != plan.max_splits:
         plan = dataclasses.replace(plan, spans=spans, max_splits=max_splits)
