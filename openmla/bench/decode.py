@@ -83,10 +83,10 @@ PRESETS = {
     # blocks: 32 heads x 2 query slots, 16 x 4) against the default (seesaw); stop 56 measured pair 308.6 us against
     # 321.9 at h32 b128 q1 (FlashMLA 314.2), the other points are not timed yet; h32 q2 plans 64-row tiles, so the
     # pair kernel can run the request-spanning schedule there (spans1: all 132 SMs busy, not 128)
-    "narrowpair": [f"h{h} b{b} s8192 q{q} pair" for h, b, q in ((32, 128, 1), (16, 128, 1), (16, 128, 2), (32, 64, 1),
-                                                                (16, 64, 1))]
-                  + ["h32 b128 s8192 q2 pair pair+spans1", "h16 b128 s8192~4096 q1 pair pair+spans1",
-                     "h32 b128 s8192~4096 q1 pair pair+spans1"]
+    "narrowpair": [f"h{h} b{b} s8192 q{q} pair pair+spans1" for h, b, q in ((32, 128, 1), (16, 128, 1), (16, 128, 2),
+                                                                           (32, 128, 2), (32, 64, 1), (16, 64, 1))]
+                  + ["h16 b128 s8192~4096 q1 pair pair+spans1", "h32 b128 s8192~4096 q1 pair pair+spans1",
+                     "h16 b128 s4096~4000 q1 pair+spans1", "h8 b128 s8192 q1 pair+spans1"]
                   # the spanning schedule at 16 / 32 heads (one reader a tile): "cut" spreads a uniform batch over all
                   # 132 SMs (auto snaps it onto 128), a ragged one is cut under auto
                   + [f"h{h} b128 s8192 q1 pair+spans1+spanscut" for h in (16, 32)],
