@@ -79,10 +79,10 @@ PRESETS = {
                "h16 b8 s4096 q1 minsplit1024 gluon", "h128 b1 s32768 q1 maxsplit2048 maxsplit8192",
                # the fp8 cache (half the bytes) beside the bf16 points above: ws against the portable kernel
                "h16 b128 s8192 q1 fp8 triton", "h64 b128 s8192 q1 fp8 triton", "h128 b128 s8192 q1 fp8"],
-    # h16 / h32 with wide batches (issue 34: 0.976x FlashMLA at b128 q1 on the H200, stop 56): the pair kernel (64-row
-    # blocks: 32 heads x 2 query slots, 16 x 4) against the default (seesaw); stop 56 measured pair 308.6 us against
-    # 321.9 at h32 b128 q1 (FlashMLA 314.2), the other points are not timed yet; h32 q2 plans 64-row tiles, so the
-    # pair kernel can run the request-spanning schedule there (spans1: all 132 SMs busy, not 128)
+    # h16 / h32 (issue 34: 0.976x FlashMLA at b128 q1 on the H200, stop 56): the pair kernel (64-row blocks: 32 heads
+    # x 2 query slots, 16 x 4) and pair + the spanning schedule against the default (seesaw + reduce). Stop 57 (H100):
+    # at b128 both within 0.1-0.9% of the default (98% of the read bandwidth), at b64 the schedule 5-7% slower; the
+    # ragged points and spanscut not timed yet (RESULTS.md)
     "narrowpair": [f"h{h} b{b} s8192 q{q} pair pair+spans1" for h, b, q in ((32, 128, 1), (16, 128, 1), (16, 128, 2),
                                                                            (32, 128, 2), (32, 64, 1), (16, 64, 1))]
                   + ["h16 b128 s8192~4096 q1 pair pair+spans1", "h32 b128 s8192~4096 q1 pair pair+spans1",
