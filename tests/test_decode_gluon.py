@@ -490,8 +490,9 @@ def test_gluon_pair_score_jumps(variant, q_gain, device):
 @_gpu_test
 @pytest.mark.parametrize("mode", ["cut", "snap"])
 @pytest.mark.parametrize("num_sms", [8, 30, 132])
-@pytest.mark.parametrize("heads,qlen", [(128, "1"), (128, "2"), (64, "varlen"), (16, "4"), (16, "1"), (32, "1"),
-                                        (8, "varlen")])
+@pytest.mark.parametrize(
+    "heads,qlen", [(128, "1"), (128, "2"), (64, "varlen"), (16, "4"), (16, "1"), (32, "1"), (8, "varlen")]
+)
 def test_gluon_decode_spans(heads, qlen, num_sms, mode, device):
     # the request-spanning schedule: each program loops over its group's items, last to first (the mbarrier phases
     # run on across them); "cut": requests cut into pieces (up to 27 here), which the kernel merges through

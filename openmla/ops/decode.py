@@ -387,8 +387,11 @@ def _merge_info_of(merge_info, task, n_tasks, per_req):
     """The ``merge_info`` row (request, first work item, splits) of reduce task ``task``; zeros past ``n_tasks``."""
     p_info = merge_info + (task // per_req).to(tl.int64) * 3
     ok = task < n_tasks
-    return tl.load(p_info, mask=ok, other=0), tl.load(p_info + 1, mask=ok, other=0), tl.load(p_info + 2, mask=ok,
-                                                                                             other=0)
+    return (
+        tl.load(p_info, mask=ok, other=0),
+        tl.load(p_info + 1, mask=ok, other=0),
+        tl.load(p_info + 2, mask=ok, other=0),
+    )
 
 
 @triton.jit
