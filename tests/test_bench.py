@@ -17,7 +17,7 @@ from openmla import bench
 from openmla.bench import decode, prefill, report
 from openmla.bench.cli import main as bench_main
 from openmla.bench.context import BenchContext, cosine
-from openmla.bench.timing import Timer, Timing
+from openmla.bench.timing import Timer, Timing, format_kernels, kernel_summary
 from openmla.cli import main
 from openmla.utils.testing import suite_device
 
@@ -31,6 +31,34 @@ def _csv(path):
     with open(path, newline="") as f:
         r = csv.DictReader(f)
         return r.fieldnames, list(r)
+
+
+def test_kernel_summary():
+    # per-call device time by short kernel name (template arguments and parameters dropped), longest first
+    events = [("void sm90::fwd_kernel<T, 64>(Params)", 140.0), ("_reduce_kernel", 20.0),
+              ("void sm90::fwd_kernel<T, 64>(Params)", 160.0), ("Memset (Device)", 2.0)]  # fmt: skip
+    got = kernel_summary(events, 2)
+    assert list(got.items()) == [("sm90::fwd_kernel", 150.0), ("_reduce_kernel", 10.0), ("Memset ", 1.0)]
+    assert format_kernels(got) == "sm90::fwd_kernel 150.0; _reduce_kernel 10.0; Memset  1.0"
+    assert kernel_summary([], 3) == {} and format_kernels({}) == ""
+
+
+def test_bench_profile_column(tmp_path):
+    # --profile N: each provider's kernels in the column "kernels" (a GPU only: empty under the interpreter)
+    rc = main(["bench", "--family", "decode", "--shapes", "h2 b2 s70 q1", "--out", str(tmp_path), "--label", "p",
+               "--profile", "2", *FAST])  # fmt: skip
+    assert rc == 0
+    cols, rows = _csv(tmp_path / "bench-p.csv")
+    assert "kernels" in cols
+    own = [r for r in rows if r["provider"] == "openmla"]
+    assert len(own) == 1
+    if DEV.type == "cuda":
+        assert "_kernel" in own[0]["kernels"] and float(own[0]["kernels"].split("; ")[0].rsplit(" ", 1)[1]) > 0
+    else:
+        assert own[0]["kernels"] == ""
+    assert json.loads((tmp_path / "bench-p.json").read_text())["meta"]["profile_calls"] == 2
+    bad = ["--family", "decode", "--shapes", "h2 b2 s70 q1", "--out", str(tmp_path), "--profile", "-1", *FAST]
+    assert bench_main(bad) == 2
 
 
 def test_bench_end_to_end(tmp_path):

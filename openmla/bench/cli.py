@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time the older openmla package DIR/openmla_old (benchmarks/prepare_old.sh) as provider "
                         "'before', alternating in the same rounds (decode, prefill)")  # fmt: skip
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after each point, each provider's kernel times over N calls (torch profiler; GPU only): "
+                        "printed and in the column 'kernels'")  # fmt: skip
     p.add_argument("--list", action="store_true", help="print the families, their presets and exit")
 
 
@@ -141,6 +144,8 @@ def run(args) -> int:
     plan = _plan(args, device)
     if args.rep < 1 or (args.rounds is not None and args.rounds < 1):
         raise ValueError("--rep and --rounds must be >= 1")
+    if args.profile < 0:
+        raise ValueError(f"--profile must be >= 0 (calls profiled a point); got {args.profile}")
     rounds = args.rounds or (2 if args.quick else 3)
     baseline = _baseline(args.against)
     env = environment(args.label)
@@ -185,7 +190,7 @@ def run(args) -> int:
     stem = os.path.join(out_dir, report.file_stem(args.label))
     meta = dict(env, device=str(device), started=started, finished=None, bw_gbs=bw, bw_sweep=bw_sweep,
                 peak_tflops=peak, peak_sweep=peak_sweep, gather_gbs=gather, gather_sweeps=gather_sweeps, rounds=rounds,
-                rep_ms=args.rep, peers=not args.no_peers,
+                rep_ms=args.rep, peers=not args.no_peers, profile_calls=args.profile,
                 against=_against_rev(args.against), argv=sys.argv[1:])  # fmt: skip
 
     def save() -> None:  # after every point: a run cut short (a time limit) keeps what it measured
@@ -194,7 +199,8 @@ def run(args) -> int:
 
     progress = report.Progress(sum(len(v) for v in plan.values()))
     ctx = BenchContext(device, Timer(device, args.rep, rounds), peers=not args.no_peers, quick=args.quick, bw_gbs=bw,
-                       peak_tflops=peak, env=env, note=progress.line, baseline=baseline, gather_gbs=gather)  # fmt: skip
+                       peak_tflops=peak, env=env, note=progress.line, baseline=baseline, gather_gbs=gather,
+                       profile_calls=args.profile)  # fmt: skip
     failed = 0
     try:
         for fam, shapes in plan.items():

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from openmla.bench.timing import Timer, Timing
+from openmla.bench.timing import Timer, Timing, format_kernels, kernel_times
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -43,13 +43,15 @@ class BenchContext:
         gather_gbs (dict): ``{row bytes: GB/s}``, the random-row gather rate measured in this run for the row sizes
             the planned families declare (``GATHER_ROW_BYTES``).
         env (dict): gpu, torch, triton, git and label, copied into every row.
+        profile_calls (int): ``--profile N``: after timing a point, each provider's kernels are profiled over N calls
+            (CUDA only; the column ``kernels`` and a printed line); 0: not profiled.
         baseline (module | None): an older openmla package (``--against``), renamed ``openmla_old``; a family that
             supports it times its ops as provider ``"before"`` in the same rounds (``speedup`` = before / openmla).
     """
 
     def __init__(self, device: torch.device, timer: Timer, *, peers: bool, quick: bool, bw_gbs: float,
                  peak_tflops: float, env: dict, note: Callable[[str], None] = print,
-                 baseline=None, gather_gbs: dict | None = None) -> None:  # fmt: skip
+                 baseline=None, gather_gbs: dict | None = None, profile_calls: int = 0) -> None:  # fmt: skip
         self.device, self.timer, self.peers, self.quick = device, timer, peers, quick
         self.bw_gbs, self.peak_tflops, self.env = bw_gbs, peak_tflops, env
         self.note = note  # prints a line beside the progress bar
@@ -58,6 +60,8 @@ class BenchContext:
         self.family = ""  # set by the runner before each family's points
         self._peer_cache: dict[str, object] = {}
         self._point = 0
+        self.profile_calls = profile_calls
+        self._kernels: dict[str, str] = {}  # provider -> its kernels at the point timed last (``profile_calls``)
 
     def peer(self, module: str):
         """The peer ``module`` imported (e.g. ``"flash_mla"``), or None when peers are off, there is no GPU or
@@ -73,8 +77,19 @@ class BenchContext:
         return self._peer_cache[module]
 
     def time(self, fns: dict[str, Callable[[], object]], *, graph: bool = True) -> dict[str, Timing]:
-        """Time ``{provider: callable}`` in alternating rounds (see :class:`openmla.bench.timing.Timer`)."""
-        return self.timer.alternate(fns, graph=graph)
+        """Time ``{provider: callable}`` in alternating rounds (see :class:`openmla.bench.timing.Timer`); with
+        ``profile_calls`` on a GPU, then each provider's kernels (``kernels`` column of :meth:`rows`)."""
+        timings = self.timer.alternate(fns, graph=graph)
+        self._kernels = {}
+        if self.profile_calls > 0 and self.device.type == "cuda":
+            for prov, fn in fns.items():
+                try:
+                    self._kernels[prov] = format_kernels(kernel_times(fn, self.profile_calls))
+                except Exception as exc:  # a failed profile leaves the column empty, never the row
+                    self.note(f"# profile of {prov} failed: {type(exc).__name__}: {exc}".splitlines()[0])
+                    continue
+                self.note(f"#   {prov} kernels (us a call): {self._kernels[prov]}")
+        return timings
 
     def rows(self, op: str, shape: str, timings: dict[str, Timing], *, flops: float, nbytes: float | dict,
              dtype: str | dict, peer: str | None = None, check: float | None = None,
@@ -103,6 +118,7 @@ class BenchContext:
                        timer=t.timer,
                        samples=len(t.samples_us),
                        flops=flops, bytes=nb, bw_gbs=self.bw_gbs, peak_tflops=self.peak_tflops, error=t.error,
+                       kernels=self._kernels.get(prov, ""),
                        _point=f"{self.family}#{self._point}")  # fmt: skip
             if prov == "openmla" and peer and peer in timings:
                 row["peer"] = peer
@@ -120,7 +136,7 @@ class BenchContext:
         self._point += 1
         row = dict.fromkeys(("p50_us", "p20_us", "p80_us", "gbs", "tflops", "frac_bw", "frac_peak", "frac_gather",
                              "peer", "ratio",
-                             "check", "speedup", "timer", "samples", "flops", "bytes"), "")  # fmt: skip
+                             "check", "speedup", "timer", "samples", "flops", "bytes", "kernels"), "")  # fmt: skip
         row.update(
             self.env,
             family=self.family,

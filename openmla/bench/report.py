@@ -13,7 +13,7 @@ import time
 COLUMNS = [
     "label", "family", "op", "provider", "shape", "dtype", "p50_us", "p20_us", "p80_us", "gbs", "tflops", "frac_bw",
     "frac_peak", "frac_gather", "peer", "ratio", "check", "speedup", "timer", "samples", "flops", "bytes", "bw_gbs",
-    "peak_tflops", "gpu", "torch", "triton", "git", "error",
+    "peak_tflops", "gpu", "torch", "triton", "git", "error", "kernels",
 ]  # fmt: skip
 
 

@@ -206,6 +206,39 @@ def gather_bandwidth(device: torch.device, row_bytes: int, quick: bool = False) 
     return max(v for _, v in sweep), sweep
 
 
+def kernel_times(fn: Callable[[], object], calls: int) -> dict[str, float]:
+    """The device time a call of ``fn`` spends in each CUDA kernel (or copy) it launches, over ``calls`` calls after
+    one warm-up call (torch profiler; eager launches, not the timed CUDA graph): ``{name: us a call}``, longest
+    first (:func:`kernel_summary`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return kernel_summary(((e.name, e.device_time) for e in prof.events() if e.device_type == cuda), calls)
+
+
+def kernel_summary(events, calls: int) -> dict[str, float]:
+    """``(name, us)`` events of ``calls`` calls -> ``{short name: us a call}``, longest first. A short name drops a
+    leading ``void `` and anything from the first ``<`` or ``(`` (template arguments, parameters)."""
+    total: dict[str, float] = {}
+    for name, us in events:
+        short = name.removeprefix("void ")
+        for stop in "<(":
+            short = short.split(stop, 1)[0]
+        total[short] = total.get(short, 0.0) + us
+    return dict(sorted(((n, t / calls) for n, t in total.items()), key=lambda x: -x[1]))
+
+
+def format_kernels(times: dict[str, float]) -> str:
+    """``{name: us}`` -> ``"name 79.3; name 10.8"`` (the CSV column ``kernels``)."""
+    return "; ".join(f"{n} {us:.1f}" for n, us in times.items())
+
+
 def environment(label: str = "") -> dict:
     """GPU name, versions, the git commit of the package's checkout (``+dirty``: tracked files differ from it;
     ``?`` outside a checkout) and the label, stored in every row."""
