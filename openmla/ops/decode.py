@@ -31,12 +31,11 @@ from openmla.ops._validate import (
 from openmla.ops.cache import check_block_table
 from openmla.ops.gluon.decode import VARIANTS as GLUON_VARIANTS
 from openmla.ops.gluon.decode import (
-    gluon_decode_config,
     gluon_decode_supported,
     mla_decode_split_gluon,
 )
 from openmla.ops.gluon.decode_narrow import NARROW_MAX_ROWS
-from openmla.ops.plan import DecodePlan, pair_wanted, plan_decode
+from openmla.ops.plan import DecodePlan, gluon_readers, pair_wanted, plan_decode
 
 __all__ = ["mla_decode"]
 
@@ -597,8 +596,7 @@ def _gluon_variant(kv_cache_dtype: str, num_heads: int, max_query_len: int, batc
     hides HBM latency better)."""
     if kv_cache_dtype == "fp8":
         return "narrow" if num_heads * max_query_len <= NARROW_MAX_ROWS else "ws"
-    block_h, q_per = gluon_decode_config(num_heads, max_query_len)
-    readers = triton.cdiv(num_heads, block_h) * triton.cdiv(max_query_len, q_per)
+    readers = gluon_readers(num_heads, max_query_len)
     return "pair" if pair_wanted(num_heads, readers, batch_size, num_sms) else "seesaw"
 
 

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from openmla.device import INTERPRET
 from openmla.ops._validate import capturing, check_index, check_positive_ints
+from openmla.ops.gluon.decode import gluon_decode_config
 from openmla.ops.plan_spans import _MODES as _SPAN_MODES
 from openmla.ops.plan_spans import DecodeSpans, plan_spans
 
@@ -277,11 +278,11 @@ def pair_wanted(num_heads: int, readers: int, batch: int, num_sms: int) -> bool:
     return num_heads >= 64 and batch * readers >= _PAIR_MIN_FILL * num_sms
 
 
-def _pair_readers(num_heads: int, max_query_len: int) -> int:
-    """Programs that read each KV tile in the sm90 Gluon kernels: 64-row blocks of heads x query tokens, heads
-    first (``openmla.ops.gluon.decode.gluon_decode_config``), whatever the portable tiling."""
-    block_h = min(triton_next_pow2(num_heads), 64)
-    return triton_cdiv(num_heads, block_h) * triton_cdiv(max_query_len, 64 // block_h)
+def gluon_readers(num_heads: int, max_query_len: int) -> int:
+    """Programs that read each KV tile in the sm90 Gluon kernels (their 64-row blocks of heads x query tokens,
+    :func:`openmla.ops.gluon.decode.gluon_decode_config`), whatever the portable tiling."""
+    block_h, q_per = gluon_decode_config(num_heads, max_query_len)
+    return triton_cdiv(num_heads, block_h) * triton_cdiv(max_query_len, q_per)
 
 
 def _spans_wanted(kv_cache_dtype: str, num_heads: int, readers: int, batch: int, num_sms: int, device: torch.device,
@@ -426,7 +427,7 @@ def plan_decode(
             max_splits=max_splits,
         )  # fmt: skip
     spans = None
-    readers = _pair_readers(num_heads, max_query_len)
+    readers = gluon_readers(num_heads, max_query_len)
     if _spans_wanted(kv_cache_dtype, num_heads, readers, B, num_sms, dev, _spans):
         groups = num_sms // readers
         reuse = out.spans if out is not None and out.spans is not None and out.spans.num_groups == groups else None
