@@ -312,11 +312,13 @@ def test_decode_variant_run():
     ctx = BenchContext(dev, Timer(dev, rep=5, rounds=1), peers=False, quick=False, bw_gbs=1.0, peak_tflops=1.0,
                        env=dict(gpu="cpu", torch="t", triton="tr", git="x", label=""), note=notes.append)  # fmt: skip
     ctx.family = "decode"
-    spec = "h2 b3 s70~40 q1 maxsplit32+itemcost0 split16 triton+spans0 reduce+maxsplit32"
+    n = 16 if dev.type == "cpu" else 64  # splits are whole key tiles: 16 keys under the interpreter, 64 on a GPU
+    spec = f"h2 b3 s{70 * n // 16}~{40 * n // 16} q1 maxsplit{2 * n}+itemcost0 split{n} triton+spans0"
+    spec += f" reduce+maxsplit{2 * n}"
     if dev.type == "cpu":
         spec += " gluon"
     rows = decode.run(decode.parse(spec), ctx)
-    names = ["openmla", "maxsplit32+itemcost0", "split16", "triton+spans0", "reduce+maxsplit32"]
+    names = ["openmla", f"maxsplit{2 * n}+itemcost0", f"split{n}", "triton+spans0", f"reduce+maxsplit{2 * n}"]
     assert [r["provider"] for r in rows] == names
     for r in rows[1:]:
         assert r["check"] > 0.9999 and float(r["p50_us"]) > 0 and r["shape"] == rows[0]["shape"], r

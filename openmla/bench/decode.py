@@ -82,16 +82,11 @@ PRESETS = {
                # the fp8 cache (half the bytes) beside the bf16 points above: ws against the portable kernel
                "h16 b128 s8192 q1 fp8 triton", "h64 b128 s8192 q1 fp8 triton", "h128 b128 s8192 q1 fp8"],
     # h16 / h32 (issue 34: 0.976x FlashMLA at b128 q1 on the H200, stop 56): the pair kernel (64-row blocks: 32 heads
-    # x 2 query slots, 16 x 4) and pair + the spanning schedule against the default (seesaw + reduce). Stop 57 (H100):
-    # at b128 both within 0.1-0.9% of the default (98% of the read bandwidth), at b64 the schedule 5-7% slower; the
-    # ragged points and spanscut not timed yet (RESULTS.md)
-    "narrowpair": [f"h{h} b{b} s8192 q{q} pair pair+spans1" for h, b, q in ((32, 128, 1), (16, 128, 1), (16, 128, 2),
-                                                                           (32, 128, 2), (32, 64, 1), (16, 64, 1))]
-                  + ["h16 b128 s8192~4096 q1 pair pair+spans1", "h32 b128 s8192~4096 q1 pair pair+spans1",
-                     "h16 b128 s4096~4000 q1 pair+spans1", "h8 b128 s8192 q1 pair+spans1"]
-                  # the spanning schedule at 16 / 32 heads (one reader a tile): "cut" spreads a uniform batch over all
-                  # 132 SMs (auto snaps it onto 128), a ragged one is cut under auto
-                  + [f"h{h} b128 s8192 q1 pair+spans1+spanscut" for h in (16, 32)],
+    # x 2 query slots, 16 x 4) against the default (seesaw + reduce). On the H100 (stops 57-58) pair was 0.989-1.006x
+    # the default and pair + the spanning schedule 0.93-1.009x (ragged and cut onto 132 SMs included: RESULTS.md);
+    # the H200 had pair 1.043x at h32 b128 q1 (stop 56): these points repeat that on an H200
+    "narrowpair": [f"h{h} b128 s8192 q{q} pair" for h, q in ((32, 1), (16, 1), (32, 2), (16, 2))]
+                  + ["h16 b128 s8192~4096 q1 pair", "h32 b128 s8192~4096 q1 pair", "h32 b64 s8192 q1 pair"],
     # ragged batches (issue 34): the plan launches requests longest split first; the uniform control keeps batch order
     # (an A/B against batch order: --against an older checkout)
     "ragged": ["h16 b128 s8192~4096 q1", "h16 b128 s4096~4000 q1", "h128 b128 s8192~4096 q1",

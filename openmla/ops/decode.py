@@ -354,20 +354,15 @@ def _mla_decode_reduce_kernel(
     per_row = n_hb * N_D
     per_req = MAX_QLEN * per_row
     n_tasks = tl.load(num_merge) * per_req
-    step = tl.num_programs(0)
-    # each step loads the next task's (request, first item, splits) beside its own partials, so a task waits on one
-    # memory round trip, not two (the info, then the partials it locates)
-    nb, nw, ns = _merge_info_of(merge_info, tl.program_id(0), n_tasks, per_req)
-    for task in range(tl.program_id(0), n_tasks, step):
-        i_b, w0, n_split = nb, nw, ns
-        nb, nw, ns = _merge_info_of(merge_info, task + step, n_tasks, per_req)
+    for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+        p_info = merge_info + (task // per_req).to(tl.int64) * 3
         rest = task % per_req
         i_t = rest // per_row
         i_hb = (rest % per_row) // N_D
         i_d = rest % N_D
-        i_b = i_b.to(tl.int64)
-        w0 = w0.to(tl.int64)
-        n_split = tl.minimum(n_split, capacity - w0)
+        i_b = tl.load(p_info).to(tl.int64)
+        w0 = tl.load(p_info + 1).to(tl.int64)
+        n_split = tl.minimum(tl.load(p_info + 2), capacity - w0)
         # the partials' loads wait only on that row; the rows' bounds (_row_count, from the call's query_start_loc)
         # load beside them and mask the stores
         q_start, qlen = _row_count(query_start_loc, i_b, num_tokens, MAX_QLEN)
@@ -379,18 +374,6 @@ def _mla_decode_reduce_kernel(
         else:
             _merge_head_block(o_part, lse_part, out, lse, row, ok, w0, n_split, i_t, i_hb, i_d, H, stride_o_t,
                               stride_o_h, MAX_QLEN, D_V, BLOCK_S, BLOCK_HB, BLOCK_D)  # fmt: skip
-
-
-@triton.jit
-def _merge_info_of(merge_info, task, n_tasks, per_req):
-    """The ``merge_info`` row (request, first work item, splits) of reduce task ``task``; zeros past ``n_tasks``."""
-    p_info = merge_info + (task // per_req).to(tl.int64) * 3
-    ok = task < n_tasks
-    return (
-        tl.load(p_info, mask=ok, other=0),
-        tl.load(p_info + 1, mask=ok, other=0),
-        tl.load(p_info + 2, mask=ok, other=0),
-    )
 
 
 @triton.jit
