@@ -291,9 +291,10 @@ def test_decode_variant_specs():
     assert decode.parse_variant("spanssnap") == {"plan": {"_spans_mode": "snap"}}
     assert decode.parse_variant("spans1+cutcost0") == {"plan": {"_spans": True, "_span_cut": 0}}
     assert decode.parse("h64 b128 s8192 q1 pair+spans1+spanscut").variants == ("pair+spans1+spanscut",)
+    assert decode.parse_variant("pair+spans1+sms128") == {"plan": {"_spans": True, "num_sms": 128}, "variant": "pair"}
     for bad in ("spans0+spans1", "gluon+triton", "pair+triton", "reduce+pair", "split1024+minsplit64", "openmla",
                 "split", "maxsplitx", "tile32x8x2", "pair+pair", "spanscut+spanssnap", "spans0+spanscut",
-                "spans0+cutcost2", "spanssnap+cutcost2", "cutcost", "spanscut1"):  # fmt: skip
+                "spans0+cutcost2", "spanssnap+cutcost2", "cutcost", "spanscut1", "sms", "sms64+sms128"):  # fmt: skip
         with pytest.raises(ValueError):
             decode.parse_variant(bad)
         with pytest.raises(ValueError):
@@ -314,11 +315,11 @@ def test_decode_variant_run():
     ctx.family = "decode"
     n = 16 if dev.type == "cpu" else 64  # splits are whole key tiles: 16 keys under the interpreter, 64 on a GPU
     spec = f"h2 b3 s{70 * n // 16}~{40 * n // 16} q1 maxsplit{2 * n}+itemcost0 split{n} triton+spans0"
-    spec += f" reduce+maxsplit{2 * n}"
+    spec += f" reduce+maxsplit{2 * n} sms8"
     if dev.type == "cpu":
         spec += " gluon"
     rows = decode.run(decode.parse(spec), ctx)
-    names = ["openmla", f"maxsplit{2 * n}+itemcost0", f"split{n}", "triton+spans0", f"reduce+maxsplit{2 * n}"]
+    names = ["openmla", f"maxsplit{2 * n}+itemcost0", f"split{n}", "triton+spans0", f"reduce+maxsplit{2 * n}", "sms8"]
     assert [r["provider"] for r in rows] == names
     for r in rows[1:]:
         assert r["check"] > 0.9999 and float(r["p50_us"]) > 0 and r["shape"] == rows[0]["shape"], r

@@ -18,7 +18,8 @@ Gluon kernel, forced; ``ws`` / ``narrow`` the fp8-cache ones), ``spans0`` / ``sp
 pair runs the spanning schedule where the plan has one), ``spanscut`` / ``spanssnap`` (``_spans_mode``: that schedule
 always cut / snapped), ``cutcost<N>`` (``_span_cut``: "auto"'s cut cost in units for ``SPAN_CUT``), ``minsplit<N>``,
 ``maxsplit<N>``, ``split<N>`` (both), ``itemcost<N>``, ``slots<N>`` (the planner's constants for this variant's plan:
-``plan_decode``'s ``_min_split`` etc.), ``reduce`` (the reduce kernel alone, on that variant's plan, after one full
+``plan_decode``'s ``_min_split`` etc.), ``sms<N>`` (``plan_decode``'s ``num_sms``: the spanning schedule then cuts
+the batch over ``N // readers`` groups), ``reduce`` (the reduce kernel alone, on that variant's plan, after one full
 call: meaningful where the default path runs a reduce). Example: ``h128 b32 s4096 q1 pair pair+spans1 reduce``.
 """
 
@@ -61,8 +62,9 @@ PRESETS = {
     # schedule snaps (128 of 132 groups): spanscut fills the 4 idle SMs (at h128 b32 "auto" already cuts; h32 / h16
     # plan 32- / 16-row tiles, which get no spanning schedule). At h128 b32 the default is pair + spans: pair+spans0
     # is the pair kernel on the regular plan with the reduce (stop 57, H100 profiler: 79.3 + 10.8 us against the
-    # spanning schedule's 94.4)
-    "issue34": ["h128 b32 s4096 q1 pair+spans0 reduce", "h128 b8 s4096 q1 pair pair+spans1 reduce",
+    # spanning schedule's 94.4); pair+spans1+sms128: the schedule on 64 groups, which cuts each b32 request in two
+    # halves merged in the kernel (on 66 groups "auto" cuts it in three pieces)
+    "issue34": ["h128 b32 s4096 q1 pair+spans0 pair+spans1+sms128 reduce", "h128 b8 s4096 q1 pair pair+spans1 reduce",
                 "h16 b128 s8192~4096 q1 maxsplit4096 maxsplit2048 maxsplit1024 gluon reduce",
                 "h64 b128 s8192 q1 pair pair+spans1 pair+spans1+spanscut", "h64 b132 s8192 q1",
                 "h32 b128 s8192 q1 pair", "h16 b128 s8192 q1 gluon", "h16 b132 s8192 q1", "h128 b128 s8192 q1",
@@ -101,7 +103,8 @@ PRESETS = {
 
 # variant settings: (pattern, what it sets); plan settings become plan_decode's private keywords
 _PLAN_INTS = {"minsplit": ("_min_split",), "maxsplit": ("_max_split",), "split": ("_min_split", "_max_split"),
-              "itemcost": ("_item_cost",), "slots": ("_slots",), "cutcost": ("_span_cut",)}  # fmt: skip
+              "itemcost": ("_item_cost",), "slots": ("_slots",), "cutcost": ("_span_cut",),
+              "sms": ("num_sms",)}  # fmt: skip
 # the spanning schedule's switches: field -> (plan_decode keyword, value)
 _PLAN_FLAGS = {"spans0": ("_spans", False), "spans1": ("_spans", True), "spanscut": ("_spans_mode", "cut"),
                "spanssnap": ("_spans_mode", "snap")}  # fmt: skip
@@ -198,7 +201,7 @@ def parse(spec: str) -> DecodeShape:
         raise ValueError(f"bad decode shape {spec!r}: want 'h<heads> b<batch> s<keys>|s<mean>~<std>|s<lo>..<hi> "
                          "[q<qlen>] [bf16|fp8] [variant ...]', a variant being settings joined by '+': triton, "
                          "gluon, seesaw, pair, spans0, spans1, spanscut, spanssnap, cutcost<N>, minsplit<N>, "
-                         "maxsplit<N>, split<N>, itemcost<N>, slots<N>, reduce") from None  # fmt: skip
+                         "maxsplit<N>, split<N>, itemcost<N>, slots<N>, sms<N>, reduce") from None  # fmt: skip
     if min(shape.h, shape.b, shape.s, shape.q) < 1 or shape.q > 16 or (shape.lo and not 1 <= shape.lo <= shape.s):
         raise ValueError(f"bad decode shape {spec!r}: sizes must be >= 1, qlen <= 16, lo <= hi")
     return shape
