@@ -354,3 +354,25 @@ def test_decode_checks_fp8_scales(scale, device):
     with pytest.raises(ValueError, match="q_scale must be a positive finite"):
         openmla.mla_decode(q.to(torch.float8_e4m3fn), fp8, bt, sl, qsl, SCALE, d_v=D_V, kv_cache_dtype="fp8",
                            kv_scale=1.0, q_scale=scale)  # fmt: skip
+
+
+# ------------------------------------------------------------------ out= buffers whose elements share memory
+def test_ops_refuse_overlapping_out_buffers(device):
+    """An expanded (self-overlapping) out= / lse= buffer is refused by name: each element is written by its own
+    program, so rows sharing memory would end up with an arbitrary winner."""
+    q, cache, bt, sl, qsl = _decode_batch(device)
+    T, H = q.shape[:2]
+    with pytest.raises(ValueError, match="out must not overlap itself"):
+        openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, d_v=D_V,
+                           out=torch.zeros(1, H, D_V, dtype=q.dtype, device=device).expand(T, H, D_V))  # fmt: skip
+    with pytest.raises(ValueError, match="lse must not overlap itself"):
+        openmla.mla_decode(q, cache, bt, sl, qsl, SCALE, d_v=D_V,
+                           lse=torch.zeros(1, H, device=device).expand(T, H))  # fmt: skip
+    rows = int(sl.sum())
+    with pytest.raises(ValueError, match="out must not overlap itself"):
+        openmla.gather_cache(cache, bt, sl, out=torch.zeros(1, cache.shape[2], dtype=cache.dtype,
+                                                             device=device).expand(rows, cache.shape[2]))  # fmt: skip
+    o = torch.randn(T, H, 16, device=device)
+    lse = torch.randn(T, H, device=device)
+    with pytest.raises(ValueError, match="out must not overlap itself"):
+        openmla.merge_attn_states(o, lse, o, lse, out=torch.zeros(T, 1, 16, device=device).expand(T, H, 16))

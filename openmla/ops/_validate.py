@@ -63,6 +63,19 @@ def check_index(
     return t
 
 
+def check_no_overlap(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor written in place whose elements share memory (an expanded or overlapping view): the
+    kernels write each element from its own program, so such a view would end up with an arbitrary winner."""
+    if t.numel() == 0:
+        return
+    span = 1  # 1 + the largest offset reached by the dims taken so far, smallest stride first
+    for stride, size in sorted((t.stride(i), t.shape[i]) for i in range(t.dim()) if t.shape[i] > 1):
+        if stride < span:
+            raise ValueError(f"{name} must not overlap itself (an expanded view?); got {describe(t)}, "
+                             f"strides {t.stride()}")  # fmt: skip
+        span += stride * (size - 1)
+
+
 def kernel_backend(backend: str | None, env: str) -> str:
     """A kernel tier: ``backend``, else the environment variable ``env``, else "auto"; checked to be
     "auto", "triton" or "gluon"."""

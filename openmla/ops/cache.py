@@ -19,7 +19,15 @@ import triton.language as tl
 from openmla.device import INTERPRET
 from openmla.ops._bf16 import to_bf16
 from openmla.ops._fp8 import to_e4m3
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe, scalar_scale
+from openmla.ops._validate import (
+    FLOAT16_DTYPES,
+    capturing,
+    check_index,
+    check_no_overlap,
+    check_tensor,
+    describe,
+    scalar_scale,
+)
 
 __all__ = ["concat_and_cache_mla", "gather_cache", "check_block_table", "KV_CACHE_DTYPES", "DS_MLA_ROW_BYTES"]
 
@@ -280,6 +288,7 @@ def _gather_rows_out(seq_lens, out, D: int, out_dtype: torch.dtype, validate: bo
         out = torch.empty(int(cu[-1]) if B else 0, D, dtype=out_dtype, device=dev)
     else:
         check_tensor("out", out, dtypes=_AUTO_DTYPES, ndim=2, device=dev)
+        check_no_overlap("out", out)
         if out.shape[1] != D:
             raise ValueError(f"out must have {D} columns; got {describe(out)}")
         if validate and not capturing() and B and out.shape[0] < int(cu[-1]):

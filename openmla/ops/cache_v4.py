@@ -23,7 +23,15 @@ import triton.language as tl
 from openmla.device import INTERPRET
 from openmla.ops._bf16 import to_bf16
 from openmla.ops._fp8 import to_e4m3
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
+from openmla.ops._validate import (
+    FLOAT16_DTYPES,
+    capturing,
+    check_index,
+    check_no_overlap,
+    check_positive_ints,
+    check_tensor,
+    describe,
+)
 from openmla.ops.cache import _check_gather_index, _gather_rows_out, check_block_table, check_slot_mapping
 
 __all__ = [
@@ -77,8 +85,11 @@ def allocate_v4_cache(
     """
     from openmla.device import default_device
 
-    if not isinstance(num_blocks, int) or not isinstance(block_size, int) or num_blocks < 0 or block_size < 1:
-        raise ValueError(f"num_blocks must be >= 0 and block_size >= 1 ints; got {num_blocks!r}, {block_size!r}")
+    check_positive_ints(("block_size", block_size))
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+        raise ValueError(f"num_blocks must be an int >= 0; got {num_blocks!r}")
+    if not isinstance(fill, int) or isinstance(fill, bool) or not 0 <= fill <= 255:  # torch.full would wrap it
+        raise ValueError(f"fill must be a byte value, an int in [0, 255]; got {fill!r}")
     device = default_device() if device is None else torch.device(device)
     if kv_cache_dtype == "auto":
         if dtype not in _AUTO_DTYPES:
@@ -223,12 +234,14 @@ def concat_and_cache_v4(
     cache, mode = _check_v4_cache(kv_cache, kv_cache_dtype)
     if cache.device != dev:
         raise ValueError(f"kv_cache must be on {dev} like kv_c; got {describe(cache)}")
+    if mode == 0:
+        check_no_overlap("kv_cache", cache)  # (an fp8_v4 cache's strides are checked above)
     num_blocks, block_size = cache.shape[0], cache.shape[1]
     num_slots = num_blocks * block_size
+    if validate and not capturing() and T > 0:  # also for an empty cache: its slots are never silently dropped
+        check_slot_mapping(slot_mapping, num_slots)
     if T == 0 or num_slots == 0:
         return
-    if validate and not capturing():
-        check_slot_mapping(slot_mapping, num_slots)
     c16 = cache.view(torch.bfloat16) if mode == 1 else cache
     stride_b = _block_stride(cache) if mode == 1 else cache.stride(0)
     _concat_and_cache_v4_fwd_kernel[(T,)](
@@ -355,6 +368,8 @@ def gather_cache_v4(
     """
     cache, mode = _check_v4_cache(kv_cache, kv_cache_dtype)
     dev = cache.device
+    if out is None and out_dtype not in _AUTO_DTYPES:  # (an integer or fp8 output would truncate the rows)
+        raise TypeError(f"out_dtype must be one of bf16, fp16, fp32; got {out_dtype}")
     B, seq_lens, seq_starts = _check_gather_index(block_table, seq_lens, seq_starts, dev)
     if validate and not capturing() and B > 0:
         check_block_table(block_table, seq_lens, seq_starts, cache.shape[1], cache.shape[0])
@@ -406,17 +421,20 @@ def dequantize_and_gather_k_cache(
     R, M = out.shape[0], out.shape[1]
     if out.shape[2] != V4_D:
         raise ValueError(f"out must be [R, M, {V4_D}]; got {describe(out)}")
+    check_no_overlap("out", out)
     check_index("seq_lens", seq_lens, ndim=1, device=dev, length=R)
     check_index("block_table", block_table, ndim=2, device=dev)
     if block_table.shape[0] != R:
         raise ValueError(f"block_table must have {R} rows like out; got {describe(block_table)}")
     if gather_lens is not None:
         check_index("gather_lens", gather_lens, ndim=1, device=dev, length=R)
-    if not isinstance(offset, int) or not 0 <= offset <= M:
+    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= M:
         raise ValueError(f"offset must be an int in [0, {M}] (out is [R, M, 512]); got {offset!r}")
     g = (seq_lens if gather_lens is None else gather_lens).contiguous()
     starts = seq_lens - g
     if validate and not capturing() and R > 0:
+        if int(seq_lens.min()) < 0:
+            raise ValueError("seq_lens must be non-negative")
         if int(g.min()) < 0 or int(starts.min()) < 0:
             raise ValueError("gather_lens must lie in [0, seq_lens]")
         if offset + int(g.max()) > M:

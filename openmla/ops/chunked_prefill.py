@@ -28,7 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe, scalar_scale
+from openmla.ops._validate import (
+    FLOAT16_DTYPES,
+    capturing,
+    check_index,
+    check_no_overlap,
+    check_tensor,
+    describe,
+    scalar_scale,
+)
 from openmla.ops.cache import check_block_table, gather_cache
 from openmla.ops.merge import merge_attn_states
 from openmla.ops.prefill import flash_attn_varlen
@@ -275,6 +283,7 @@ def mla_prefill_with_context(
     dev, dtype = q.device, q.dtype
     if out is not None:
         check_tensor("out", out, dtypes=(dtype,), shape=(T, H, d_v), device=dev)
+        check_no_overlap("out", out)
     if kv_cache_dtype == "fp8":  # positive and finite (read once here; the chunks' gathers then trust it)
         kv_scale = scalar_scale("kv_scale", kv_scale, dev)
     for name, t, n in (("context_lens_cpu", context_lens_cpu, B), ("query_start_loc_cpu", query_start_loc_cpu, B + 1)):

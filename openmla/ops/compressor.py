@@ -22,16 +22,27 @@ many steps; a fresh request needs no reset (rows before position 0 are never rea
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from openmla.device import INTERPRET
 from openmla.ops._bf16 import to_bf16
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
+from openmla.ops._validate import (
+    FLOAT16_DTYPES,
+    capturing,
+    check_index,
+    check_no_overlap,
+    check_positive_ints,
+    check_tensor,
+    describe,
+)
 from openmla.ops.cache import check_block_table
 from openmla.ops.cache_v4 import V4_D, _block_stride, _check_v4_cache, store_v4_row
 from openmla.ops.rope import load_cos_sin, rope_pairs
+from openmla.ops.v4_indices import check_int32_slot_table
 
 __all__ = ["allocate_compressor_state", "compress_kv"]
 
@@ -47,6 +58,9 @@ def allocate_compressor_state(
     """A zeroed compressor state ``[num_slots, 2, coff*ratio, coff*head_dim]`` fp32 (coff = 2 with overlap)."""
     from openmla.device import default_device
 
+    check_positive_ints(("ratio", ratio), ("head_dim", head_dim))
+    if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 0:
+        raise ValueError(f"num_slots must be an int >= 0; got {num_slots!r}")
     coff = 2 if overlap else 1
     device = default_device() if device is None else torch.device(device)
     return torch.zeros(num_slots, 2, coff * ratio, coff * head_dim, dtype=torch.float32, device=device)
@@ -285,10 +299,12 @@ def compress_kv(
     if cd not in (d, 2 * d):
         raise ValueError(f"kv must be [T, d] or [T, 2*d] (overlap) with d = {d}; got {describe(kv)}")
     coff = cd // d
-    if not isinstance(ratio, int) or ratio < 1:
-        raise ValueError(f"ratio must be a positive int; got {ratio!r}")
+    check_positive_ints(("ratio", ratio))
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 <= eps < math.inf:
+        raise ValueError(f"eps must be a finite float >= 0 (a negative one can make the RMSNorm NaN); got {eps!r}")
     ring = coff * ratio
     check_tensor("state", state, dtypes=(torch.float32,), shape=(None, 2, ring, cd), device=dev)
+    check_no_overlap("state", state)  # written in place
     check_index("query_start_loc", query_start_loc, ndim=1, device=dev)
     B = query_start_loc.shape[0] - 1
     if B < 0:
@@ -300,7 +316,7 @@ def compress_kv(
     state_slots = state_slots.contiguous()
     check_tensor("cos_sin_cache", cos_sin_cache, dtypes=_FLOAT_DTYPES, ndim=2, shape=(None, ROPE_DIM), device=dev)
     if kv_cache is None:
-        if not isinstance(block_size, int) or block_size < 1:
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size (a positive int) is required without a kv_cache; got {block_size!r}")
         if entry_rows is None and entry_slots is None:
             raise ValueError("compress_kv needs a kv_cache, entry_rows or entry_slots to write")
@@ -309,6 +325,8 @@ def compress_kv(
         cache, mode = _check_v4_cache(kv_cache, kv_cache_dtype, auto_width=d)
         if cache.device != dev:
             raise ValueError(f"kv_cache must be on {dev} like kv; got {describe(cache)}")
+        if mode == 0:
+            check_no_overlap("kv_cache", cache)  # (an fp8_v4 cache's strides are checked above)
         if mode == 1 and d != V4_D:
             raise ValueError(f"an fp8_v4 compressed cache holds d = {V4_D}; got d = {d} (use an auto cache)")
         if block_size is not None and block_size != cache.shape[1]:
@@ -317,6 +335,7 @@ def compress_kv(
         check_tensor("entry_rows", entry_rows, dtypes=_FLOAT_DTYPES, ndim=2, device=dev)
         if entry_rows.shape[0] < T or entry_rows.shape[1] != d:
             raise ValueError(f"entry_rows must be [>= {T}, {d}]; got {describe(entry_rows)}")
+        check_no_overlap("entry_rows", entry_rows)
     if entry_slots is not None:
         check_tensor("entry_slots", entry_slots, dtypes=(torch.int32,), ndim=1, device=dev)
         if entry_slots.shape[0] < T:
@@ -328,8 +347,9 @@ def compress_kv(
     if validate and not capturing() and B > 0:
         qlen = (query_start_loc[1:] - query_start_loc[:-1]).long()
         seq = seq_lens.long()
-        if int(qlen.min()) < 0 or int(query_start_loc[-1]) > T:
-            raise ValueError(f"query_start_loc must be non-decreasing and end at most at T = {T}")
+        # a negative start would pool rows before kv's first one
+        if int(query_start_loc[0]) < 0 or int(qlen.min()) < 0 or int(query_start_loc[-1]) > T:
+            raise ValueError(f"query_start_loc must start at >= 0, be non-decreasing and end at most at T = {T}")
         if int((seq - qlen).min()) < 0:
             raise ValueError("seq_lens must be >= each request's query length")
         live = state_slots[qlen > 0].long()
@@ -345,7 +365,10 @@ def compress_kv(
             if top * ratio >= cos_sin_cache.shape[0]:
                 raise ValueError(f"entry {top} needs RoPE position {top * ratio}; cos_sin_cache has "
                                  f"{cos_sin_cache.shape[0]} positions")  # fmt: skip
-            check_block_table(block_table, n_new, first, bs, cache.shape[0] if mode != 2 else 2**62)
+            if mode != 2:
+                check_block_table(block_table, n_new, first, bs, cache.shape[0])
+            else:  # no cache: the entry_slots written must still fit int32
+                check_int32_slot_table(block_table, n_new, first, bs)
     if B == 0 and entry_slots is not None:
         entry_slots[:T].fill_(-1)
     if T == 0 or B == 0:

@@ -22,6 +22,7 @@ from openmla.ops._validate import (
     FLOAT16_DTYPES,
     capturing,
     check_index,
+    check_no_overlap,
     check_scale_value,
     check_tensor,
     describe,
@@ -721,10 +722,12 @@ def mla_decode(
         out = torch.empty(T, H, d_v, dtype=out_dtype, device=dev)
     else:
         check_tensor("out", out, dtypes=(out_dtype,), shape=(T, H, d_v), device=dev)
+        check_no_overlap("out", out)
     if lse is None:
         lse = torch.empty(T, H, dtype=torch.float32, device=dev)
     else:
         check_tensor("lse", lse, dtypes=(torch.float32,), shape=(T, H), device=dev)
+        check_no_overlap("lse", lse)
         if not lse.is_contiguous():
             raise ValueError("lse must be contiguous")
     if T and B:

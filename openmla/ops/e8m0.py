@@ -38,7 +38,9 @@ def scale_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
     elif not scale.dtype.is_floating_point:
         raise TypeError(f"scale must be a floating, uint8 or float8_e8m0fnu tensor; got dtype {scale.dtype}")
     else:
-        s = scale.detach().float()
+        s = scale.detach()
+        if s.dtype != torch.float64:  # fp64 stays: rounding it to fp32 could turn a near power of two into one
+            s = s.float()
         _first_bad(s, ~torch.isfinite(s), "finite", scale)
         _first_bad(s, s <= 0, "positive", scale)
         m, e = torch.frexp(s)  # s = m * 2^e, m in [0.5, 1): a power of two iff m == 0.5

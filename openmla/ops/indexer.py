@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from openmla.device import INTERPRET
 from openmla.ops._fp8 import to_e4m3
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
+from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_no_overlap, check_tensor, describe
 from openmla.ops.cache import check_block_table
 
 __all__ = [
@@ -278,6 +278,7 @@ def concat_and_cache_indexer_k(
         top = int(slot_mapping.max())
         if top >= num_slots:
             raise ValueError(f"slot_mapping holds slot {top} but cache has only {num_slots} slots")
+    slot_mapping = slot_mapping.contiguous()  # the kernel reads one slot per token from a dense array
     _concat_and_cache_indexer_k_fwd_kernel[(triton.cdiv(T, _WRITE_TOKENS),)](
         k, cache, _scale_view(cache, cache_dtype), slot_mapping, k.stride(0), cache.stride(0), cache.stride(1),
         T, num_slots, block_size, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=_WRITE_TOKENS,
@@ -503,9 +504,11 @@ def _check_scores_args(q, weights, k_cache, block_table, seq_lens, query_start_l
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
         raise ValueError(f"block_table must be contiguous in its last dimension; got strides {block_table.stride()}")
     S = block_table.shape[1] * k_cache.shape[1] if max_seq_len is None else max_seq_len
-    if not isinstance(S, int) or S < 0:
+    if isinstance(S, bool) or not isinstance(S, int) or S < 0:  # (a bool is an int to Python, not a width)
         raise ValueError(f"max_seq_len must be a non-negative int; got {max_seq_len!r}")
-    if max_query_len is not None and (not isinstance(max_query_len, int) or max_query_len < 1):
+    if max_query_len is not None and (
+        isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 1
+    ):
         raise ValueError(f"max_query_len must be a positive int or None; got {max_query_len!r}")
     return T, H, D, B, S
 
@@ -568,6 +571,7 @@ def _indexer_logits_fwd(q, weights, k_cache, block_table, seq_lens, query_start_
     preload = aligned or triton.next_power_of_2(pages) <= _PRELOAD_MAX_PAGES
     k_desc = _key_descriptor(k_cache, cache_dtype, D, block_n) if aligned and _tma_wanted(k_cache, tma) else None
     grid = (B + 1, triton.cdiv(S, split), n_q)
+    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()  # the kernel reads dense arrays
     _indexer_logits_fwd_kernel[grid](
         q, weights, k_cache, _scale_view(k_cache, cache_dtype), k_desc, block_table, seq_lens, query_start_loc, out,
         row_len,
@@ -632,6 +636,7 @@ def indexer_logits(
         out = torch.empty(T, S, dtype=torch.float32, device=q.device)
     else:
         check_tensor("out", out, dtypes=(torch.float32,), shape=(T, S), device=q.device)
+        check_no_overlap("out", out)
     if validate and not capturing():
         _validate_batch(T, B, S, k_cache, block_table, seq_lens, query_start_loc)
     if T == 0 or S == 0:
@@ -975,6 +980,7 @@ def _check_topk(topk, impl, out, T, dev):
         out = torch.empty(T, topk, dtype=torch.int32, device=dev)
     else:
         check_tensor("out", out, dtypes=(torch.int32,), shape=(T, topk), device=dev)
+        check_no_overlap("out", out)
     return impl, out
 
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from openmla.device import INTERPRET
-from openmla.ops._validate import check_tensor, describe
+from openmla.ops._validate import check_no_overlap, check_tensor, describe
 
 __all__ = ["merge_attn_states"]
 
@@ -133,6 +133,7 @@ def merge_attn_states(
         out = torch.empty(T, H, D, dtype=out_a.dtype, device=dev)
     else:
         check_tensor("out", out, dtypes=_OUT_DTYPES, shape=(T, H, D), device=dev)
+        check_no_overlap("out", out)
     if out_lse is None:
         out_lse = torch.empty(T, H, dtype=torch.float32, device=dev)
     else:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from openmla.device import INTERPRET
 from openmla.ops._bf16 import to_bf16
-from openmla.ops._validate import check_tensor, describe
+from openmla.ops._validate import check_no_overlap, check_tensor, describe
 from openmla.ops.rope import _FLOAT_DTYPES, check_rope_table, load_cos_sin, rope_pairs
 
 __all__ = ["rms_norm_rope"]
@@ -147,6 +147,7 @@ def rms_norm_rope(
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     else:
         check_tensor("out", out, dtypes=(x.dtype,), shape=tuple(x.shape), device=dev)
+        check_no_overlap("out", out)
     x3, o3 = (x, out) if x.dim() == 3 else (x.unsqueeze(1), out.unsqueeze(1))
     H = x3.shape[1]
     rows = T * H

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from openmla.device import INTERPRET, compute_dtype
-from openmla.ops._validate import capturing, check_index, check_tensor, describe, kernel_backend
+from openmla.ops._validate import capturing, check_index, check_no_overlap, check_tensor, describe, kernel_backend
 from openmla.ops.gluon.prefill import flash_attn_varlen_gluon, gluon_prefill_supported
 
 __all__ = ["flash_attn_varlen"]
@@ -505,6 +505,7 @@ def flash_attn_varlen(
     if out is not None:
         out_dtype = torch.bfloat16 if is_fp8 else q.dtype
         check_tensor("out", out, dtypes=(out_dtype,), ndim=3, shape=(Tq, H, d_v), device=dev)
+        check_no_overlap("out", out)
 
     if validate and not capturing():  # the lengths against the arguments (a sync on a GPU)
         for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, Tq), ("cu_seqlens_k", cu_seqlens_k, Tk)):

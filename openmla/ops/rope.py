@@ -18,7 +18,7 @@ import triton.language as tl
 
 from openmla.device import INTERPRET
 from openmla.ops._bf16 import to_bf16
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
+from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_no_overlap, check_tensor, describe
 
 __all__ = ["check_rope_table", "inverse_rope_rows", "load_cos_sin", "rope_pairs", "rope_rows_"]
 
@@ -147,6 +147,7 @@ def _rope_rows(name, o, positions, cos_sin_cache, *, inverse: bool, validate: bo
     check_tensor(name, o, dtypes=_FLOAT_DTYPES)
     if o.dim() not in (2, 3):
         raise ValueError(f"{name} must be [T, H, D] or [T, D]; got {describe(o)}")
+    check_no_overlap(name, o)  # rotated in place: rows sharing memory would be rotated more than once
     dev = o.device
     T, D = o.shape[0], o.shape[-1]
     positions, P, R = check_rope_table("positions", positions, cos_sin_cache, T, D, dev, validate)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from openmla.device import INTERPRET, compute_dtype
 from openmla.ops._bf16 import to_bf16
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_tensor, describe
+from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_no_overlap, check_tensor, describe
 from openmla.ops.rope import check_rope_table, load_cos_sin, rope_pairs
 
 __all__ = ["SPARSE_KV_CACHE_DTYPES", "apply_attn_sink", "sparse_mla"]
@@ -531,6 +531,8 @@ def apply_attn_sink(
     T, H, D = out.shape
     check_tensor("lse", lse, dtypes=(torch.float32,), shape=(T, H), device=dev, last_dim_contiguous=False)
     _check_sink(attn_sink, H, dev)
+    if inplace:
+        check_no_overlap("out", out)  # written in place: rows sharing memory would take the sink more than once
     y = out if inplace else torch.empty(T, H, D, dtype=out.dtype, device=dev)
     if T and H and D:
         grid = (T, triton.cdiv(H, _SINK_BLOCK_H), triton.cdiv(D, _SINK_BLOCK_D))
@@ -760,7 +762,7 @@ def sparse_mla(
     check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=3)
     dev = q.device
     T, H, D = q.shape
-    if kv_cache_dtype not in _FORMATS:
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in _FORMATS:  # (a list is not hashable)
         raise ValueError(
             f"kv_cache_dtype must be one of {SPARSE_KV_CACHE_DTYPES} for sparse_mla; got {kv_cache_dtype!r}"
         )
@@ -811,10 +813,12 @@ def sparse_mla(
         out = torch.empty(T, H, d_v, dtype=q.dtype, device=dev)
     else:
         check_tensor("out", out, dtypes=(q.dtype,), shape=(T, H, d_v), device=dev)
+        check_no_overlap("out", out)
     if lse is None:
         lse = torch.empty(T, H, dtype=torch.float32, device=dev)
     else:
         check_tensor("lse", lse, dtypes=(torch.float32,), shape=(T, H), device=dev)
+        check_no_overlap("lse", lse)
     # _kernel (private, for tests and benchmarks): "gluon" the sm90 Gluon kernel of openmla/ops/gluon/sparse.py (64-head
     # blocks; ValueError where it does not apply), "triton" the portable kernel below; "auto" takes the Gluon kernel
     # wherever it applies (H200: V3.2 h16-h128 1.15-1.8x the Triton kernel, V4 1.4-2.2x; benchmarks/RESULTS.md)

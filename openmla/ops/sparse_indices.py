@@ -21,12 +21,15 @@ _RAGGED_BLOCK_R = 1024  # rows per step of the indptr scan
 _RAGGED_BLOCK_W = 128  # entries per program of the ragged copy
 
 
-def _check_out(name: str, buf, numel: int, dev) -> torch.Tensor:
-    """A caller-provided int32 output buffer: contiguous, on ``dev``, at least ``numel`` entries."""
+def _check_out(name: str, buf, numel: int, dev, *, flat: bool = False) -> torch.Tensor:
+    """A caller-provided int32 output buffer: contiguous, on ``dev``, at least ``numel`` entries; ``flat``: 1-D
+    (the result is a slice of its first entries, which on a 2-D buffer would slice rows)."""
     if not isinstance(buf, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
     if buf.dtype != torch.int32 or not buf.is_contiguous() or buf.numel() < numel:
         raise ValueError(f"{name} must be a contiguous int32 tensor of >= {numel} entries; got {describe(buf)}")
+    if flat and buf.dim() != 1:
+        raise ValueError(f"{name} must be 1-D; got {describe(buf)}")
     if buf.device != dev:
         raise ValueError(f"{name} must be on {dev} like the other inputs; got {describe(buf)}")
     return buf
@@ -68,6 +71,25 @@ def _convert_req_index_fwd_kernel(
     tl.store(out + i_t * stride_o_t + o_k, slot.to(tl.int32), mask=m_k)
 
 
+def _check_slot_range(req_id, block_table, token_indices, topk_length, block_size: int) -> None:
+    """Raise when a block the tokens select has slots past int32 (the output's dtype; the kernel would wrap them).
+    Only the blocks actually selected count, so that garbage in unused block-table entries is allowed (host sync)."""
+    R, W = block_table.shape
+    K = token_indices.shape[1]
+    if R == 0 or W == 0 or K == 0:
+        return
+    tok = token_indices.long()
+    blk = torch.div(tok, block_size, rounding_mode="floor")
+    used = (tok >= 0) & (blk < W)
+    if topk_length is not None:
+        used &= torch.arange(K, device=tok.device)[None, :] < topk_length.long()[:, None]
+    rows = req_id.long()[:, None].expand_as(tok)
+    picked = block_table[rows[used], blk[used]]
+    if picked.numel() and (int(picked.max()) + 1) * block_size - 1 > 2**31 - 1:
+        raise ValueError(f"block_table holds block {int(picked.max())}: its slots at block_size {block_size} "
+                         "overflow the int32 output")  # fmt: skip
+
+
 def convert_req_index_to_global_index(
     req_id: torch.Tensor,
     block_table: torch.Tensor,
@@ -93,8 +115,8 @@ def convert_req_index_to_global_index(
         topk_length (torch.Tensor | None): `[T]`, int32/int64; only the first ``topk_length[t]`` entries
             count (the rest become -1).
         out (torch.Tensor | None): contiguous int32 `[T, K]` buffer (CUDA graphs).
-        validate (bool): check ``req_id`` lies in ``[0, R)`` (a host sync; skipped while capturing). Without
-            it a bad request row gives -1 entries.
+        validate (bool): check ``req_id`` lies in ``[0, R)`` and that no selected slot overflows int32 (a host
+            sync; skipped while capturing). Without it a bad request row gives -1 entries.
 
     Returns:
         torch.Tensor: `[T, K]` int32 global slots (-1 = invalid).
@@ -120,8 +142,12 @@ def convert_req_index_to_global_index(
         lo, hi = int(req_id.min()), int(req_id.max())
         if lo < 0 or hi >= R:
             raise ValueError(f"req_id holds {lo if lo < 0 else hi} but block_table has {R} rows")
+        _check_slot_range(req_id, block_table, token_indices, topk_length, block_size)
     if T == 0 or K == 0:
         return out
+    # the kernel reads one request row and one length per token from dense arrays (a strided one is copied)
+    req_id = req_id.contiguous()
+    topk_length = topk_length.contiguous() if topk_length is not None else None
     grid = (T, triton.cdiv(K, _CONVERT_BLOCK_K))
     _convert_req_index_fwd_kernel[grid](
         req_id, block_table, token_indices, topk_length if topk_length is not None else req_id, out,
@@ -186,8 +212,8 @@ def sparse_seq_lens(
         topk (int): the top-k width (>= 0).
         num_tokens (int | None): rows of the output; default ``query_start_loc[-1]`` (a host sync) or
             ``out``'s length.
-        out (torch.Tensor | None): contiguous int32 buffer (CUDA graphs); its first ``num_tokens`` entries are
-            written.
+        out (torch.Tensor | None): 1-D contiguous int32 buffer (CUDA graphs); its first ``num_tokens`` entries
+            are written.
         validate (bool): check that ``query_start_loc`` is non-decreasing (a host sync; skipped while
             capturing).
 
@@ -202,8 +228,13 @@ def sparse_seq_lens(
     check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
         raise ValueError(f"topk must be a non-negative int; got {topk!r}")
-    if not query_start_loc.is_contiguous() or not seq_lens.is_contiguous():
-        raise ValueError("query_start_loc and seq_lens must be contiguous")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous; got {describe(t)}, strides {t.stride()}")
+    if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0):
+        raise ValueError(f"num_tokens must be a non-negative int or None; got {num_tokens!r}")
+    if out is not None:
+        _check_out("out", out, 0 if num_tokens is None else num_tokens, dev, flat=True)
     if num_tokens is None:
         if out is not None:
             num_tokens = out.numel()
@@ -215,8 +246,6 @@ def sparse_seq_lens(
         raise ValueError(f"query_start_loc must be non-decreasing; got {query_start_loc.tolist()}")
     if out is None:
         out = torch.empty(num_tokens, dtype=torch.int32, device=dev)
-    else:
-        _check_out("out", out, num_tokens, dev)
     if num_tokens == 0:
         return out[:0]
     _sparse_seq_lens_fwd_kernel[(triton.cdiv(num_tokens, _SEQ_LENS_BLOCK_T),)](
@@ -287,9 +316,9 @@ def build_ragged_indices_from_dense(
     Args:
         indices (torch.Tensor): `[R, W]`, int32/int64, any strides.
         lengths (torch.Tensor): `[R]`, int32/int64, each in ``[0, W]``.
-        num_rows (int): bound on the values (-1: no bound).
-        out_indptr (torch.Tensor | None): contiguous int32 buffer of >= ``R + 1`` entries.
-        out_flat (torch.Tensor | None): contiguous int32 buffer of >= ``R * W`` entries.
+        num_rows (int): bound on the values (>= 0; -1: no bound).
+        out_indptr (torch.Tensor | None): 1-D contiguous int32 buffer of >= ``R + 1`` entries.
+        out_flat (torch.Tensor | None): 1-D contiguous int32 buffer of >= ``R * W`` entries (``R * W`` < 2^31).
         validate (bool): check that every length lies in ``[0, W]`` (a host sync; skipped while capturing).
             Without it the kernel clamps lengths to ``[0, W]`` so that nothing is read past a row.
 
@@ -303,6 +332,10 @@ def build_ragged_indices_from_dense(
     check_index("lengths", lengths, ndim=1, device=dev, length=R)
     if isinstance(num_rows, bool) or not isinstance(num_rows, int):
         raise TypeError(f"num_rows must be an int; got {num_rows!r}")
+    if num_rows < -1:  # -1 is the only "no bound"; any other negative value is a mistake, not a bound
+        raise ValueError(f"num_rows must be >= 0, or -1 for no bound; got {num_rows}")
+    if R * W > 2**31 - 1:  # indptr is int32: a larger total would wrap and the copy would write outside flat
+        raise ValueError(f"indices has {R} x {W} entries, more than int32 indptr can address; got {describe(indices)}")
     if not lengths.is_contiguous():
         raise ValueError(f"lengths must be contiguous; got strides {lengths.stride()}")
     if validate and not capturing() and R:
@@ -312,9 +345,9 @@ def build_ragged_indices_from_dense(
     indptr = torch.empty(R + 1, dtype=torch.int32, device=dev) if out_indptr is None else out_indptr
     flat = torch.empty(R * W, dtype=torch.int32, device=dev) if out_flat is None else out_flat
     if out_indptr is not None:
-        _check_out("out_indptr", indptr, R + 1, dev)
+        _check_out("out_indptr", indptr, R + 1, dev, flat=True)
     if out_flat is not None:
-        _check_out("out_flat", flat, R * W, dev)
+        _check_out("out_flat", flat, R * W, dev, flat=True)
     _ragged_indptr_fwd_kernel[(1,)](lengths, indptr, R, W, BLOCK_R=_RAGGED_BLOCK_R)
     if R and W:
         _ragged_copy_fwd_kernel[(R, triton.cdiv(W, _RAGGED_BLOCK_W))](

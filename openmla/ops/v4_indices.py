@@ -15,12 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
-from openmla.ops._validate import capturing, check_index, describe
+from openmla.ops._validate import capturing, check_index, check_positive_ints, describe
 from openmla.ops.cache import check_block_table
 
 __all__ = ["combine_topk_swa_indices", "csa_topk_indices", "hca_indices", "swa_indices"]
 
 PREFILL_TOPK_ALIGN = 128  # combine_topk_swa_indices row width granule (SPEC §7.6)
+INT32_LIMIT = 2**31  # the index rows are int32: every slot / workspace row written must stay below it
 
 
 @triton.jit
@@ -182,12 +183,17 @@ def _combine_topk_swa_fwd_kernel(
 
 
 def _outputs(num_tokens, width, dev, out_indices, out_lens):
+    for name, t in (("out_indices", out_indices), ("out_lens", out_lens)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None; got {type(t).__name__}")
     if out_indices is None:
         out_indices = torch.empty(num_tokens, width, dtype=torch.int32, device=dev)
+    # rows apart: an expanded (or overlapping) buffer would have its rows written over each other
     elif (out_indices.dtype != torch.int32 or out_indices.dim() != 2 or out_indices.shape[0] < num_tokens
-          or out_indices.shape[1] < width or out_indices.stride(1) != 1 or out_indices.device != dev):  # fmt: skip
-        raise ValueError(f"out_indices must be int32 [>= {num_tokens}, >= {width}] on {dev}, rows contiguous; "
-                         f"got {describe(out_indices)}")  # fmt: skip
+          or out_indices.shape[1] < width or out_indices.stride(1) != 1 or out_indices.device != dev
+          or (num_tokens > 1 and out_indices.stride(0) < out_indices.shape[1])):  # fmt: skip
+        raise ValueError(f"out_indices must be int32 [>= {num_tokens}, >= {width}] on {dev}, rows contiguous and "
+                         f"apart; got {describe(out_indices)}, strides {out_indices.stride()}")  # fmt: skip
     if out_lens is None:
         out_lens = torch.empty(num_tokens, dtype=torch.int32, device=dev)
     elif (out_lens.dtype != torch.int32 or out_lens.dim() != 1 or out_lens.shape[0] < num_tokens
@@ -207,7 +213,7 @@ def _check_batch(query_start_loc, seq_lens, slot_mapping, num_tokens):
         check_index("slot_mapping", slot_mapping, ndim=1, device=dev)
         if slot_mapping.shape[0] < num_tokens:
             raise ValueError(f"slot_mapping must cover the {num_tokens} tokens; got {describe(slot_mapping)}")
-    if not isinstance(num_tokens, int) or num_tokens < 0:
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
         raise ValueError(f"num_tokens must be a non-negative int; got {num_tokens!r}")
     return dev, B
 
@@ -215,6 +221,19 @@ def _check_batch(query_start_loc, seq_lens, slot_mapping, num_tokens):
 def _dense(*ts):
     """1-D index tensors as the kernels read them: densely (a strided one is copied; None stays None)."""
     return tuple(None if t is None else t.contiguous() for t in ts)
+
+
+def check_int32_slot_table(block_table, lens, starts, block_size: int) -> None:
+    """check_block_table where no cache bounds the block ids: the slots ``block * block_size + offset`` written
+    are int32, so every block id used must lie in ``[0, 2^31 // block_size)`` (never wrapped silently; sync)."""
+    limit = INT32_LIMIT // block_size
+    try:
+        check_block_table(block_table, lens, starts, block_size, limit)
+    except ValueError as e:
+        if "refers to block" not in str(e):
+            raise
+        raise ValueError(f"block_table refers to a block outside [0, {limit}): the indices hold its slots "
+                         f"(block * {block_size} + offset) as non-negative int32 values") from e  # fmt: skip
 
 
 def _check_positions(query_start_loc, seq_lens, num_tokens):
@@ -265,14 +284,12 @@ def swa_indices(
     check_index("block_table", block_table, ndim=2, device=dev)
     if block_table.shape[0] != B:
         raise ValueError(f"block_table must have B = {B} rows; got {describe(block_table)}")
-    for name, v in (("block_size", block_size), ("window", window)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int; got {v!r}")
+    check_positive_ints(("block_size", block_size), ("window", window))
     out_indices, out_lens = _outputs(num_tokens, window, dev, out_indices, out_lens)
     if validate and not capturing():
         qlen = _check_positions(query_start_loc, seq_lens, num_tokens)
         first = (seq_lens.long() - qlen - window + 1).clamp_min(0)
-        check_block_table(block_table, seq_lens.long() - first, first, block_size, 2**62)
+        check_int32_slot_table(block_table, seq_lens.long() - first, first, block_size)
     if num_tokens == 0:
         return out_indices[:0], out_lens[:0]
     width = out_indices.shape[1]
@@ -320,9 +337,7 @@ def hca_indices(
         check_index("block_table", block_table, ndim=2, device=dev)
         if block_table.shape[0] != B:
             raise ValueError(f"block_table must have B = {B} rows; got {describe(block_table)}")
-    for name, v in (("block_size", block_size), ("ratio", ratio), ("width", width)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int; got {v!r}")
+    check_positive_ints(("block_size", block_size), ("ratio", ratio), ("width", width))
     out_indices, out_lens = _outputs(num_tokens, width, dev, out_indices, out_lens)
     if validate and not capturing():
         _check_positions(query_start_loc, seq_lens, num_tokens)
@@ -330,7 +345,7 @@ def hca_indices(
         if top > width:
             raise ValueError(f"a token sees {top} compressed entries but width is {width}")
         if block_table is not None:
-            check_block_table(block_table, seq_lens.long() // ratio, None, block_size, 2**62)
+            check_int32_slot_table(block_table, seq_lens.long() // ratio, None, block_size)
     if num_tokens == 0:
         return out_indices[:0], out_lens[:0]
     bt = block_table if block_table is not None else seq_lens.view(-1, 1)
@@ -383,13 +398,11 @@ def csa_topk_indices(
     check_index("block_table", block_table, ndim=2, device=dev)
     if block_table.shape[0] != B:
         raise ValueError(f"block_table must have B = {B} rows; got {describe(block_table)}")
-    for name, v in (("block_size", block_size), ("ratio", ratio)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int; got {v!r}")
+    check_positive_ints(("block_size", block_size), ("ratio", ratio))
     out_indices, out_lens = _outputs(T, K, dev, out_indices, out_lens)
     if validate and not capturing():
         _check_positions(query_start_loc, seq_lens, T)
-        check_block_table(block_table, seq_lens.long() // ratio, None, block_size, 2**62)
+        check_int32_slot_table(block_table, seq_lens.long() // ratio, None, block_size)
     if T == 0:
         return out_indices[:0], out_lens[:0]
     if out_indices.shape[1] > K:
@@ -452,8 +465,10 @@ def combine_topk_swa_indices(
     if Kw > 1 and topk_indices.stride(1) != 1:
         raise ValueError(f"topk_indices rows must be contiguous; got strides {topk_indices.stride()}")
     for name, v, lo in (("window", window, 1), ("ratio", ratio, 1), ("topk", topk, 0), ("M", M, 0), ("N", N, 0)):
-        if not isinstance(v, int) or v < lo:
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}; got {v!r}")
+    if R * M > INT32_LIMIT:  # (no sync: host ints) the int32 rows r*M + i of the workspace must not wrap
+        raise ValueError(f"the workspace's R * M = {R} * {M} rows exceed the int32 indices' range")
     if topk > Kw:
         raise ValueError(f"topk {topk} exceeds topk_indices' width {Kw}; got {describe(topk_indices)}")
     width = triton.cdiv(topk + window, PREFILL_TOPK_ALIGN) * PREFILL_TOPK_ALIGN
@@ -472,7 +487,7 @@ def combine_topk_swa_indices(
         return out_indices[:0], out_lens[:0]
     w = out_indices.shape[1]
     _combine_topk_swa_fwd_kernel[(Tq,)](
-        topk_indices, query_start_loc, seq_lens, gather_lens, out_indices, out_lens, max(topk_indices.stride(0), 1),
+        topk_indices, query_start_loc, seq_lens, gather_lens, out_indices, out_lens, topk_indices.stride(0),
         out_indices.stride(0), Kw, topk, ratio, window, M, N, w,
         BLOCK_K=min(triton.next_power_of_2(max(topk, 1)), 1024), BLOCK_W=min(triton.next_power_of_2(window), 256),
         **_grid_args(R),
