@@ -376,3 +376,9 @@ def test_ops_refuse_overlapping_out_buffers(device):
     lse = torch.randn(T, H, device=device)
     with pytest.raises(ValueError, match="out must not overlap itself"):
         openmla.merge_attn_states(o, lse, o, lse, out=torch.zeros(T, 1, 16, device=device).expand(T, H, 16))
+    k_pe = torch.randn(2, D_R, device=device).to(cache.dtype)
+    kv_c = torch.randn(2, D_V, device=device).to(cache.dtype)
+    with pytest.raises(ValueError, match="kv_cache must not overlap itself"):
+        openmla.concat_and_cache_mla(
+            kv_c, k_pe, cache[:1].expand(3, *cache.shape[1:]), torch.tensor([0, 5], device=device)
+        )

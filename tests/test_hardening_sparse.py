@@ -64,6 +64,12 @@ def test_convert_refuses_int32_slot_overflow(device):
         f(req, big, tok, 4)
     with pytest.raises(ValueError, match="overflow the int32 output"):
         f(req, big.long() * 2**10, tok, 4)  # an int64 table is not truncated either
+    # unchecked: such a slot becomes -1 (skipped by sparse_mla), never a wrapped or truncated slot
+    want = f(req, bt, tok, 4)
+    got = f(req, big, tok, 4, validate=False)
+    assert int(got[1, 0]) == -1 and want[1, 0] >= 0
+    got[1, 0] = want[1, 0]
+    assert torch.equal(got, want)
     unused = bt.clone()
     unused[0, 2] = 2**30  # request 0's third block: position 11 sits past topk_length 2 below, 9 is request 1's
     lens = _i32([3, 2], device)
@@ -249,3 +255,5 @@ def test_concat_indexer_k_strided_slot_mapping(cache_dtype, validate, device):
     want = concat_and_cache_indexer_k_ref(k, cache.clone(), slots, cache_dtype=cache_dtype)
     openmla.concat_and_cache_indexer_k(k, cache, _strided(slots, fill=-1), cache_dtype=cache_dtype, validate=validate)
     assert torch.equal(cache, want)
+    with pytest.raises(ValueError, match="cache must not overlap itself"):  # written in place
+        openmla.concat_and_cache_indexer_k(k, cache[:1].expand(*cache.shape), slots, cache_dtype=cache_dtype)

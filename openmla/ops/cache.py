@@ -239,6 +239,7 @@ def concat_and_cache_mla(
     mode = _check_cache(kv_cache, kv_cache_dtype, entry=d_c + d_r)
     if kv_cache.device != dev:
         raise ValueError(f"kv_cache must be on {dev} like kv_c; got {describe(kv_cache)}")
+    check_no_overlap("kv_cache", kv_cache)  # written in place
     if mode == 2 and (d_c != 512 or d_r != 64):
         raise ValueError(f"fp8_ds_mla stores kv_c [T, 512] and k_pe [T, 64]; got d_c {d_c}, d_rope {d_r}")
     scale_t = scalar_scale("scale", scale, dev, validate=validate) if mode == 1 else slot_mapping

@@ -145,9 +145,10 @@ def _compress_kv_fwd_kernel(
         p = row0 + o_j
         m_j = (o_j < COFF * RATIO) & (p >= 0)
         chan = (o_j // RATIO) * D  # overlap: previous window -> dims [0, D), own window -> [D, 2D)
-        m_in = m_j & (p >= start_pos)  # rows of this step come from the inputs
-        m_st = m_j & (p < start_pos) & m_slot  # earlier rows from the state ring
         tok = (q0 + p - start_pos).to(tl.int64)
+        # rows of this step come from the inputs (tok < 0 only from an unchecked negative query_start_loc[0])
+        m_in = m_j & (p >= start_pos) & (tok >= 0)
+        m_st = m_j & (p < start_pos) & m_slot  # earlier rows from the state ring
         ring = tl.where(p >= 0, p % (COFF * RATIO), 0).to(tl.int64)
         o_in = tl.where(m_in, tok, 0)[:, None]
         p_st = state + slot * stride_st_s + ring[:, None] * stride_st_r + chan[:, None] + o_d[None, :]

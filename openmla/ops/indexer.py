@@ -267,6 +267,7 @@ def concat_and_cache_indexer_k(
     D = _check_cache("cache", cache, cache_dtype, head_dim=k.shape[1])
     if cache.device != dev:
         raise ValueError(f"cache must be on {dev} like k; got {describe(cache)}")
+    check_no_overlap("cache", cache)  # written in place
     if scale_fmt not in SCALE_FMTS:
         raise ValueError(f'scale_fmt must be None or "ue8m0"; got {scale_fmt!r}')
     num_blocks, block_size = cache.shape[0], cache.shape[1]

@@ -68,6 +68,7 @@ def _convert_req_index_fwd_kernel(
     m_ok = m_k & (o_k < n) & (tok >= 0) & (i_blk < W) & (req >= 0) & (req < R)
     blk = tl.load(block_table + req * stride_bt_r + i_blk * stride_bt_w, mask=m_ok, other=-1).to(tl.int64)
     slot = tl.where(m_ok & (blk >= 0), blk * block_size + tok % block_size, -1)
+    slot = tl.where(slot > 2147483647, -1, slot)  # past int32 (unchecked under validate=False): -1, never wrapped
     tl.store(out + i_t * stride_o_t + o_k, slot.to(tl.int32), mask=m_k)
 
 
@@ -116,7 +117,7 @@ def convert_req_index_to_global_index(
             count (the rest become -1).
         out (torch.Tensor | None): contiguous int32 `[T, K]` buffer (CUDA graphs).
         validate (bool): check ``req_id`` lies in ``[0, R)`` and that no selected slot overflows int32 (a host
-            sync; skipped while capturing). Without it a bad request row gives -1 entries.
+            sync; skipped while capturing). Without it a bad request row or a slot past int32 gives -1 entries.
 
     Returns:
         torch.Tensor: `[T, K]` int32 global slots (-1 = invalid).
