@@ -29,6 +29,51 @@ from openmla.ops.sparse_indices import sparse_seq_lens
 __all__ = ["SparseMLAMetadata", "SparseMLAMetadataBuilder"]
 
 
+def _host_seq_len_bound(spec: BatchSpec) -> int:
+    """The longest request of ``spec`` from its host values only (no device synchronisation).
+
+    With ``seq_lens_cpu``: checks that every request's ``seq_lens`` covers its query (context + new tokens, so
+    also never negative) and returns their maximum; without it the device lengths are trusted (as
+    :meth:`BatchSpec.validate` does) and ``max_seq_len``, an upper bound, is returned.
+
+    Raises:
+        ValueError: a request whose ``seq_lens`` entry is below its query length.
+    """
+    if spec.seq_lens_cpu is None:
+        return spec.max_seq_len
+    if spec.num_reqs == 0:
+        return 0
+    qlens = spec.query_lens_cpu()
+    short = (spec.seq_lens_cpu < qlens).nonzero()
+    if short.numel():
+        b = int(short[0, 0])
+        raise ValueError(
+            f"seq_lens[{b}] = {int(spec.seq_lens_cpu[b])} is below request {b}'s query length {int(qlens[b])} "
+            f"(seq_lens counts the cached context plus the new tokens); seq_lens_cpu {spec.seq_lens_cpu.tolist()}"
+        )
+    return int(spec.seq_lens_cpu.max())
+
+
+def _check_block_table_covers(spec: BatchSpec, blocks_needed: int, longest: int, block_size: int) -> None:
+    """Refuse a block table narrower than the ``blocks_needed`` columns a request of ``longest`` tokens uses."""
+    W = spec.block_table.shape[1]
+    if blocks_needed > W:
+        src = "seq_lens_cpu" if spec.seq_lens_cpu is not None else "max_seq_len, no seq_lens_cpu"
+        raise ValueError(
+            f"block_table has {W} columns (shape {tuple(spec.block_table.shape)}) but a request of up to {longest} "
+            f"tokens ({src}) at block_size {block_size} needs {blocks_needed}"
+        )
+
+
+def _check_slot_mapping_rows(spec: BatchSpec) -> None:
+    """The layers write (or skip) one slot per input row: ``slot_mapping`` must cover ``num_input_tokens``."""
+    if spec.slot_mapping.shape[0] < spec.num_input_tokens:
+        raise ValueError(
+            f"slot_mapping must have an entry for each of the {spec.num_input_tokens} input rows (num_input_tokens, "
+            f"-1 on padding rows); got shape {tuple(spec.slot_mapping.shape)}, dtype {spec.slot_mapping.dtype}"
+        )
+
+
 @dataclass
 class SparseMLAMetadata:
     r"""Everything the sparse MLA layers of one step read (views of the builder's persistent buffers).
@@ -37,7 +82,8 @@ class SparseMLAMetadata:
         num_actual_tokens (int): real tokens; rows past it (CUDA-graph padding) belong to no request.
         num_input_tokens (int): rows of the token buffers ``T`` (padding included).
         num_reqs (int): requests ``B`` (padding requests of query length 0 included).
-        slot_mapping (torch.Tensor): `[T]`, int64; cache slot per token, -1 = not written.
+        slot_mapping (torch.Tensor): `[T]`, int64; cache slot per token, -1 = not written (a view of the spec's
+            own ``slot_mapping``, the runner's persistent token buffer, like its input ids and positions).
         query_start_loc (torch.Tensor): `[B + 1]`, int32.
         seq_lens (torch.Tensor): `[B]`, int32; context + new tokens per request.
         block_table (torch.Tensor): `[B, max_blocks_per_seq]`, int32 (columns past a request's blocks are stale
@@ -142,7 +188,10 @@ class SparseMLAMetadataBuilder:
         Raises:
             TypeError: ``spec`` is not a BatchSpec.
             ValueError: the step exceeds the builder's sizes, lives on another device, or is not causal
-                (the indexer's top-k is causal; non-causal drafts have no V3.2 meaning).
+                (the indexer's top-k is causal; non-causal drafts have no V3.2 meaning); ``slot_mapping`` has
+                fewer than ``num_input_tokens`` entries; ``seq_lens_cpu`` (when given) is below a query length;
+                the block table has fewer columns than the longest request (``seq_lens_cpu``, else
+                ``max_seq_len``) needs (the persistent table's later columns hold an earlier step's blocks).
         """
         if not isinstance(spec, BatchSpec):
             raise TypeError(f"build expects a BatchSpec, got {type(spec).__name__}")
@@ -166,6 +215,9 @@ class SparseMLAMetadataBuilder:
             raise ValueError(f"batch tensors are on {spec.device} but the builder's buffers on {self.device}")
         if not spec.causal:
             raise ValueError("sparse MLA (V3.2) needs causal steps: the indexer's top-k is causal")
+        _check_slot_mapping_rows(spec)
+        longest = _host_seq_len_bound(spec)  # host values only: no device sync
+        _check_block_table_covers(spec, _cdiv(longest, self.block_size), longest, self.block_size)
 
         nb = self.device.type == "cuda"
         qsl = self._qsl[: B + 1]

@@ -18,7 +18,9 @@ derives, on the device and without a host synchronisation:
   distinct.
 
 Every output is a view of a persistent buffer sized for ``max_num_batched_tokens`` rows and ``max_num_seqs``
-requests, so a decode step captured in a CUDA graph replays against the same addresses after ``build``.
+requests (``slot_mapping`` without a ring: a view of the spec's own, the runner's persistent token buffer), so a
+decode step captured in a CUDA graph replays against the same addresses after ``build``. ``build`` checks the step on
+the host values alone (``query_start_loc_cpu``, ``seq_lens_cpu`` when given, ints) and never synchronises.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from openmla.metadata.batch import BatchSpec
+from openmla.metadata.dense import _same_device
+from openmla.metadata.sparse import _check_block_table_covers, _check_slot_mapping_rows, _host_seq_len_bound
+from openmla.ops._validate import check_positive_ints
 from openmla.ops.v4_indices import hca_indices, swa_indices
 
 #: HCA index rows are padded to a multiple of this (FlashMLA's sparse decode takes index widths of 64k).
@@ -126,6 +131,10 @@ class V4MetadataBuilder:
         max_blocks_per_seq (int | None): block-table width (default ``ceil(max_model_len / block_size)``).
         swa_ring_blocks (int | None): SWA ring blocks per state slot (module docstring); None: the SWA cache uses
             the scheduler's blocks and ``spec.slot_mapping`` (every token resident).
+
+    Raises:
+        ValueError: a size or ratio that is not a positive int, block size and a ratio of which neither divides the
+            other, or a ring too small for the window.
     """
 
     def __init__(
@@ -141,8 +150,18 @@ class V4MetadataBuilder:
         max_blocks_per_seq: int | None = None,
         swa_ring_blocks: int | None = None,
     ) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1; got {window}")
+        check_positive_ints(
+            ("block_size", block_size),
+            ("window", window),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        )
+        for name, v in (("max_blocks_per_seq", max_blocks_per_seq), ("swa_ring_blocks", swa_ring_blocks)):
+            if v is not None:
+                check_positive_ints((name, v))
+        for i, r in enumerate(ratios):
+            check_positive_ints((f"ratios[{i}]", r))
         self.block_size, self.window = int(block_size), int(window)
         self.ratios = tuple(sorted({int(r) for r in ratios}))
         self.bs_c = {r: compressed_block_size(self.block_size, r) for r in self.ratios}
@@ -153,6 +172,9 @@ class V4MetadataBuilder:
         T, B, dev = self.max_tokens, self.max_num_seqs, self.device
         i32 = dict(dtype=torch.int32, device=dev)
         self._positions = torch.zeros(T, dtype=torch.int64, device=dev)
+        self._qsl = torch.zeros(B + 1, **i32)
+        self._seq_lens = torch.zeros(B, **i32)
+        self._bt = torch.zeros(B, self.max_blocks_per_seq, **i32)
         self._arange = torch.arange(T + 1, **i32)
         self.state_slots = torch.arange(B, **i32)  # the runner writes each step's slots here
         self._swa = torch.full((T, self.window), -1, **i32)
@@ -171,59 +193,109 @@ class V4MetadataBuilder:
             width = -(-max(1, -(-self.max_model_len // r)) // HCA_WIDTH_MULTIPLE) * HCA_WIDTH_MULTIPLE
             self._hca[r] = (torch.full((T, width), -1, **i32), torch.zeros(T, **i32))
 
+    def _blocks_needed(self, seq_len: int) -> int:
+        """Block-table columns a request of ``seq_len`` tokens uses: its SWA positions (unless in the ring) and
+        each ratio's compressed entries ``[0, seq_len // r)`` in blocks of ``bs_c``."""
+        need = 0 if self.swa_ring_blocks is not None else -(-seq_len // self.block_size)
+        for r in self.ratios:
+            need = max(need, -(-(seq_len // r) // self.bs_c[r]))
+        return need
+
     def build(self, spec: BatchSpec) -> V4Metadata:
-        """Fill the buffers for ``spec`` (device ops only; validation is the scheduler's job here).
+        """Fill the buffers for ``spec`` (device ops only; the checks read host values only, no synchronisation).
 
         Raises:
-            ValueError: more rows or requests than the buffers hold, or a block table wider than them.
+            TypeError: ``spec`` is not a BatchSpec.
+            ValueError: more rows or requests than the buffers hold, a block table wider than them or narrower than
+                the longest request needs (``seq_lens_cpu``, else ``max_seq_len``), a request longer than
+                ``max_model_len`` (the HCA rows and the RoPE tables end there), ``seq_lens_cpu`` (when given) below a
+                query length, fewer ``slot_mapping`` entries than rows, a query that overruns the SWA ring, or
+                tensors on another device.
         """
+        if not isinstance(spec, BatchSpec):
+            raise TypeError(f"build expects a BatchSpec, got {type(spec).__name__}")
         T, B = spec.num_input_tokens, spec.num_reqs
         if T > self.max_tokens or B > self.max_num_seqs:
             raise ValueError(f"step of {T} rows / {B} requests exceeds the builder ({self.max_tokens} / "
                              f"{self.max_num_seqs})")  # fmt: skip
-        if spec.block_table.shape[1] > self.max_blocks_per_seq:
-            raise ValueError(f"block_table width {spec.block_table.shape[1]} > {self.max_blocks_per_seq}")
-        qsl, seq_lens, bt = spec.query_start_loc, spec.seq_lens, spec.block_table
+        W = spec.block_table.shape[1]
+        if W > self.max_blocks_per_seq:
+            raise ValueError(f"block_table width {W} > {self.max_blocks_per_seq}")
+        if not _same_device(spec.device, self.device):
+            raise ValueError(f"batch tensors are on {spec.device} but the builder's buffers on {self.device}")
+        if spec.max_seq_len > self.max_model_len:
+            raise ValueError(f"batch has a request of up to {spec.max_seq_len} tokens (max_seq_len) but "
+                             f"max_model_len {self.max_model_len}")  # fmt: skip
+        _check_slot_mapping_rows(spec)
+        longest = _host_seq_len_bound(spec)  # host values only: no device sync
+        _check_block_table_covers(spec, self._blocks_needed(longest), longest, self.block_size)
+        qsl_cpu = spec.query_start_loc_cpu.tolist()  # host tensor: no device sync
+        max_qlen = max([qsl_cpu[i + 1] - qsl_cpu[i] for i in range(B)], default=0)
+        n = self.swa_ring_blocks
+        if n is not None and ring_blocks(self.window, max_qlen, self.block_size) > n:  # the longest query, not a hint
+            raise ValueError(f"a query of {max_qlen} rows overruns the SWA ring of {n} blocks")
+
+        # The step's request tensors, copied into persistent buffers (a captured graph reads these addresses).
+        nb = self.device.type == "cuda"
+        qsl, seq_lens, bt = self._qsl[: B + 1], self._seq_lens[:B], self._bt[:B, :W]
+        qsl.copy_(spec.query_start_loc, non_blocking=nb)
+        seq_lens.copy_(spec.seq_lens, non_blocking=nb)
+        bt.copy_(spec.block_table, non_blocking=nb)
         rows = self._arange[:T].to(torch.int64)
-        # token -> request: the last request whose first row is <= t (rows past qsl[B] are padding).
-        req = torch.searchsorted(qsl[1:].to(torch.int64), rows, right=True).clamp_(max=max(B - 1, 0))
-        valid = rows < qsl[B].to(torch.int64)
-        qlen = (qsl[1:] - qsl[:-1]).to(torch.int64)
-        pos = seq_lens.to(torch.int64)[req] - qlen[req] + rows - qsl[:-1].to(torch.int64)[req]
-        pos = torch.where(valid, pos, torch.zeros_like(pos))
+        if B:
+            # token -> request: the last request whose first row is <= t (rows past qsl[B] are padding).
+            req = torch.searchsorted(qsl[1:].to(torch.int64), rows, right=True).clamp_(max=B - 1)
+            valid = rows < qsl[B].to(torch.int64)
+            qlen = (qsl[1:] - qsl[:-1]).to(torch.int64)
+            pos = seq_lens.to(torch.int64)[req] - qlen[req] + rows - qsl[:-1].to(torch.int64)[req]
+            pos = torch.where(valid, pos, torch.zeros_like(pos))
+        else:  # no request: every row is padding
+            req, valid, pos = torch.zeros_like(rows), torch.zeros_like(rows, dtype=torch.bool), torch.zeros_like(rows)
         self._positions[:T].copy_(pos)
         self._req[:T].copy_(req)
         if self.ratios:
-            self._row_bt[:T, : bt.shape[1]].copy_(bt[req])
+            if B:
+                self._row_bt[:T, :W].copy_(bt[req])
+            else:
+                self._row_bt[:T, :W].zero_()
         slot_mapping, swa_bt = spec.slot_mapping[:T], bt
         if self.swa_ring_blocks is not None:
-            if ring_blocks(self.window, spec.max_query_len, self.block_size) > self.swa_ring_blocks:
-                raise ValueError(f"a query of {spec.max_query_len} rows overruns the SWA ring of "
-                                 f"{self.swa_ring_blocks} blocks")  # fmt: skip
-            n, bs, W = self.swa_ring_blocks, self.block_size, bt.shape[1]
+            bs = self.block_size
             base = self.state_slots[:B].to(torch.int64) * n
             self._swa_bt[:B, :W].copy_(base[:, None] + self._logical[None, :W])
-            ring = (base[req] + torch.div(pos, bs, rounding_mode="floor") % n) * bs + pos % bs
-            self._swa_slots[:T].copy_(torch.where(valid & (slot_mapping >= 0), ring, -1))
+            if B:
+                ring = (base[req] + torch.div(pos, bs, rounding_mode="floor") % n) * bs + pos % bs
+                self._swa_slots[:T].copy_(torch.where(valid & (slot_mapping >= 0), ring, -1))
+            else:
+                self._swa_slots[:T].fill_(-1)
             slot_mapping, swa_bt = self._swa_slots[:T], self._swa_bt[:B, :W]
-        swa_indices(
-            qsl, seq_lens, swa_bt, block_size=self.block_size, window=self.window, num_tokens=T,
-            slot_mapping=slot_mapping, out_indices=self._swa, out_lens=self._swa_lens, validate=False,
-        )  # fmt: skip
+        if B == 0:  # the index kernels need a request: padding rows see nothing
+            self._swa[:T].fill_(-1)
+            self._swa_lens[:T].zero_()
+            for idx, lens in self._hca.values():
+                idx[:T].fill_(-1)
+                lens[:T].zero_()
+        else:
+            swa_indices(
+                qsl, seq_lens, swa_bt, block_size=self.block_size, window=self.window, num_tokens=T,
+                slot_mapping=slot_mapping, out_indices=self._swa, out_lens=self._swa_lens, validate=False,
+            )  # fmt: skip
+            for r in self.ratios:
+                idx, lens = self._hca[r]
+                hca_indices(
+                    qsl, seq_lens, bt, block_size=self.bs_c[r], ratio=r, width=idx.shape[1], num_tokens=T,
+                    slot_mapping=slot_mapping, out_indices=idx, out_lens=lens, validate=False,
+                )  # fmt: skip
         compressed = {}
         for r in self.ratios:
             idx, lens = self._hca[r]
-            hca_indices(
-                qsl, seq_lens, bt, block_size=self.bs_c[r], ratio=r, width=idx.shape[1], num_tokens=T,
-                slot_mapping=slot_mapping, out_indices=idx, out_lens=lens, validate=False,
-            )  # fmt: skip
             compressed[r] = V4CompressedMetadata(
                 ratio=r,
                 block_size=self.bs_c[r],
                 hca_indices=idx[:T],
                 hca_lens=lens[:T],
                 row_query_start_loc=self._arange[: T + 1],
-                row_block_table=self._row_bt[:T, : bt.shape[1]],
+                row_block_table=self._row_bt[:T, :W],
             )
         return V4Metadata(
             positions=self._positions[:T],
@@ -239,7 +311,7 @@ class V4MetadataBuilder:
             window=self.window,
             num_tokens=T,
             num_reqs=B,
-            max_query_len=spec.max_query_len,
+            max_query_len=max_qlen,
             swa_block_table=swa_bt,
             query_start_loc_cpu=spec.query_start_loc_cpu,
             seq_lens_cpu=spec.seq_lens_cpu,
