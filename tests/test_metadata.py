@@ -254,8 +254,13 @@ def test_builder_validation(device):
         b.build(make_spec([1, 1, 1], [2, 2, 2], device))
     with pytest.raises(TypeError, match="BatchSpec"):
         b.build({"num_reqs": 1})
-    with pytest.raises(ValueError, match="shorter than query"):
+    with pytest.raises(ValueError, match="below request 0's query length"):
         make_builder(device).build(make_spec([5], [3], device))
+    # a block table narrower than the longest request: the decode buffer's later columns hold an earlier step's
+    # blocks, so it is refused (from seq_lens_cpu, else max_seq_len), not read
+    for with_cpu_seq in (True, False):
+        with pytest.raises(ValueError, match="block_table has 2 columns"):
+            make_builder(device).build(make_spec([1, 1], [3, 9], device, width=2, with_cpu_seq=with_cpu_seq))
 
 
 # ------------------------------------------------------------------------ property

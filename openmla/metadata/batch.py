@@ -125,3 +125,48 @@ class BatchSpec:
     def query_lens_cpu(self) -> torch.Tensor:
         """`[num_reqs]`, int32, CPU: each request's query length."""
         return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+
+def host_seq_len_bound(spec: BatchSpec) -> int:
+    """The longest request of ``spec`` from its host values only (no device synchronisation).
+
+    With ``seq_lens_cpu``: checks that every request's ``seq_lens`` covers its query (context + new tokens, so
+    also never negative) and returns their maximum; without it the device lengths are trusted (as
+    :meth:`BatchSpec.validate` does) and ``max_seq_len``, an upper bound, is returned.
+
+    Raises:
+        ValueError: a request whose ``seq_lens`` entry is below its query length.
+    """
+    if spec.seq_lens_cpu is None:
+        return spec.max_seq_len
+    if spec.num_reqs == 0:
+        return 0
+    qlens = spec.query_lens_cpu()
+    short = (spec.seq_lens_cpu < qlens).nonzero()
+    if short.numel():
+        b = int(short[0, 0])
+        raise ValueError(
+            f"seq_lens[{b}] = {int(spec.seq_lens_cpu[b])} is below request {b}'s query length {int(qlens[b])} "
+            f"(seq_lens counts the cached context plus the new tokens); seq_lens_cpu {spec.seq_lens_cpu.tolist()}"
+        )
+    return int(spec.seq_lens_cpu.max())
+
+
+def check_block_table_covers(spec: BatchSpec, blocks_needed: int, longest: int, block_size: int) -> None:
+    """Refuse a block table narrower than the ``blocks_needed`` columns a request of ``longest`` tokens uses."""
+    W = spec.block_table.shape[1]
+    if blocks_needed > W:
+        src = "seq_lens_cpu" if spec.seq_lens_cpu is not None else "max_seq_len, no seq_lens_cpu"
+        raise ValueError(
+            f"block_table has {W} columns (shape {tuple(spec.block_table.shape)}) but a request of up to {longest} "
+            f"tokens ({src}) at block_size {block_size} needs {blocks_needed}"
+        )
+
+
+def check_slot_mapping_rows(spec: BatchSpec) -> None:
+    """The layers write (or skip) one slot per input row: ``slot_mapping`` must cover ``num_input_tokens``."""
+    if spec.slot_mapping.shape[0] < spec.num_input_tokens:
+        raise ValueError(
+            f"slot_mapping must have an entry for each of the {spec.num_input_tokens} input rows (num_input_tokens, "
+            f"-1 on padding rows); got shape {tuple(spec.slot_mapping.shape)}, dtype {spec.slot_mapping.dtype}"
+        )

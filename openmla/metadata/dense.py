@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openmla.metadata.batch import BatchSpec
+from openmla.metadata.batch import BatchSpec, check_block_table_covers, host_seq_len_bound
 from openmla.ops._validate import check_positive_ints
 from openmla.ops.plan import plan_decode
 
@@ -311,7 +311,8 @@ class MLAMetadataBuilder:
         Raises:
             TypeError: ``spec`` is not a BatchSpec.
             ValueError: the batch exceeds the sizes the builder was made for (requests, ``max_model_len``), or
-                lives elsewhere.
+                lives elsewhere; ``seq_lens_cpu`` (when given) is below a query length; the block table has fewer
+                columns than the longest request (``seq_lens_cpu``, else ``max_seq_len``) needs.
         """
         if not isinstance(spec, BatchSpec):
             raise TypeError(f"build expects a BatchSpec, got {type(spec).__name__}")
@@ -328,6 +329,9 @@ class MLAMetadataBuilder:
         if spec.max_seq_len > self.max_model_len:
             raise ValueError(f"batch has a request of up to {spec.max_seq_len} tokens (max_seq_len) but "
                              f"max_model_len {self.max_model_len}")  # fmt: skip
+        # the decode block-table buffer's columns past the spec's hold an earlier step's blocks: never read them
+        longest = host_seq_len_bound(spec)  # host values only: no device sync
+        check_block_table_covers(spec, _cdiv(longest, self.block_size), longest, self.block_size)
 
         qsl = spec.query_start_loc_cpu.tolist()  # host tensor: no device sync
         query_lens = [qsl[i + 1] - qsl[i] for i in range(spec.num_reqs)]

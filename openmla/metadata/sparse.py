@@ -21,57 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from openmla.metadata.batch import BatchSpec
+from openmla.metadata.batch import BatchSpec, check_block_table_covers, check_slot_mapping_rows, host_seq_len_bound
 from openmla.metadata.dense import _cdiv, _same_device
 from openmla.ops._validate import check_positive_ints
 from openmla.ops.sparse_indices import sparse_seq_lens
 
 __all__ = ["SparseMLAMetadata", "SparseMLAMetadataBuilder"]
-
-
-def _host_seq_len_bound(spec: BatchSpec) -> int:
-    """The longest request of ``spec`` from its host values only (no device synchronisation).
-
-    With ``seq_lens_cpu``: checks that every request's ``seq_lens`` covers its query (context + new tokens, so
-    also never negative) and returns their maximum; without it the device lengths are trusted (as
-    :meth:`BatchSpec.validate` does) and ``max_seq_len``, an upper bound, is returned.
-
-    Raises:
-        ValueError: a request whose ``seq_lens`` entry is below its query length.
-    """
-    if spec.seq_lens_cpu is None:
-        return spec.max_seq_len
-    if spec.num_reqs == 0:
-        return 0
-    qlens = spec.query_lens_cpu()
-    short = (spec.seq_lens_cpu < qlens).nonzero()
-    if short.numel():
-        b = int(short[0, 0])
-        raise ValueError(
-            f"seq_lens[{b}] = {int(spec.seq_lens_cpu[b])} is below request {b}'s query length {int(qlens[b])} "
-            f"(seq_lens counts the cached context plus the new tokens); seq_lens_cpu {spec.seq_lens_cpu.tolist()}"
-        )
-    return int(spec.seq_lens_cpu.max())
-
-
-def _check_block_table_covers(spec: BatchSpec, blocks_needed: int, longest: int, block_size: int) -> None:
-    """Refuse a block table narrower than the ``blocks_needed`` columns a request of ``longest`` tokens uses."""
-    W = spec.block_table.shape[1]
-    if blocks_needed > W:
-        src = "seq_lens_cpu" if spec.seq_lens_cpu is not None else "max_seq_len, no seq_lens_cpu"
-        raise ValueError(
-            f"block_table has {W} columns (shape {tuple(spec.block_table.shape)}) but a request of up to {longest} "
-            f"tokens ({src}) at block_size {block_size} needs {blocks_needed}"
-        )
-
-
-def _check_slot_mapping_rows(spec: BatchSpec) -> None:
-    """The layers write (or skip) one slot per input row: ``slot_mapping`` must cover ``num_input_tokens``."""
-    if spec.slot_mapping.shape[0] < spec.num_input_tokens:
-        raise ValueError(
-            f"slot_mapping must have an entry for each of the {spec.num_input_tokens} input rows (num_input_tokens, "
-            f"-1 on padding rows); got shape {tuple(spec.slot_mapping.shape)}, dtype {spec.slot_mapping.dtype}"
-        )
 
 
 @dataclass
@@ -215,9 +170,9 @@ class SparseMLAMetadataBuilder:
             raise ValueError(f"batch tensors are on {spec.device} but the builder's buffers on {self.device}")
         if not spec.causal:
             raise ValueError("sparse MLA (V3.2) needs causal steps: the indexer's top-k is causal")
-        _check_slot_mapping_rows(spec)
-        longest = _host_seq_len_bound(spec)  # host values only: no device sync
-        _check_block_table_covers(spec, _cdiv(longest, self.block_size), longest, self.block_size)
+        check_slot_mapping_rows(spec)
+        longest = host_seq_len_bound(spec)  # host values only: no device sync
+        check_block_table_covers(spec, _cdiv(longest, self.block_size), longest, self.block_size)
 
         nb = self.device.type == "cuda"
         qsl = self._qsl[: B + 1]

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from openmla.metadata.batch import BatchSpec
+from openmla.metadata.batch import BatchSpec, check_block_table_covers, check_slot_mapping_rows, host_seq_len_bound
 from openmla.metadata.dense import _same_device
-from openmla.metadata.sparse import _check_block_table_covers, _check_slot_mapping_rows, _host_seq_len_bound
 from openmla.ops._validate import check_positive_ints
 from openmla.ops.v4_indices import hca_indices, swa_indices
 
@@ -226,9 +225,9 @@ class V4MetadataBuilder:
         if spec.max_seq_len > self.max_model_len:
             raise ValueError(f"batch has a request of up to {spec.max_seq_len} tokens (max_seq_len) but "
                              f"max_model_len {self.max_model_len}")  # fmt: skip
-        _check_slot_mapping_rows(spec)
-        longest = _host_seq_len_bound(spec)  # host values only: no device sync
-        _check_block_table_covers(spec, self._blocks_needed(longest), longest, self.block_size)
+        check_slot_mapping_rows(spec)
+        longest = host_seq_len_bound(spec)  # host values only: no device sync
+        check_block_table_covers(spec, self._blocks_needed(longest), longest, self.block_size)
         qsl_cpu = spec.query_start_loc_cpu.tolist()  # host tensor: no device sync
         max_qlen = max([qsl_cpu[i + 1] - qsl_cpu[i] for i in range(B)], default=0)
         n = self.swa_ring_blocks
