@@ -10,14 +10,26 @@ contributes nothing.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
-from openmla.ops.decode import mla_decode
+from openmla.ops.cache import check_block_table
+from openmla.ops.decode import _host_scale, mla_decode
 from openmla.ops.plan import plan_decode
-from openmla.parallel.comm import MERGES, _all_gather, all_gather_heads, group_info, merge_heads, merge_replicated
+from openmla.parallel.comm import (
+    FALLBACKS,
+    MERGES,
+    _all_gather,
+    all_gather_heads,
+    group_info,
+    merge_heads,
+    merge_replicated,
+)
 from openmla.parallel.sharding import _local, check_dcp_args, dcp_local_seq_lens, dcp_local_verify_row_lens
-from openmla.parallel.verify import dcp_masked_decode, select_dcp_decode_route
+from openmla.parallel.verify import _check_query_rows, dcp_masked_decode, select_dcp_decode_route
 
 __all__ = ["dcp_mla_decode", "dcp_local_decode"]
 
@@ -52,10 +64,13 @@ def dcp_local_decode(
     """
     W, rank, I = check_dcp_args(world_size, rank, interleave)
     T = q.shape[0]
+    sync_ok = validate and not capturing()
+    if sync_ok:  # rows of no request, or a max_query_len below a request's rows (the route would drop its window)
+        top = _check_query_rows(T, block_table.shape[0], query_start_loc, max_query_len)
+        max_query_len = top if max_query_len is None else max_query_len
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if query_start_loc.numel() > 1 else 0
     route = select_dcp_decode_route(causal, max_query_len, route)
-    sync_ok = validate and not capturing()
     kw = dict(kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale, d_v=d_v)
     # a global length bound gives the local decode's plan without a host sync (so the call can be captured)
     local_max = None if max_seq_len is None else _local(max_seq_len, W, rank, I)
@@ -90,6 +105,53 @@ def dcp_local_decode(
         out, lse = mla_decode(q, kv_cache, block_table, local, query_start_loc, sm_scale, causal=False,
                               plan=plan(local, query_start_loc, max_query_len), validate=sync_ok, **kw)  # fmt: skip
     return out, lse, route
+
+
+_DTYPE_CODES = FLOAT16_DTYPES + (torch.float32,)  # q's dtypes, by index in the ranks' shared check
+
+
+def _check_local_inputs(q, kv_cache, block_table, seq_lens, query_start_loc, sm_scale, *, world_size, rank,
+                        interleave, causal, kv_cache_dtype, kv_scale, route, max_query_len, max_seq_len,
+                        d_v):  # fmt: skip
+    """Every check of one rank's :func:`dcp_mla_decode` inputs that needs no communication (host syncs).
+
+    Run before the first collective so that a rank's bad input fails every rank at the same point (see
+    :func:`dcp_mla_decode`). Returns the batch's longest query (``max_query_len`` when given).
+    """
+    check_tensor("q", q, dtypes=_DTYPE_CODES, ndim=3)
+    T, H, d_qk = q.shape
+    dev = q.device
+    if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be a finite float; got {sm_scale!r}")
+    if not isinstance(d_v, int) or isinstance(d_v, bool) or d_v < 1:
+        raise ValueError(f"d_v must be a positive int; got {d_v!r}")
+    if d_qk <= d_v or d_v & (d_v - 1) or (d_qk - d_v) & (d_qk - d_v - 1):
+        raise ValueError(f"q's last dim must be d_v ({d_v}) + a rope width, both powers of two; got {describe(q)}")
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f'kv_cache_dtype must be "auto" or "fp8"; got {kv_cache_dtype!r}')
+    cache_dtypes = (torch.float8_e4m3fn,) if kv_cache_dtype == "fp8" else (q.dtype,)
+    check_tensor("kv_cache", kv_cache, dtypes=cache_dtypes, ndim=3, device=dev)
+    if kv_cache.shape[2] != d_qk:
+        raise ValueError(f"kv_cache rows must be {d_qk} wide like q; got {describe(kv_cache)}")
+    if kv_cache_dtype == "fp8":
+        _host_scale("kv_scale", kv_scale, dev)
+    check_index("block_table", block_table, ndim=2, device=dev)
+    B = block_table.shape[0]
+    check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
+    check_index("query_start_loc", query_start_loc, ndim=1, device=dev, length=B + 1)
+    top = _check_query_rows(T, B, query_start_loc, max_query_len)
+    max_query_len = top if max_query_len is None else max_query_len
+    picked = select_dcp_decode_route(causal, max_query_len, route)
+    if picked == "masked" and top > 16:
+        raise ValueError(f"query lengths must be at most 16 for route 'masked'; got {top}")
+    local = dcp_local_seq_lens(seq_lens, world_size, rank, interleave)  # checks seq_lens >= 0
+    if B:
+        top_s = int(seq_lens.max())
+        if max_seq_len is not None and top_s > max_seq_len:
+            raise ValueError(f"seq_lens reaches {top_s} but max_seq_len is {max_seq_len}")
+        # this rank's keys of every request are covered by its block table, through blocks the cache has
+        check_block_table(block_table, local, None, kv_cache.shape[1], kv_cache.shape[0])
+    return max_query_len
 
 
 def dcp_mla_decode(
@@ -142,8 +204,12 @@ def dcp_mla_decode(
             decode is then planned without a host sync, so that a call with ``max_query_len``, this and
             ``validate=False`` can be captured in a CUDA graph.
         d_v (int): latent width (512).
-        validate (bool): host-synchronising checks, including that every rank passes the same ``T``,
-            ``H`` and batch size (one small all-gather); pass False on the hot path.
+        validate (bool): host-synchronising checks, all before the first collective: this rank's inputs (dtypes,
+            shapes, ``query_start_loc`` rising from 0 to ``T``, the ``max_query_len`` / ``max_seq_len`` hints, its
+            local lengths covered by ``block_table`` through blocks the cache has), then one small all-gather of
+            each rank's verdict, shapes, arguments and a fingerprint of ``seq_lens`` / ``query_start_loc``, so
+            that every rank raises (a ValueError) when any rank's input is bad or the ranks disagree. Pass False
+            on the hot path.
 
     Returns:
         out: `[T, H, d_v]`, q.dtype; this rank's heads attended over every rank's keys.
@@ -157,27 +223,62 @@ def dcp_mla_decode(
     check_dcp_args(W, rank, interleave)
     if merge not in MERGES:  # checked before any collective, so every rank fails at the same point
         raise ValueError(f"merge must be one of {MERGES}; got {merge!r}")
-    check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=3)
-    T, H, d_qk = q.shape
-    check_index("block_table", block_table, ndim=2, device=q.device)
-    B = block_table.shape[0]
-    check_index("seq_lens", seq_lens, ndim=1, device=q.device, length=B)
-    check_index("query_start_loc", query_start_loc, ndim=1, device=q.device, length=B + 1)
     if validate and not capturing():
-        mine = torch.tensor([T, H, d_qk, B, interleave, int(causal), int(gather_heads)], dtype=torch.int64)
-        comm_dev = q.device if "nccl" in backend else torch.device("cpu")
+        # this rank's own checks first, their verdict shared with the shapes: a rank's bad input fails every
+        # rank here (each with a ValueError) instead of leaving the others in a collective it never joins
+        err = None
+        try:
+            max_query_len = _check_local_inputs(
+                q, kv_cache, block_table, seq_lens, query_start_loc, sm_scale, world_size=W, rank=rank,
+                interleave=interleave, causal=causal, kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale, route=route,
+                max_query_len=max_query_len, max_seq_len=max_seq_len, d_v=d_v,
+            )  # fmt: skip
+        except (TypeError, ValueError) as e:
+            err = e
+        shape = [-1] * 4
+        lens = [-1] * 3  # a fingerprint of seq_lens and query_start_loc (exact for any single differing entry)
+        B = block_table.shape[0] if err is None else 0
+        if err is None:
+            shape = [*q.shape, B]
+            idx = torch.arange(1, block_table.shape[0] + 2, dtype=torch.int64)
+            s, qsl = seq_lens.to(torch.int64).cpu(), query_start_loc.to(torch.int64).cpu()
+            lens = [int(s.sum()), int((s * idx[:-1]).sum()), int((qsl * idx).sum())]
+        # the merge each rank will run ("auto" resolved): ranks running different collectives would crash or hang
+        ran = FALLBACKS.get(backend, "reduce_scatter") if merge == "auto" else merge
+        merge_code = MERGES.index(ran) if gather_heads else -1
+        dtype_code = _DTYPE_CODES.index(q.dtype) if err is None else -1
+        mine = [int(err is not None), *shape, interleave, int(causal), int(gather_heads), merge_code, dtype_code, d_v]
+        mine = torch.tensor(mine + lens, dtype=torch.int64)
+        comm_dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         everyone = torch.empty(W * mine.numel(), dtype=torch.int64, device=comm_dev)
         _all_gather(everyone, mine.to(comm_dev), group=group)
         everyone = everyone.view(W, -1).cpu()
-        if not bool((everyone == everyone[0]).all()):
+        if err is not None:
+            raise err
+        failed = everyone[:, 0].nonzero().flatten().tolist()
+        if failed:
             raise ValueError(
-                "every DCP rank must pass the same [T, H, d_qk], batch size, interleave, causal and gather_heads; "
-                f"got (T, H, d_qk, B, I, causal, gather_heads) per rank {everyone.tolist()} (q {describe(q)})"
+                f"DCP rank(s) {failed} of {W} rejected their inputs (see their errors); rank {rank} stops too"
             )
-        if B:
-            qsl = query_start_loc.cpu()
-            if int(qsl[0]) != 0 or int(qsl[-1]) != T or bool((qsl[1:] < qsl[:-1]).any()):
-                raise ValueError(f"query_start_loc must rise from 0 to q.shape[0] ({T}); got {qsl.tolist()}")
+        if not bool((everyone[:, :-3] == everyone[0, :-3]).all()):
+            raise ValueError(
+                "every DCP rank must pass the same [T, H, d_qk], batch size, interleave, causal, gather_heads, "
+                "merge, q dtype and d_v; got (T, H, d_qk, B, I, causal, gather_heads, merge, dtype, d_v) per rank "
+                f"{everyone[:, 1:-3].tolist()} (q {describe(q)})"
+            )
+        if not bool((everyone[:, -3:] == everyone[0, -3:]).all()):
+            raise ValueError(
+                "every DCP rank must pass the same global seq_lens and query_start_loc (the global lengths, not a "
+                f"rank's local ones); rank {rank} has seq_lens {seq_lens[:8].tolist()}{'...' if B > 8 else ''}, "
+                "and the ranks' fingerprints (seq_lens sum, weighted sum, query_start_loc weighted sum) differ: "
+                f"{everyone[:, -3:].tolist()}"
+            )
+    else:
+        check_tensor("q", q, dtypes=_DTYPE_CODES, ndim=3)
+        check_index("block_table", block_table, ndim=2, device=q.device)
+        B = block_table.shape[0]
+        check_index("seq_lens", seq_lens, ndim=1, device=q.device, length=B)
+        check_index("query_start_loc", query_start_loc, ndim=1, device=q.device, length=B + 1)
     q_all = all_gather_heads(q, group) if gather_heads else q
     out, lse, _ = dcp_local_decode(
         q_all, kv_cache, block_table, seq_lens, query_start_loc, sm_scale, world_size=W, rank=rank,

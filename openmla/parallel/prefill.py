@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from openmla.ops._validate import capturing
+from openmla.ops._validate import capturing, scalar_scale
 from openmla.ops.cache import check_block_table, gather_cache
 from openmla.ops.chunked_prefill import _check_prefill_with_context_args, _plan_context_chunks, _to_device
 from openmla.ops.merge import merge_attn_states
@@ -108,10 +108,19 @@ def dcp_mla_prefill_with_context(
     )  # fmt: skip
     dev, dtype = q.device, q.dtype
     entry = 576 if kv_cache_dtype == "fp8_ds_mla" else kv_cache.shape[2]
+    if kv_cache_dtype == "fp8":  # positive and finite, checked here (a rank's chunk gathers then trust it)
+        kv_scale = scalar_scale("kv_scale", kv_scale, dev)
+    for name, t, n in (("context_lens_cpu", context_lens_cpu, B), ("query_start_loc_cpu", query_start_loc_cpu, B + 1)):
+        if t is not None and (
+            not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.shape != (n,) or t.is_floating_point()
+        ):
+            raise ValueError(f"{name} must be an integer CPU tensor of shape [{n}]; got {t!r:.80}")
     ctx_cpu = context_lens.cpu() if context_lens_cpu is None else context_lens_cpu
     qsl = (query_start_loc.cpu() if query_start_loc_cpu is None else query_start_loc_cpu).to(torch.int64)
-    if B and (int(qsl[0]) != 0 or int(qsl[-1]) > T or bool((qsl[1:] < qsl[:-1]).any())):
-        raise ValueError(f"query_start_loc must start at 0, not decrease and end at most at {T}; got {qsl.tolist()}")
+    if B and (int(qsl[0]) != 0 or bool((qsl[1:] < qsl[:-1]).any())):
+        raise ValueError(f"query_start_loc must start at 0 and not decrease; got {qsl.tolist()}")
+    if (int(qsl[-1]) if B else 0) != T:  # every row of q belongs to a request (else out rows stay unwritten)
+        raise ValueError(f"query_start_loc[-1] ({int(qsl[-1]) if B else 0}) must equal q.shape[0] ({T})")
     if B and int(ctx_cpu.min()) < 0:
         raise ValueError(f"context_lens must be non-negative; got {ctx_cpu.tolist()}")
     max_q = int((qsl[1:] - qsl[:-1]).max()) if B else 0

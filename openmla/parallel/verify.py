@@ -19,12 +19,17 @@ wrong there for ``W > 1``. Three routes give each row its exact local window (SP
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 import triton
 import triton.language as tl
 
 from openmla.device import compute_dtype
-from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe, scalar_scale
+from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
+from openmla.ops.cache import check_block_table
+from openmla.ops.decode import _host_scale
 from openmla.parallel.sharding import check_dcp_args
 
 __all__ = ["dcp_masked_decode", "select_dcp_decode_route", "DCP_ROUTES"]
@@ -63,6 +68,27 @@ def select_dcp_decode_route(causal: bool, max_query_len: int, route: str | None 
     if not needs_window:
         return "plain"
     return "segmented"
+
+
+def _check_query_rows(T: int, B: int, query_start_loc: torch.Tensor, max_query_len: int | None = None) -> int:
+    """Check a batch's query rows on the host (a sync) and return its longest query.
+
+    ``query_start_loc`` must rise from 0 to ``T`` (``T`` must be 0 for an empty batch: rows of no request
+    would be left unwritten), and a ``max_query_len`` hint must bound every query (a smaller one would pick
+    a route without the causal window, or leave rows of the masked kernel unwritten).
+    """
+    if not B:
+        if T:
+            raise ValueError(f"q has {T} rows but the batch has no request (block_table has 0 rows)")
+        return 0
+    qsl = query_start_loc.to(torch.int64).cpu()
+    qlens = qsl[1:] - qsl[:-1]
+    if int(qsl[0]) != 0 or int(qsl[-1]) != T or bool((qlens < 0).any()):
+        raise ValueError(f"query_start_loc must rise from 0 to q.shape[0] ({T}); got {qsl.tolist()}")
+    top = int(qlens.max())
+    if max_query_len is not None and top > max_query_len:
+        raise ValueError(f"a request has {top} query rows but max_query_len is {max_query_len}")
+    return top
 
 
 @triton.jit
@@ -294,27 +320,28 @@ def dcp_masked_decode(
     B = block_table.shape[0]
     check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
     check_index("query_start_loc", query_start_loc, ndim=1, device=dev, length=B + 1)
+    if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be a finite float; got {sm_scale!r}")
     kv_s = 1.0
-    if kv_cache_dtype == "fp8":
-        kv_s = float(kv_scale) if isinstance(kv_scale, (int, float)) else float(scalar_scale("kv_scale", kv_scale, dev))
+    if kv_cache_dtype == "fp8":  # positive and finite, a float or a 1-element tensor (read once on the host)
+        kv_s = _host_scale("kv_scale", kv_scale, dev)
     elif kv_scale is not None:
         raise ValueError("kv_scale is only meaningful for an fp8 cache")
+    # the kernel reads the index tensors as dense arrays (block_table rows through their row stride only)
+    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
     from openmla.parallel.sharding import dcp_local_seq_lens
 
-    local = dcp_local_seq_lens(seq_lens, W, rank, I, validate=validate and not capturing())
-    if validate and not capturing() and B:
-        qsl = query_start_loc.cpu()
-        qlens = qsl[1:] - qsl[:-1]
-        if int(qsl[0]) != 0 or int(qsl[-1]) != T or bool((qlens < 0).any()):
-            raise ValueError(f"query_start_loc must rise from 0 to q.shape[0] ({T}); got {qsl.tolist()}")
-        if int(qlens.max()) > 16:
-            raise ValueError(f"query lengths must be at most 16; got {int(qlens.max())}")
-        page = kv_cache.shape[1]
-        if int(local.max()) > block_table.shape[1] * page:
-            raise ValueError(
-                f"this rank holds up to {int(local.max())} keys of a request but block_table "
-                f"{tuple(block_table.shape)} covers {block_table.shape[1] * page} at page size {page}"
-            )
+    sync_ok = validate and not capturing()
+    local = dcp_local_seq_lens(seq_lens, W, rank, I, validate=sync_ok)
+    if sync_ok:
+        top = _check_query_rows(T, B, query_start_loc, max_query_len)
+        if top > 16:
+            raise ValueError(f"query lengths must be at most 16; got {top}")
+        max_query_len = top if max_query_len is None else max_query_len
+        if B:  # the local lengths covered by the local block table, whose blocks exist in the cache
+            check_block_table(block_table, local, None, kv_cache.shape[1], kv_cache.shape[0])
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
     if max_query_len is None:
