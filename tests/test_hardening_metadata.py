@@ -3,6 +3,8 @@ would get wrong. Every test here failed on main at 64c94cf."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,3 +65,14 @@ def test_builder_plans_for_the_latent_width(device):
     assert md.decode.plan.d_v == 256 and md.decode.plan.o_part.shape[-1] == 256
     with pytest.raises(ValueError, match="kv_lora_rank"):
         _builder(device, kv_entry=64, kv_lora_rank=64)
+
+
+def test_batch_spec_refuses_understated_max_query_len(device):
+    """max_query_len sizes the decode plan: a value below the longest query (from query_start_loc_cpu) is refused,
+    an upper bound is fine; seq_lens_cpu must be an integer tensor."""
+    spec = _spec([0, 2, 5], [4, 6], device)
+    with pytest.raises(ValueError, match=r"max_query_len must be an int >= the longest query \(3\)"):
+        dataclasses.replace(spec, max_query_len=2)
+    dataclasses.replace(spec, max_query_len=8)
+    with pytest.raises(TypeError, match="seq_lens_cpu must be an integer tensor"):
+        dataclasses.replace(spec, seq_lens_cpu=torch.tensor([4.0, 6.0]))

@@ -183,8 +183,12 @@ def test_v4_ring_check_uses_the_real_query_length(device):
     """Before: an understated max_query_len passed the ring check, so rows 0 and 12 shared a ring slot."""
     n = ring_blocks(WINDOW, 1, BS) + 1  # 3 blocks: 12 slots
     b = _v4(device, ratios=(), swa_ring_blocks=n)
+    with pytest.raises(ValueError, match=r"max_query_len must be an int >= the longest query \(13\)"):
+        _spec([13], [13], device, max_query_len=1)  # BatchSpec refuses it since
+    spec = _spec([13], [13], device)
+    spec.max_query_len = 1  # changed after the spec's checks: the builder does not trust it either
     with pytest.raises(ValueError, match="a query of 13 rows overruns the SWA ring of 3 blocks"):
-        b.build(_spec([13], [13], device, max_query_len=1))
+        b.build(spec)
 
 
 def test_v4_refuses_bad_arguments(device):

@@ -32,7 +32,7 @@ class BatchSpec:
             token is written to, -1 for padding tokens.
         num_reqs (int): requests in the batch (padding requests included).
         num_actual_tokens (int): real tokens, ``query_start_loc_cpu[-1]``.
-        max_query_len (int): longest query of the batch.
+        max_query_len (int): longest query of the batch (an upper bound is fine; never below it).
         max_seq_len (int): longest ``seq_lens`` entry (an upper bound is fine).
         causal (bool): causal attention among each request's new tokens (False only for non-causal
             drafts; a plain prefill or a speculative verify is causal).
@@ -81,6 +81,10 @@ class BatchSpec:
                 raise TypeError(f"BatchSpec.{name} must be int32, got {getattr(self, name).dtype}")
         if self.query_start_loc_cpu.device.type != "cpu":
             raise ValueError(f"BatchSpec.query_start_loc_cpu must be on the CPU, got {self.query_start_loc_cpu.device}")
+        if self.seq_lens_cpu is not None and (
+            not isinstance(self.seq_lens_cpu, torch.Tensor) or self.seq_lens_cpu.is_floating_point()
+        ):
+            raise TypeError(f"BatchSpec.seq_lens_cpu must be an integer tensor; got {self.seq_lens_cpu!r:.80}")
         if self.seq_lens_cpu is not None and self.seq_lens_cpu.device.type != "cpu":
             raise ValueError(f"BatchSpec.seq_lens_cpu must be on the CPU, got {self.seq_lens_cpu.device}")
         if not isinstance(B, int) or B < 0:
@@ -101,6 +105,10 @@ class BatchSpec:
             raise ValueError("query_start_loc[0] must be 0")
         if B and bool((self.query_start_loc_cpu[1:] < self.query_start_loc_cpu[:-1]).any()):
             raise ValueError(f"query_start_loc must not decrease; got {self.query_start_loc_cpu.tolist()}")
+        qmax = int((self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]).max()) if B else 0
+        if isinstance(self.max_query_len, bool) or not isinstance(self.max_query_len, int) or self.max_query_len < qmax:
+            # (a smaller hint would size the decode plan below a request's rows)
+            raise ValueError(f"max_query_len must be an int >= the longest query ({qmax}); got {self.max_query_len!r}")
         if self.seq_lens_cpu is not None:
             if tuple(self.seq_lens_cpu.shape) != (B,):
                 raise ValueError(f"seq_lens_cpu must be [{B}]; got {tuple(self.seq_lens_cpu.shape)}")
