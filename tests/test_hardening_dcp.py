@@ -185,6 +185,9 @@ def _decode_errors(rank, W, I, dev):
             dcp_mla_decode(*args, **kw)
     with pytest.raises(ValueError, match="sm_scale" if rank == W - 1 else rf"rank\(s\) \[{W - 1}\]"):
         dcp_mla_decode(*args[:5], float("nan") if rank == W - 1 else 0.13, **kw)
+    # a non-int d_v on one rank: its row of the check's all-gather still has every rank's length (no hang)
+    with pytest.raises(ValueError, match="d_v" if rank == 0 else r"rank\(s\) \[0\]"):
+        dcp_mla_decode(*args, d_v=None if rank == 0 else 512, **kw)
     # ranks on different merges or q dtypes ran different collectives (gloo aborted the process)
     with pytest.raises(ValueError, match="merge"):
         dcp_mla_decode(*args, merge="all_to_all" if rank == 0 else "reduce_scatter", **kw)

@@ -33,11 +33,13 @@ class BatchSpec:
         num_reqs (int): requests in the batch (padding requests included).
         num_actual_tokens (int): real tokens, ``query_start_loc_cpu[-1]``.
         max_query_len (int): longest query of the batch (an upper bound is fine; never below it).
-        max_seq_len (int): longest ``seq_lens`` entry (an upper bound is fine).
+        max_seq_len (int): longest ``seq_lens`` entry (an upper bound is fine; without ``seq_lens_cpu`` the
+            builders check the block table against it, so it must not exceed ``block_table``'s width in tokens).
         causal (bool): causal attention among each request's new tokens (False only for non-causal
             drafts; a plain prefill or a speculative verify is causal).
         seq_lens_cpu (torch.Tensor | None): `[num_reqs]`, int32, CPU copy of ``seq_lens``. Needed to plan
-            chunked-context prefill without a host synchronisation; decode-only builds never read it.
+            chunked-context prefill without a host synchronisation; when given, every build checks the lengths
+            against the queries and the block table on the host.
         num_input_tokens (int | None): rows of the (possibly CUDA-graph padded) token buffers, at least
             ``num_actual_tokens``; defaults to ``num_actual_tokens``.
     """

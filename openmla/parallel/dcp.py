@@ -235,20 +235,24 @@ def dcp_mla_decode(
             )  # fmt: skip
         except (TypeError, ValueError) as e:
             err = e
-        shape = [-1] * 4
-        lens = [-1] * 3  # a fingerprint of seq_lens and query_start_loc (exact for any single differing entry)
-        B = block_table.shape[0] if err is None else 0
-        if err is None:
-            shape = [*q.shape, B]
-            idx = torch.arange(1, block_table.shape[0] + 2, dtype=torch.int64)
+        row_len = 14  # verdict, T, H, d_qk, B, I, causal, gather_heads, merge, dtype, d_v, 3 length fingerprints
+        try:  # every rank must send a row of row_len values, whatever its inputs (else the others hang)
+            if err is not None:
+                raise err
+            B = block_table.shape[0]
+            idx = torch.arange(1, B + 2, dtype=torch.int64)
             s, qsl = seq_lens.to(torch.int64).cpu(), query_start_loc.to(torch.int64).cpu()
+            # a fingerprint of seq_lens and query_start_loc (exact for any single differing entry)
             lens = [int(s.sum()), int((s * idx[:-1]).sum()), int((qsl * idx).sum())]
-        # the merge each rank will run ("auto" resolved): ranks running different collectives would crash or hang
-        ran = FALLBACKS.get(backend, "reduce_scatter") if merge == "auto" else merge
-        merge_code = MERGES.index(ran) if gather_heads else -1
-        dtype_code = _DTYPE_CODES.index(q.dtype) if err is None else -1
-        mine = [int(err is not None), *shape, interleave, int(causal), int(gather_heads), merge_code, dtype_code, d_v]
-        mine = torch.tensor(mine + lens, dtype=torch.int64)
+            # the merge each rank will run ("auto" resolved): ranks running different collectives would crash or hang
+            ran = FALLBACKS.get(backend, "reduce_scatter") if merge == "auto" else merge
+            merge_code = MERGES.index(ran) if gather_heads else -1
+            mine = [0, *q.shape, B, interleave, int(bool(causal)), int(bool(gather_heads)), merge_code,
+                    _DTYPE_CODES.index(q.dtype), d_v, *lens]  # fmt: skip
+        except (TypeError, ValueError) as e:
+            err = err or e
+            mine = [1] + [-1] * (row_len - 1)
+        mine = torch.tensor(mine, dtype=torch.int64)
         comm_dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         everyone = torch.empty(W * mine.numel(), dtype=torch.int64, device=comm_dev)
         _all_gather(everyone, mine.to(comm_dev), group=group)
