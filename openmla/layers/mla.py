@@ -22,12 +22,22 @@ exact values (as vLLM does).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from openmla.layers.norm import RMSNorm
 from openmla.layers.rope import RotaryEmbedding, mla_softmax_scale
 from openmla.metadata.dense import MLADecodeMetadata, MLAMetadata, MLAPrefillMetadata
+from openmla.ops._validate import (
+    FLOAT16_DTYPES,
+    check_index,
+    check_positive_ints,
+    check_scale_value,
+    check_tensor,
+    describe,
+)
 from openmla.ops.cache import concat_and_cache_mla
 from openmla.ops.chunked_prefill import mla_prefill_with_context
 from openmla.ops.decode import mla_decode
@@ -53,6 +63,20 @@ def check_kernel_widths(kv_lora_rank: int, qk_rope_head_dim: int) -> None:
             )
 
 
+def check_hidden_states(name: str, x, width: int, weight: torch.Tensor) -> torch.Tensor:
+    """A layer's activations: a `[T, width]` float tensor of its weights' dtype (any strides)."""
+    check_tensor(name, x, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=2, shape=(None, width),
+                 last_dim_contiguous=False, kernel=False)  # fmt: skip
+    if x.dtype != weight.dtype:
+        raise TypeError(f"{name} must have the layer's dtype {weight.dtype}; got {describe(x)}")
+    return x
+
+
+def check_positions(positions, T: int, device: torch.device) -> torch.Tensor:
+    """Token positions: a `[T]` int32/int64 tensor on ``device`` (a float tensor would rotate by fractional angles)."""
+    return check_index("positions", positions, ndim=1, device=device, length=T, kernel=False)
+
+
 class MLAAttention(nn.Module):
     r"""DeepSeek V3 attention with a paged latent cache, driven by :class:`MLAMetadata`.
 
@@ -74,7 +98,8 @@ class MLAAttention(nn.Module):
         kv_scale (float): per-tensor scale of an fp8 cache (value = stored * kv_scale).
 
     Raises:
-        ValueError: on an unknown ``kv_cache_dtype``, non-positive sizes, or a ``kv_lora_rank`` /
+        ValueError: on an unknown ``kv_cache_dtype``, non-positive sizes (``q_lora_rank`` included, unless None), a
+            ``kv_scale`` that is not positive and finite, a negative or non-finite ``norm_eps``, or a ``kv_lora_rank`` /
             ``qk_rope_head_dim`` the decode kernel cannot take (:func:`check_kernel_widths`).
     """
 
@@ -99,18 +124,23 @@ class MLAAttention(nn.Module):
         super().__init__()
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}; got {kv_cache_dtype!r}")
-        for name, val in (
+        check_positive_ints(
             ("hidden_size", hidden_size),
             ("num_heads", num_heads),
             ("kv_lora_rank", kv_lora_rank),
+            ("qk_nope_head_dim", qk_nope_head_dim),
             ("qk_rope_head_dim", qk_rope_head_dim),
             ("v_head_dim", v_head_dim),
-        ):
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be a positive int; got {val!r}")
+        )
+        if q_lora_rank is not None:  # None: a plain q_proj; 0 would project q through an empty rank
+            check_positive_ints(("q_lora_rank", q_lora_rank))
         check_kernel_widths(kv_lora_rank, qk_rope_head_dim)
-        if not kv_scale > 0:
-            raise ValueError(f"kv_scale must be positive; got {kv_scale!r}")
+        for name, val in (("kv_scale", kv_scale), ("norm_eps", norm_eps)):
+            if isinstance(val, bool) or not isinstance(val, (int, float)):
+                raise TypeError(f"{name} must be a float; got {val!r}")
+        check_scale_value("kv_scale", float(kv_scale))  # stored = value / kv_scale: inf would store zeros
+        if not (math.isfinite(norm_eps) and norm_eps >= 0):
+            raise ValueError(f"norm_eps must be a finite float >= 0; got {norm_eps!r}")
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.q_lora_rank = q_lora_rank
@@ -190,17 +220,28 @@ class MLAAttention(nn.Module):
             torch.Tensor: `[T, hidden_size]`; padding rows hold no meaningful values.
 
         Raises:
-            TypeError, ValueError: mismatched inputs.
+            TypeError, ValueError: mismatched inputs: metadata of another builder or for another number of input
+                rows (``num_input_tokens``), activations of another width or dtype than the layer's, positions that
+                are not a `[T]` integer tensor, an "auto" cache of another dtype than the activations (the decode
+                reads it as q's dtype).
         """
         if not isinstance(attn_metadata, MLAMetadata):
             raise TypeError(f"attn_metadata must be MLAMetadata, got {type(attn_metadata).__name__}")
-        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
-            raise ValueError(f"hidden_states must be [T, {self.hidden_size}]; got {tuple(hidden_states.shape)}")
+        check_hidden_states("hidden_states", hidden_states, self.hidden_size, self.kv_a_proj_with_mqa.weight)
         T = hidden_states.shape[0]
-        if positions.shape != (T,):
-            raise ValueError(f"positions must be [{T}]; got {tuple(positions.shape)}")
-        if T < attn_metadata.num_actual_tokens:
-            raise ValueError(f"{T} input rows but the metadata has {attn_metadata.num_actual_tokens} tokens")
+        # every row the metadata describes (a padded uniform decode's rows included) is read from q and written to
+        # the output: fewer rows would be read and written past their ends
+        if T != attn_metadata.num_input_tokens:
+            raise ValueError(f"hidden_states has {T} rows but the metadata {attn_metadata.num_input_tokens} "
+                             f"(num_input_tokens); got {describe(hidden_states)}")  # fmt: skip
+        check_positions(positions, T, hidden_states.device)
+        if attn_metadata.slot_mapping.shape[0] < T:
+            raise ValueError(f"attn_metadata.slot_mapping has {attn_metadata.slot_mapping.shape[0]} entries for {T} "
+                             f"input rows")  # fmt: skip
+        check_tensor("kv_cache", kv_cache, ndim=3, last_dim_contiguous=False, kernel=False)
+        if self.kv_cache_dtype == "auto" and kv_cache.dtype != hidden_states.dtype:
+            raise TypeError(f"kv_cache must have the dtype of hidden_states ({hidden_states.dtype}) for "
+                            f'kv_cache_dtype="auto"; got {describe(kv_cache)}')  # fmt: skip
         H, P, R, L = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
 
         if self.q_lora_rank is None:

@@ -29,10 +29,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openmla.layers.mla import MLAAttention
+from openmla.layers.mla import MLAAttention, check_hidden_states, check_positions
 from openmla.layers.rope import RotaryEmbedding
 from openmla.metadata.sparse import SparseMLAMetadata
-from openmla.ops._validate import check_positive_ints
+from openmla.ops._validate import check_positive_ints, check_tensor, describe
 from openmla.ops.cache import concat_and_cache_mla
 from openmla.ops.indexer import alloc_indexer_k_cache, concat_and_cache_indexer_k, indexer_topk, quantize_indexer_q
 from openmla.ops.sparse import sparse_mla
@@ -193,21 +193,29 @@ class SparseMLAAttention(MLAAttention):
             torch.Tensor: `[T, hidden_size]`; padding rows hold no meaningful values.
 
         Raises:
-            TypeError, ValueError: mismatched inputs.
+            TypeError, ValueError: mismatched inputs: metadata of another builder, for another number of input rows
+                or another top-k; activations of another width or dtype than the layer's; positions that are not a
+                `[T]` integer tensor; caches whose block size is not the metadata's, or of different block counts.
         """
         md = attn_metadata
         if not isinstance(md, SparseMLAMetadata):
             raise TypeError(f"attn_metadata must be SparseMLAMetadata, got {type(md).__name__}")
-        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
-            raise ValueError(f"hidden_states must be [T, {self.hidden_size}]; got {tuple(hidden_states.shape)} "
-                             f"{hidden_states.dtype}")  # fmt: skip
+        check_hidden_states("hidden_states", hidden_states, self.hidden_size, self.kv_a_proj_with_mqa.weight)
         T = hidden_states.shape[0]
         if T != md.num_input_tokens:
             raise ValueError(f"hidden_states has {T} rows but the metadata {md.num_input_tokens} (num_input_tokens)")
-        if positions.shape != (T,):
-            raise ValueError(f"positions must be [{T}]; got {tuple(positions.shape)} {positions.dtype}")
+        check_positions(positions, T, hidden_states.device)
         if md.topk != min(self.index_topk, md.block_table.shape[1] * md.block_size):
             raise ValueError(f"metadata built for topk {md.topk} but the layer has index_topk {self.index_topk}")
+        # the kernels page both caches by their own block size, the metadata's slots and block table by its own
+        for name, cache in (("kv_cache", kv_cache), ("indexer_k_cache", indexer_k_cache)):
+            check_tensor(name, cache, ndim=3, last_dim_contiguous=False, kernel=False)
+            if cache.shape[1] != md.block_size:
+                raise ValueError(f"{name} has blocks of {cache.shape[1]} tokens but the metadata's block_size is "
+                                 f"{md.block_size}; got {describe(cache)}")  # fmt: skip
+        if indexer_k_cache.shape[0] != kv_cache.shape[0]:
+            raise ValueError(f"indexer_k_cache must have kv_cache's {kv_cache.shape[0]} blocks (one block table); "
+                             f"got {describe(indexer_k_cache)}")  # fmt: skip
         H, P, R, L = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
 
         q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))

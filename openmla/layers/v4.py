@@ -22,13 +22,15 @@ read as one "auto" source (on the H200, fp8_v4 h64 t4096: 1.66 ms gather include
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from openmla.layers.mla import check_hidden_states
 from openmla.metadata.v4 import V4Metadata
-from openmla.ops._validate import capturing
+from openmla.ops._validate import capturing, check_positive_ints, check_tensor, describe
 from openmla.ops.cache_v4 import allocate_v4_cache, concat_and_cache_v4, dequantize_and_gather_k_cache
 from openmla.ops.compressor import allocate_compressor_state, compress_kv
 from openmla.ops.indexer import INDEXER_CACHE_DTYPES, alloc_indexer_k_cache, concat_and_cache_indexer_k, indexer_topk
@@ -196,7 +198,13 @@ class DeepseekV4Attention(nn.Module):
             scale per key, SPEC §2.5).
 
     Raises:
-        ValueError: an unknown layer type or cache dtype.
+        ValueError: an unknown layer type or cache dtype; sizes that are not positive ints (``compress_ratio`` on
+            compressed layers, the indexer's sizes on CSA layers), ``num_heads`` not a multiple of ``o_groups``, a CSA
+            ``index_head_dim`` that is not a power of two >= 64 (its compressor's width), a negative or non-finite
+            ``eps``.
+
+    The layer needs its RoPE table: set ``cos_sin_cache`` (``[P, 64]`` ``[cos | sin]``, P above every position it
+    will see) before the first forward, as :class:`~openmla.engine.models.deepseek_v4.DeepseekV4ForCausalLM` does.
     """
 
     def __init__(
@@ -224,11 +232,24 @@ class DeepseekV4Attention(nn.Module):
             raise ValueError(f"kv_cache_dtype must be one of {V4_KV_CACHE_DTYPES}; got {kv_cache_dtype!r}")
         if indexer_cache_dtype not in INDEXER_CACHE_DTYPES:
             raise ValueError(f"indexer_cache_dtype must be one of {INDEXER_CACHE_DTYPES}; got {indexer_cache_dtype!r}")
+        check_positive_ints(("hidden_size", hidden_size), ("num_heads", num_heads), ("q_lora_rank", q_lora_rank),
+                            ("o_groups", o_groups), ("o_lora_rank", o_lora_rank), ("window", window))  # fmt: skip
         if num_heads % o_groups:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of o_groups ({o_groups})")
+        if layer_type != "sliding_attention":  # (ignored for sliding layers)
+            check_positive_ints(("compress_ratio", compress_ratio))
+        if layer_type == "compressed_sparse_attention":  # (the indexer's sizes: ignored for the other layers)
+            check_positive_ints(("index_n_heads", index_n_heads), ("index_head_dim", index_head_dim),
+                                ("index_topk", index_topk))  # fmt: skip
+            if index_head_dim < 64 or index_head_dim & (index_head_dim - 1):
+                raise ValueError(f"index_head_dim must be a power of two >= 64 (the indexer's compressor width); "
+                                 f"got {index_head_dim}")  # fmt: skip
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"eps must be a finite float >= 0; got {eps!r}")
+        self.hidden_size = hidden_size
         self.layer_type, self.num_heads, self.window = layer_type, num_heads, window
         self.kv_cache_dtype, self.indexer_cache_dtype, self.eps = kv_cache_dtype, indexer_cache_dtype, eps
-        self.ratio = 1 if layer_type == "sliding_attention" else int(compress_ratio)
+        self.ratio = 1 if layer_type == "sliding_attention" else compress_ratio
         self.index_topk = index_topk
         self.scaling = HEAD_DIM**-0.5
         self.o_groups = o_groups
@@ -246,7 +267,9 @@ class DeepseekV4Attention(nn.Module):
             self.compressor = _Compressor(hidden_size, self.ratio, HEAD_DIM, eps, overlap=False)
         else:
             self.compressor = None
-        self.register_buffer("cos_sin_cache", torch.zeros(1, ROPE_DIM), persistent=False)
+        # no positions until the model sets its table: forward refuses an empty one (the kernels leave a position
+        # outside the table unrotated, so a placeholder would silently drop the RoPE)
+        self.register_buffer("cos_sin_cache", torch.zeros(0, ROPE_DIM), persistent=False)
 
     @property
     def is_csa(self) -> bool:
@@ -313,13 +336,53 @@ class DeepseekV4Attention(nn.Module):
             topk_impl=INDEXER_TOPK_IMPL, validate=False,
         )  # fmt: skip
 
+    def _check_step(self, x, md, cache) -> None:
+        """Refuse a step the layer cannot run (host values and shapes only: no device sync)."""
+        if not isinstance(md, V4Metadata):
+            raise TypeError(f"md must be V4Metadata, got {type(md).__name__}")
+        if not isinstance(cache, V4LayerCache):
+            raise TypeError(f"cache must be a V4LayerCache (from make_cache), got {type(cache).__name__}")
+        check_hidden_states("x", x, self.hidden_size, self.q_a_proj.weight)
+        if x.shape[0] != md.num_tokens:
+            raise ValueError(
+                f"x has {x.shape[0]} rows but the metadata {md.num_tokens} (num_tokens); got {describe(x)}"
+            )
+        if md.window != self.window:
+            raise ValueError(f"metadata built for window {md.window} but the layer's window is {self.window}")
+        if self.cos_sin_cache.shape[0] == 0:
+            raise ValueError("cos_sin_cache is not set: assign the layer its [P, 64] RoPE table before forward")
+        need = [("swa", md.block_size)]
+        if self.compressor is not None:
+            if self.ratio not in md.compressed:
+                raise ValueError(f"metadata has no compressed entries for ratio {self.ratio} (it has ratios "
+                                 f"{sorted(md.compressed)}): build it with this layer's ratio")  # fmt: skip
+            bs_c = md.compressed[self.ratio].block_size
+            need += [("compressed", bs_c), ("state", None)]
+            if self.is_csa:
+                need += [("indexer", bs_c), ("indexer_state", None)]
+        for name, block_size in need:
+            t = getattr(cache, name)
+            if t is None:
+                raise ValueError(
+                    f"cache.{name} is None but a {self.layer_type} layer needs it (make_cache allocates it)"
+                )
+            check_tensor(f"cache.{name}", t, last_dim_contiguous=False, kernel=False)
+            # the kernels page a cache by its own block size, the metadata's slots and block tables by this one
+            if block_size is not None and (t.dim() < 3 or t.shape[1] != block_size):
+                raise ValueError(f"cache.{name} must have blocks of {block_size} tokens (the metadata's); "
+                                 f"got {describe(t)}")  # fmt: skip
+
     def prepare(self, x: torch.Tensor, md: V4Metadata, cache: V4LayerCache):
         """Everything before the attention: writes this step's rows (SWA, compressor, indexer) into ``cache``.
 
         Returns:
             (q `[T, H, 512]` normed and RoPE'd, (compressed cache, its slots `[T, K]` int32, lens `[T]` int32),
             all None for a sliding-window layer).
+
+        Raises:
+            TypeError, ValueError: as :meth:`forward`.
         """
+        self._check_step(x, md, cache)
         q, extra, _ = self._prepare(x, md, cache)
         return q, extra
 
@@ -411,7 +474,14 @@ class DeepseekV4Attention(nn.Module):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, md: V4Metadata, cache: V4LayerCache) -> torch.Tensor:
-        """``x [T, hidden]`` (T = ``md.num_tokens``) -> ``[T, hidden]``; writes this step's rows into ``cache``."""
+        """``x [T, hidden]`` (T = ``md.num_tokens``) -> ``[T, hidden]``; writes this step's rows into ``cache``.
+
+        Raises:
+            TypeError, ValueError: metadata of another builder, for another number of rows, another window or
+                without this layer's compression ratio; ``x`` of another width or dtype than the layer's; a cache
+                lacking a part this layer type needs, or whose block size is not the metadata's; no RoPE table set.
+        """
+        self._check_step(x, md, cache)
         T = x.shape[0]
         q, extra, local = self._prepare(x, md, cache)
         split = self._prefill_split(md)
