@@ -10,9 +10,6 @@ contributes nothing.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
 from openmla.ops._validate import FLOAT16_DTYPES, capturing, check_index, check_tensor, describe
@@ -29,7 +26,12 @@ from openmla.parallel.comm import (
     merge_replicated,
 )
 from openmla.parallel.sharding import _local, check_dcp_args, dcp_local_seq_lens, dcp_local_verify_row_lens
-from openmla.parallel.verify import _check_query_rows, dcp_masked_decode, select_dcp_decode_route
+from openmla.parallel.verify import (
+    _check_query_rows,
+    check_decode_batch,
+    dcp_masked_decode,
+    select_dcp_decode_route,
+)
 
 __all__ = ["dcp_mla_decode", "dcp_local_decode"]
 
@@ -118,27 +120,12 @@ def _check_local_inputs(q, kv_cache, block_table, seq_lens, query_start_loc, sm_
     Run before the first collective so that a rank's bad input fails every rank at the same point (see
     :func:`dcp_mla_decode`). Returns the batch's longest query (``max_query_len`` when given).
     """
-    check_tensor("q", q, dtypes=_DTYPE_CODES, ndim=3)
-    T, H, d_qk = q.shape
-    dev = q.device
-    if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale must be a finite float; got {sm_scale!r}")
     if not isinstance(d_v, int) or isinstance(d_v, bool) or d_v < 1:
         raise ValueError(f"d_v must be a positive int; got {d_v!r}")
-    if d_qk <= d_v or d_v & (d_v - 1) or (d_qk - d_v) & (d_qk - d_v - 1):
-        raise ValueError(f"q's last dim must be d_v ({d_v}) + a rope width, both powers of two; got {describe(q)}")
-    if kv_cache_dtype not in ("auto", "fp8"):
-        raise ValueError(f'kv_cache_dtype must be "auto" or "fp8"; got {kv_cache_dtype!r}')
-    cache_dtypes = (torch.float8_e4m3fn,) if kv_cache_dtype == "fp8" else (q.dtype,)
-    check_tensor("kv_cache", kv_cache, dtypes=cache_dtypes, ndim=3, device=dev)
-    if kv_cache.shape[2] != d_qk:
-        raise ValueError(f"kv_cache rows must be {d_qk} wide like q; got {describe(kv_cache)}")
+    T, _, _, B = check_decode_batch(q, kv_cache, block_table, seq_lens, query_start_loc, sm_scale, kv_cache_dtype,
+                                    d_v)  # fmt: skip
     if kv_cache_dtype == "fp8":
-        _host_scale("kv_scale", kv_scale, dev)
-    check_index("block_table", block_table, ndim=2, device=dev)
-    B = block_table.shape[0]
-    check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
-    check_index("query_start_loc", query_start_loc, ndim=1, device=dev, length=B + 1)
+        _host_scale("kv_scale", kv_scale, q.device)
     top = _check_query_rows(T, B, query_start_loc, max_query_len)
     max_query_len = top if max_query_len is None else max_query_len
     picked = select_dcp_decode_route(causal, max_query_len, route)

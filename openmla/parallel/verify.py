@@ -91,6 +91,29 @@ def _check_query_rows(T: int, B: int, query_start_loc: torch.Tensor, max_query_l
     return top
 
 
+def check_decode_batch(q, kv_cache, block_table, seq_lens, query_start_loc, sm_scale, kv_cache_dtype: str,
+                       d_v: int) -> tuple[int, int, int, int]:  # fmt: skip
+    """The shape, dtype and device checks of a (local) DCP decode's inputs (no sync); returns ``(T, H, d_qk, B)``."""
+    check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=3)
+    dev = q.device
+    T, H, d_qk = q.shape
+    if d_qk <= d_v or d_v & (d_v - 1) or (d_qk - d_v) & (d_qk - d_v - 1):
+        raise ValueError(f"q's last dim must be d_v ({d_v}) + a rope width, both powers of two; got {describe(q)}")
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f'kv_cache_dtype must be "auto" or "fp8"; got {kv_cache_dtype!r}')
+    cache_dtypes = (torch.float8_e4m3fn,) if kv_cache_dtype == "fp8" else (q.dtype,)
+    check_tensor("kv_cache", kv_cache, dtypes=cache_dtypes, ndim=3, device=dev)
+    if kv_cache.shape[2] != d_qk:
+        raise ValueError(f"kv_cache rows must be {d_qk} wide like q; got {describe(kv_cache)}")
+    check_index("block_table", block_table, ndim=2, device=dev)
+    B = block_table.shape[0]
+    check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
+    check_index("query_start_loc", query_start_loc, ndim=1, device=dev, length=B + 1)
+    if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be a finite float; got {sm_scale!r}")
+    return T, H, d_qk, B
+
+
 @triton.jit
 def _local_count(n, RANK, WORLD, INTERLEAVE):
     """Keys of the global prefix ``[0, n)`` that rank ``RANK`` owns (n >= 0)."""
@@ -305,23 +328,9 @@ def dcp_masked_decode(
         TypeError, ValueError: bad dtypes, shapes, devices or sharding arguments (the message names them).
     """
     W, rank, I = check_dcp_args(world_size, rank, interleave)
-    check_tensor("q", q, dtypes=FLOAT16_DTYPES + (torch.float32,), ndim=3)
+    T, H, d_qk, B = check_decode_batch(q, kv_cache, block_table, seq_lens, query_start_loc, sm_scale,
+                                       kv_cache_dtype, d_v)  # fmt: skip
     dev = q.device
-    T, H, d_qk = q.shape
-    if d_qk <= d_v or d_v & (d_v - 1) or (d_qk - d_v) & (d_qk - d_v - 1):
-        raise ValueError(f"q's last dim must be d_v ({d_v}) + a rope width, both powers of two; got {describe(q)}")
-    if kv_cache_dtype not in ("auto", "fp8"):
-        raise ValueError(f'kv_cache_dtype must be "auto" or "fp8"; got {kv_cache_dtype!r}')
-    cache_dtypes = (torch.float8_e4m3fn,) if kv_cache_dtype == "fp8" else (q.dtype,)
-    check_tensor("kv_cache", kv_cache, dtypes=cache_dtypes, ndim=3, device=dev)
-    if kv_cache.shape[2] != d_qk:
-        raise ValueError(f"kv_cache rows must be {d_qk} wide like q; got {describe(kv_cache)}")
-    check_index("block_table", block_table, ndim=2, device=dev)
-    B = block_table.shape[0]
-    check_index("seq_lens", seq_lens, ndim=1, device=dev, length=B)
-    check_index("query_start_loc", query_start_loc, ndim=1, device=dev, length=B + 1)
-    if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale must be a finite float; got {sm_scale!r}")
     kv_s = 1.0
     if kv_cache_dtype == "fp8":  # positive and finite, a float or a 1-element tensor (read once on the host)
         kv_s = _host_scale("kv_scale", kv_scale, dev)
